@@ -1,0 +1,64 @@
+"""The attention-backend interface: one batch of mixed prefill/decode work, paged KV cache.
+
+The model runner builds one AttentionMetadata per step; every attention layer hands its q/k/v
+and its own layer's cache to the backend. Backends differ only in how they compute (a PyTorch
+reference on any device, Triton kernels on CUDA); they share the metadata and the cache layout
+`[num_blocks, block_size, num_kv_heads, head_dim]` per layer.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 = do not store
+    block_table: torch.Tensor  # [num_seqs, max_blocks] int32
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context including this step's tokens
+    max_seqlen_q: int
+    max_seqlen_k: int
+    # host copies for backends that loop over sequences (the torch reference)
+    query_lens_cpu: tuple[int, ...] = ()
+    seq_lens_cpu: tuple[int, ...] = ()
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+@dataclass(frozen=True)
+class KVCache:
+    k: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] for int8
+    v_scale: torch.Tensor | None = None
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [tokens, heads, d], k/v [tokens, kv_heads, d] -> [tokens, heads, d].
+        Stores k/v into the cache at meta.slot_mapping first."""
+
+
+def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scale: float) -> AttentionBackend:
+    if name == "torch":
+        from echo.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale)
+    if name == "triton":
+        from echo.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, scale)
+    raise ValueError(f"attention_backend: unknown backend {name!r}")

@@ -1,0 +1,213 @@
+"""One frozen EngineConfig made of small frozen parts, validated once, never mutated.
+
+`EngineConfig.create(**kwargs)` takes the argument names vLLM users already type (model, dtype,
+max_model_len, block_size, ...), resolves the model (a folder, a preset, or the embedded
+default), and validates every field with an error that names it.
+"""
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from echo.models.arch import ModelArch, arch_from_hf_config, preset_names, read_config_json
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+KV_CACHE_DTYPES = ("auto", "int8")
+DEVICES = ("auto", "cuda", "cpu")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEFAULT_MODEL_NAMES = (None, "", "default")
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+def _check_choice(value, name: str, choices) -> None:
+    _check(value in choices, name, f"{value!r} is not one of {list(choices)}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # what the user asked for: a folder, a preset name or "default"
+    path: Path | None  # the folder weights and tokenizer come from; None for presets
+    arch: ModelArch
+    dtype: str  # resolved: bfloat16, float16 or float32
+    max_model_len: int
+    tokenizer: Path | None = None
+    load_format: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self):
+        _check_choice(self.dtype, "dtype", DTYPES[1:])
+        _check_choice(self.load_format, "load_format", LOAD_FORMATS)
+        _check(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self):
+        _check(self.block_size in (8, 16, 32, 64, 128), "block_size",
+               f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+               f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
+               "num_gpu_blocks_override", f"must be >= 1, got {self.num_gpu_blocks_override}")
+        _check_choice(self.kv_cache_dtype, "kv_cache_dtype", KV_CACHE_DTYPES)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    async_scheduling: bool = True
+
+    def __post_init__(self):
+        _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+               f"must be >= max_num_seqs ({self.max_num_seqs}), got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self):
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size",
+               f"must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "auto"  # resolved by create(): cuda when available, else cpu
+    attention_backend: str = "auto"  # resolved: triton on cuda, torch elsewhere
+    enforce_eager: bool = False
+
+    def __post_init__(self):
+        _check_choice(self.device, "device", DEVICES)
+        _check_choice(self.attention_backend, "attention_backend", ATTENTION_BACKENDS)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def __post_init__(self):
+        arch = self.model.arch
+        tp = self.parallel.tensor_parallel_size
+        _check(arch.num_heads % tp == 0, "tensor_parallel_size",
+               f"{tp} does not divide the model's {arch.num_heads} attention heads")
+        _check(self.model.max_model_len == self.scheduler.max_model_len, "max_model_len",
+               "model and scheduler disagree")
+
+    @staticmethod
+    def create(model: str | None = None, **kwargs) -> "EngineConfig":
+        """Build from vLLM-style keyword arguments; unknown names are an error, not ignored."""
+        return _create(model, **kwargs)
+
+
+_ALIASES = {"tp": "tensor_parallel_size"}
+# max_model_len is a model argument; the scheduler's copy is filled from the resolved value
+_PART_FIELDS = {
+    part: {f.name for f in fields(part)} - {"max_model_len"}
+    for part in (CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig)
+}
+_MODEL_KWARGS = {"tokenizer", "dtype", "max_model_len", "load_format", "seed"}
+
+
+def _resolve_model(model: str | None, load_format: str) -> tuple[Path | None, dict]:
+    if model in DEFAULT_MODEL_NAMES:
+        from echo.models.default_model import ensure_default_model
+
+        path = ensure_default_model()
+        return path, read_config_json(path / "config.json")
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path, read_config_json(path / "config.json")
+    if model in preset_names():
+        _check(load_format == "dummy", "model",
+               f"{model!r} is a preset (shapes only); echo never downloads weights: pass "
+               "load_format='dummy' for random weights, or a local folder with safetensors")
+        from echo.models.arch import PRESETS_DIR
+
+        return None, read_config_json(PRESETS_DIR / f"{model}.json")
+    raise FileNotFoundError(
+        f"model: {model!r} is not a local folder, a preset ({', '.join(preset_names())}) "
+        "or 'default'; echo never downloads models"
+    )
+
+
+def _resolve_dtype(dtype: str, arch: ModelArch, device: str) -> str:
+    _check_choice(dtype, "dtype", DTYPES)
+    if dtype != "auto":
+        return dtype
+    if device == "cpu":
+        return "float32"  # CPU matmuls in half precision are slow and inexact
+    return arch.dtype if arch.dtype in DTYPES[1:] and arch.dtype != "float32" else "bfloat16"
+
+
+def _resolve_device(device: str) -> str:
+    _check_choice(device, "device", DEVICES)
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _create(model: str | None, **kwargs) -> EngineConfig:
+    kwargs = {_ALIASES.get(k, k): v for k, v in kwargs.items() if v is not None}
+    parts = {}
+    for part, names in _PART_FIELDS.items():
+        parts[part] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+    model_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _MODEL_KWARGS}
+    if kwargs:
+        raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
+
+    load_format = model_kwargs.get("load_format", "auto")
+    _check_choice(load_format, "load_format", LOAD_FORMATS)
+    path, hf_config = _resolve_model(model, load_format)
+    arch = arch_from_hf_config(hf_config, source=f"{path or model}/config.json")
+
+    device_cfg = DeviceConfig(**parts[DeviceConfig])
+    device = _resolve_device(device_cfg.device)
+    backend = device_cfg.attention_backend
+    if backend == "auto":
+        backend = "triton" if device == "cuda" else "torch"
+    device_cfg = DeviceConfig(device, backend, device_cfg.enforce_eager)
+
+    max_model_len = model_kwargs.get("max_model_len") or arch.max_position_embeddings
+    _check(max_model_len <= arch.max_position_embeddings or arch.rope_scaling is not None,
+           "max_model_len", f"{max_model_len} exceeds the model's max_position_embeddings "
+           f"({arch.max_position_embeddings})")
+    tokenizer = model_kwargs.get("tokenizer")
+    model_cfg = ModelConfig(
+        model=str(model or "default"),
+        path=path,
+        arch=arch,
+        dtype=_resolve_dtype(model_kwargs.get("dtype", "auto"), arch, device),
+        max_model_len=int(max_model_len),
+        tokenizer=Path(tokenizer).expanduser() if tokenizer else path,
+        load_format=load_format,
+        seed=int(model_kwargs.get("seed", 0)),
+    )
+    sched = parts[SchedulerConfig]
+    sched.setdefault("max_num_batched_tokens", max(8192, sched.get("max_num_seqs", 256)))
+    return EngineConfig(
+        model=model_cfg,
+        cache=CacheConfig(**parts[CacheConfig]),
+        scheduler=SchedulerConfig(max_model_len=model_cfg.max_model_len, **sched),
+        parallel=ParallelConfig(**parts[ParallelConfig]),
+        device=device_cfg,
+    )

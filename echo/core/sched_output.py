@@ -1,0 +1,45 @@
+"""SchedulerOutput: what the core tells the workers each step, as diffs rather than full state.
+
+Workers keep each request's tokens and block ids between steps. A request appears in
+`scheduled_new_reqs` the first time it is scheduled, and again after a preemption (with the
+tokens it had generated, since the workers forgot it); afterwards only its new blocks and its
+computed-token count travel. Workers append the tokens they sample themselves.
+"""
+
+import msgspec
+
+from echo.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    # tokens generated before a preemption; the workers recompute their KV
+    output_token_ids: list[int] = []
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Requests the workers already hold, as parallel lists."""
+
+    req_ids: list[str] = []
+    new_block_ids: list[list[int]] = []  # blocks appended since the last step
+    num_computed_tokens: list[int] = []  # before this step's tokens
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData] = []
+    scheduled_cached_reqs: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
+    # req_id -> tokens to compute this step; a request samples a token when this step brings
+    # its computed tokens up to all of its tokens
+    num_scheduled_tokens: dict[str, int] = {}
+    total_num_scheduled_tokens: int = 0
+    # requests the workers must forget before this step: finished, aborted or preempted
+    finished_req_ids: list[str] = []
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

@@ -1,0 +1,118 @@
+"""The shape of a model, read from a Hugging Face config.json (or a preset) into a frozen record.
+
+Both forms of rotary settings are accepted: the old top-level `rope_theta` + `rope_scaling`, and
+the newer `rope_parameters` dict that carries the theta itself.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# architectures[0] in config.json -> echo's model family
+SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str  # "default" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    family: str  # "qwen3" | "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    dtype: str  # the checkpoint's torch dtype name, e.g. "bfloat16"
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+def read_config_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"model folder {path.parent} has no config.json") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _as_tuple(ids) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    return tuple(ids) if isinstance(ids, list) else (int(ids),)
+
+
+def _rope(cfg: dict) -> tuple[float, RopeScaling | None]:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    merged = {**scaling, **params}
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ValueError(f"config.json: rope type {rope_type!r} is not supported (default, llama3)")
+    return float(theta), RopeScaling(
+        rope_type="llama3",
+        factor=float(merged["factor"]),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def arch_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArch:
+    names = cfg.get("architectures") or []
+    family = SUPPORTED_ARCHITECTURES.get(names[0]) if names else None
+    if family is None:
+        raise ValueError(
+            f"{source}: architectures={names!r} is not supported; "
+            f"echo runs {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    try:
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        theta, scaling = _rope(cfg)
+        return ModelArch(
+            family=family,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+        )
+    except KeyError as e:
+        raise ValueError(f"{source}: missing field {e.args[0]!r}") from None

@@ -1,0 +1,126 @@
+"""Llama (SmolLM2, Llama-3.x): a stack of pre-norm attention + SwiGLU blocks.
+
+Qwen3 (qwen3.py) is the same network with a per-head RMSNorm on q and k, so it subclasses the
+attention block here.
+"""
+
+import torch
+from torch import nn
+
+from echo.distributed.parallel_state import SINGLE, TPGroup
+from echo.layers.activation import SiluAndMul
+from echo.layers.attention import Attention, ForwardContext
+from echo.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from echo.layers.layernorm import RMSNorm
+from echo.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from echo.layers.rotary import RotaryEmbedding
+from echo.models.arch import ModelArch
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int, rope: RotaryEmbedding, tp: TPGroup):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads,
+                                          arch.num_kv_heads, arch.attention_bias, tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size,
+                                        arch.attention_bias, tp)
+        self.rope = rope
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
+
+    def split_qkv(self, hidden: torch.Tensor):
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        return (q.reshape(-1, self.num_heads, self.head_dim),
+                k.reshape(-1, self.num_kv_heads, self.head_dim),
+                v.reshape(-1, self.num_kv_heads, self.head_dim))
+
+    def rotate(self, positions, q, k):
+        return self.rope(positions, q, k)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self.split_qkv(hidden)
+        q, k = self.rotate(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArch, tp: TPGroup):
+        super().__init__()
+        size = arch.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size],
+                                                       arch.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(size, arch.hidden_size, arch.mlp_bias, tp)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+
+    def __init__(self, arch: ModelArch, layer_idx: int, rope: RotaryEmbedding, tp: TPGroup):
+        super().__init__()
+        self.self_attn = self.attention_cls(arch, layer_idx, rope, tp)
+        self.mlp = LlamaMLP(arch, tp)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, ctx: ForwardContext):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    layer_cls = LlamaDecoderLayer
+
+    def __init__(self, arch: ModelArch, tp: TPGroup, max_position: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
+        # one rotary table shared by every layer
+        rope = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling)
+        self.layers = nn.ModuleList(
+            self.layer_cls(arch, i, rope, tp) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    model_cls = LlamaModel
+    # checkpoint name fragment -> (fused parameter fragment, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, arch: ModelArch, tp: TPGroup = SINGLE, max_position: int | None = None):
+        super().__init__()
+        self.arch = arch
+        self.model = self.model_cls(arch, tp, max_position or arch.max_position_embeddings)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,106 @@
+"""Build a model and fill its weights: from local safetensors (single or sharded) or at random."""
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from echo.config import ModelConfig
+from echo.distributed.parallel_state import SINGLE, TPGroup
+from echo.models.registry import model_class
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / INDEX_FILE
+    if index.exists():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index}: not a valid safetensors index ({e})") from None
+        files = [folder / s for s in shards]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise FileNotFoundError(f"{index} names missing shard(s): {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model folder {folder} has no *.safetensors weights")
+    return files
+
+
+def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(folder):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            if isinstance(e, ValueError) and str(path) in str(e):
+                raise
+            raise ValueError(f"{path}: cannot read safetensors file ({e})") from None
+
+
+def _default_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape {tuple(loaded.shape)} does not match {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def load_weights(model: nn.Module, folder: Path) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    mapping = getattr(model, "packed_modules_mapping", {})
+    tied = model.arch.tie_word_embeddings
+    loaded: set[str] = set()
+    for name, weight in iterate_weights(folder):
+        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+            continue
+        shard_id = None
+        for fragment, (fused, shard) in mapping.items():
+            if f".{fragment}." in name:
+                name, shard_id = name.replace(f".{fragment}.", f".{fused}."), shard
+                break
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"{folder}: checkpoint tensor {name!r} has no place in the model")
+        try:
+            getattr(param, "weight_loader", _default_loader)(param, weight, shard_id)
+        except ValueError as e:
+            raise ValueError(f"{folder}: {name}: {e}") from None
+        loaded.add(name)
+    expected = {n for n in params if not (tied and n == "lm_head.weight")}
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"{folder}: checkpoint lacks {len(missing)} weight(s), e.g. {missing[:3]}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights of the right shapes: speed does not depend on their values."""
+    generator = None
+    for name, param in model.named_parameters():
+        if generator is None:  # drawn on the parameters' own device: fast for 8B models
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+        if "norm" in name:
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, 0.02, generator=generator)
+
+
+def build_model(config: ModelConfig, device: torch.device, tp: TPGroup = SINGLE) -> nn.Module:
+    dtype = getattr(torch, config.dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_class(config.arch.family)(config.arch, tp, config.max_model_len)
+    finally:
+        torch.set_default_dtype(previous)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+    else:
+        load_weights(model, config.path)
+    return model.eval()

@@ -1,0 +1,133 @@
+"""The worker's persistent view of running requests, updated from SchedulerOutput diffs.
+
+Each request owns a row of preallocated numpy tables (token ids, block table, sampling
+settings); a step's inputs are gathered from those rows with vectorized indexing, so the host
+work per step grows with the tokens scheduled, not with Python objects.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from echo.core.sched_output import SchedulerOutput
+from echo.sampling_params import SamplingParams
+
+
+@dataclass
+class StepInputs:
+    """Host arrays for one step, in the order of scheduler_output.num_scheduled_tokens."""
+
+    req_ids: list[str]
+    rows: np.ndarray  # [num_seqs] row of each request
+    input_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    block_table: np.ndarray  # [num_seqs, max_blocks] int32
+    cu_seqlens_q: np.ndarray  # [num_seqs + 1] int32
+    seq_lens: np.ndarray  # [num_seqs] int32
+    sample_seq_idx: np.ndarray  # indices (into the seqs) of requests that sample this step
+    logits_indices: np.ndarray  # their last token's index in the flat token batch
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
+                 block_size: int, seed: int = 0):
+        self.block_size = block_size
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.seeds = np.zeros(max_num_reqs, dtype=np.int64)
+        self.params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.row_of: dict[str, int] = {}
+        self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+        # seeds for requests that gave none: same sequence on every TP rank
+        self._seed_rng = np.random.default_rng(seed)
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def remove(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self.params[row] = None
+            self.free_rows.append(row)
+
+    def add(self, req_id: str, prompt: list[int], output: list[int], params: SamplingParams,
+            block_ids: list[int], num_computed: int, vocab_size: int) -> None:
+        if req_id in self.row_of:
+            self.remove(req_id)
+        row = self.free_rows.pop()
+        self.row_of[req_id] = row
+        tokens = prompt + output
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_prompt_tokens[row] = len(prompt)
+        self.num_computed[row] = num_computed
+        self.num_blocks[row] = 0
+        self.append_blocks(row, block_ids)
+        self.params[row] = params
+        self.temperature[row] = 0.0 if params.greedy else params.temperature
+        self.top_k[row] = params.top_k if params.top_k > 0 else vocab_size
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        seed = params.seed
+        self.seeds[row] = seed if seed is not None else int(self._seed_rng.integers(0, 2**62))
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[row]
+        self.block_table[row, start:start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def update(self, out: SchedulerOutput, vocab_size: int) -> None:
+        """Apply one step's diff: forget finished requests, add new ones, extend the rest."""
+        for req_id in out.finished_req_ids:
+            self.remove(req_id)
+        for new in out.scheduled_new_reqs:
+            self.add(new.req_id, new.prompt_token_ids, new.output_token_ids, new.sampling_params,
+                     new.block_ids, new.num_computed_tokens, vocab_size)
+        cached = out.scheduled_cached_reqs
+        for req_id, blocks, computed in zip(cached.req_ids, cached.new_block_ids,
+                                            cached.num_computed_tokens):
+            row = self.row_of[req_id]
+            if blocks:
+                self.append_blocks(row, blocks)
+            self.num_computed[row] = computed
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        req_ids = list(out.num_scheduled_tokens)
+        rows = np.fromiter((self.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        counts = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int64,
+                             count=len(req_ids))
+        starts = self.num_computed[rows]
+        cu = np.zeros(len(req_ids) + 1, dtype=np.int32)
+        np.cumsum(counts, out=cu[1:])
+        token_rows = np.repeat(rows, counts)
+        positions = np.repeat(starts - cu[:-1], counts) + np.arange(cu[-1])
+        block_ids = self.block_table[token_rows, positions // self.block_size]
+        seq_lens = (starts + counts).astype(np.int32)
+        max_blocks = int(self.num_blocks[rows].max()) if len(rows) else 0
+        samples = np.nonzero(seq_lens >= self.num_tokens[rows])[0]
+        return StepInputs(
+            req_ids=req_ids,
+            rows=rows,
+            input_ids=self.token_ids[token_rows, positions],
+            positions=positions,
+            slot_mapping=block_ids.astype(np.int64) * self.block_size + positions % self.block_size,
+            block_table=self.block_table[rows, :max_blocks],
+            cu_seqlens_q=cu,
+            seq_lens=seq_lens,
+            sample_seq_idx=samples,
+            logits_indices=cu[1:][samples] - 1,
+        )
+
+    def append_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
+        for row, token in zip(rows.tolist(), token_ids):
+            self.token_ids[row, self.num_tokens[row]] = token
+            self.num_tokens[row] += 1

@@ -1,0 +1,122 @@
+"""Batched sampling on the device: penalties, temperature, top-k/top-p/min-p, seeded draws.
+
+Every request carries a seed (one is drawn for requests that gave none). Random draws are a
+counter-based hash of (seed, output index, token id) turned into Gumbel noise, so a request's
+tokens depend only on its own seed and logits: the same seed gives the same output whatever
+else shares the batch, every tensor-parallel rank draws the same token, and there is no
+per-request generator, loop or host sync.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finalizer (xor-shift-multiply) on int64 tensors holding 32-bit values.
+    int64 products wrap, which keeps the low 32 bits exact."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B] seeds, [B] output indices -> [B, vocab] uniforms in (0, 1), deterministic."""
+    key = _mix32((seeds >> 32) ^ _mix32(seeds ^ _mix32(steps)))
+    token = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    bits = _mix32(key[:, None] ^ _mix32(token * 0x9E3779B1)[None, :])
+    bits = _mix32(bits ^ (key[:, None] >> 5))
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """One row per request that samples this step, all on the logits' device."""
+
+    temperature: torch.Tensor  # [B] f32; 0 = greedy
+    top_k: torch.Tensor  # [B] i64; vocab size = no limit
+    top_p: torch.Tensor  # [B] f32
+    min_p: torch.Tensor  # [B] f32
+    seeds: torch.Tensor  # [B] i64
+    steps: torch.Tensor  # [B] i64, index of the output token being sampled
+    all_greedy: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    max_logprobs: int | None = None  # None: nobody asked for logprobs
+    # penalties, only when some row has one
+    presence: torch.Tensor | None = None  # [B] f32
+    frequency: torch.Tensor | None = None  # [B] f32
+    repetition: torch.Tensor | None = None  # [B] f32
+    output_counts: torch.Tensor | None = None  # [B, V] f32, occurrences in the output so far
+    prompt_mask: torch.Tensor | None = None  # [B, V] bool, token appears in the prompt
+    banned: torch.Tensor | None = None  # [B, V] bool: e.g. EOS before min_tokens
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] i64
+    logprob: torch.Tensor | None = None  # [B] f32 of the sampled token
+    top_ids: torch.Tensor | None = None  # [B, N] i64
+    top_logprobs: torch.Tensor | None = None  # [B, N] f32
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    counts = t.output_counts
+    seen = t.prompt_mask | (counts > 0)
+    rep = t.repetition[:, None].expand_as(logits)
+    # repetition (as in CTRL / Hugging Face): shrink positive logits, grow negative ones
+    logits = torch.where(seen & (logits > 0), logits / rep, logits)
+    logits = torch.where(seen & (logits <= 0), logits * rep, logits)
+    logits = logits - t.frequency[:, None] * counts
+    return logits - t.presence[:, None] * (counts > 0).float()
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Set excluded tokens to -inf. top-p keeps the smallest set of most likely tokens whose
+    probability reaches top_p; min-p drops tokens below min_p times the top probability."""
+    if t.need_min_p:
+        probs = logits.softmax(dim=-1)
+        threshold = t.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if not (t.need_top_k or t.need_top_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = ranks >= t.top_k[:, None]
+    if t.need_top_p:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= t.top_p[:, None]
+    drop[:, 0] = False  # the most likely token always survives
+    return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if t.max_logprobs is not None else None
+        if t.output_counts is not None:
+            logits = apply_penalties(logits, t)
+        if t.banned is not None:
+            logits = logits.masked_fill(t.banned, float("-inf"))
+        greedy = logits.argmax(dim=-1)
+        if t.all_greedy:
+            token_ids = greedy
+        else:
+            is_greedy = t.temperature == 0
+            temperature = torch.where(is_greedy, 1.0, t.temperature)
+            logits = apply_top_k_top_p_min_p(logits / temperature[:, None], t)
+            gumbel = -torch.log(-torch.log(uniform_noise(t.seeds, t.steps, logits.shape[-1])))
+            token_ids = torch.where(is_greedy, greedy, (logits + gumbel).argmax(dim=-1))
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids)
+        logprob = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+        top = raw_logprobs.topk(t.max_logprobs, dim=-1) if t.max_logprobs > 0 else None
+        return SamplerOutput(token_ids, logprob, top.indices if top else None,
+                             top.values if top else None)

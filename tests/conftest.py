@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny random Hugging Face models written by the tests themselves."""
+
+import os
+
+import pytest
+
+# Triton kernels run under its CPU interpreter when there is no GPU; set before triton loads.
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass
+
+from tests.helpers import write_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """Llama with GQA, untied embeddings and llama3 rope scaling."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", tie=False,
+                            rope_scaling=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_llama_tied"), "llama", tie=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    """Qwen3 with head_dim != hidden / heads and tied embeddings."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", tie=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_untied(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_untied"), "qwen3", tie=False,
+                            sharded=True)

@@ -1,0 +1,43 @@
+"""Test helpers: tiny random models saved in Hugging Face's own format by transformers."""
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 128
+
+
+def write_tiny_model(folder: Path, family: str, tie: bool, rope_scaling: bool = False,
+                     sharded: bool = False, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  rms_norm_eps=1e-6)
+    if family == "qwen3":
+        config = Qwen3Config(head_dim=32, rope_theta=10000.0, **common)
+        model_cls = Qwen3ForCausalLM
+    else:
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        if rope_scaling:
+            rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64}
+        config = LlamaConfig(rope_parameters=rope, **common)
+        model_cls = LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    # random norms too, so a wrong norm weight shows up
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder, max_shard_size="100KB" if sharded else "5GB")
+    return folder
+
+
+def load_hf(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
