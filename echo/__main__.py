@@ -1,0 +1,5 @@
+import sys
+
+from echo.entrypoints.cli import main
+
+sys.exit(main())

@@ -1,0 +1,68 @@
+"""Frontend-side input handling: tokenize prompts and chats, validate against the model limits.
+
+Every check runs before anything is queued, and each error names what was wrong.
+"""
+
+from collections.abc import Sequence
+
+from echo.config import ModelConfig
+from echo.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+def load_tokenizer(config: ModelConfig):
+    """The model folder's tokenizer, or None for presets (token-id prompts only)."""
+    if config.tokenizer is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(config.tokenizer))
+
+
+class InputProcessor:
+    def __init__(self, config: ModelConfig, tokenizer):
+        self.config = config
+        self.tokenizer = tokenizer
+
+    def _need_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise ValueError(f"{what}: model {self.config.model!r} has no tokenizer; "
+                             "pass prompts as token ids")
+        return self.tokenizer
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self._need_tokenizer("prompt").encode(prompt)
+            return prompt, list(ids)
+        if isinstance(prompt, dict):  # {"prompt_token_ids": [...]} as vLLM accepts
+            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+            return self.tokenize(prompt)
+        ids = list(prompt)
+        vocab = self.config.arch.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt_token_ids: every id must be an int in [0, {vocab})")
+        return None, ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs) -> str:
+        tokenizer = self._need_tokenizer("messages")
+        if not tokenizer.chat_template:
+            raise ValueError(f"messages: model {self.config.model!r} has no chat template")
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError("messages: must be a list of {'role': ..., 'content': ...}")
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        max_len = self.config.max_model_len
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt: must not be empty")
+        if n >= max_len:
+            raise ValueError(f"prompt: {n} tokens leave no room to generate within "
+                             f"max_model_len={max_len}")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params: expected SamplingParams, got {type(params)}")

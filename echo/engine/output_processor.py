@@ -1,0 +1,184 @@
+"""Frontend-side request state: detokenize, apply stop strings, fan n > 1 out and back in.
+
+The core only sees token ids; this turns its EngineCoreOutputs into RequestOutputs. A stop
+string is found here (the core never sees text), so the request is then reported back to the
+caller as one to abort in the core.
+"""
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from echo.engine.detokenizer import IncrementalDetokenizer
+from echo.engine.messages import EngineCoreOutput, EngineCoreRequest, LogprobsEntry
+from echo.outputs import CompletionOutput, Logprob, RequestOutput
+from echo.sampling_params import SamplingParams
+
+
+@dataclass
+class _Child:
+    """One sampled sequence of a request (a request with n > 1 has n of them)."""
+
+    parent: "_Parent"
+    completion: CompletionOutput
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_Child] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.completion.finished for c in self.children)
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._children: dict[str, _Child] = {}
+        self._parents: dict[str, _Parent] = {}
+
+    def has_unfinished(self) -> bool:
+        return bool(self._parents)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return []
+        return [cid for cid, c in self._children.items() if c.parent is parent]
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float) -> list[EngineCoreRequest]:
+        """Register a request; return the core requests (one per sample) to send."""
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        parent = _Parent(request_id, prompt, list(prompt_token_ids))
+        self._parents[request_id] = parent
+        core_requests = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:  # each sample differs; a given seed still reproduces all of them
+                seed = None if params.seed is None else params.seed + i
+                child_params = msgspec_replace(params, n=1, seed=seed)
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                               params.skip_special_tokens)
+            child_id = child_request_id(request_id, i, params.n)
+            child = _Child(parent, CompletionOutput(index=i), child_params, detok)
+            if params.logprobs is not None:
+                child.completion.logprobs, child.completion.cumulative_logprob = [], 0.0
+            parent.children.append(child)
+            self._children[child_id] = child
+            core_requests.append(EngineCoreRequest(child_id, list(prompt_token_ids),
+                                                   child_params, arrival_time))
+        return core_requests
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]
+                        ) -> tuple[list[RequestOutput], list[str]]:
+        """Apply core outputs. Returns the RequestOutputs that changed, and child ids that a
+        stop string finished (to abort in the core)."""
+        changed: dict[str, _Parent] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            child = self._children.get(out.request_id)
+            if child is None or child.completion.finished:
+                continue  # aborted here already; the core's late tokens are dropped
+            if self._apply(child, out):
+                to_abort.append(out.request_id)
+            changed[child.parent.request_id] = child.parent
+        results = [self._make_output(p) for p in changed.values()]
+        for parent in changed.values():
+            if parent.finished:
+                self._forget(parent)
+        return results, to_abort
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request here (the caller aborts its children in the core)."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children:
+            if not child.completion.finished:
+                child.completion.finish_reason = "abort"
+        result = self._make_output(parent)
+        self._forget(parent)
+        return result
+
+    def _forget(self, parent: _Parent) -> None:
+        self._parents.pop(parent.request_id, None)
+        for cid in [cid for cid, c in self._children.items() if c.parent is parent]:
+            del self._children[cid]
+
+    def _apply(self, child: _Child, out: EngineCoreOutput) -> bool:
+        """Returns True when a stop string ended the request (the core must abort it)."""
+        comp = child.completion
+        if out.num_cached_tokens:
+            child.parent.num_cached_tokens = out.num_cached_tokens
+        if out.error:
+            child.parent.error = out.error
+        comp.token_ids.extend(out.new_token_ids)
+        if comp.logprobs is not None:
+            for token, entry in zip(out.new_token_ids, out.new_logprobs):
+                comp.logprobs.append(self._logprob_dict(token, entry))
+                comp.cumulative_logprob += entry.logprob
+        stopped = False
+        if child.detokenizer is not None:
+            delta = child.detokenizer.add_tokens(out.new_token_ids)
+            if out.finished:
+                delta += child.detokenizer.flush()
+            stopped = self._append_text(child, delta)
+        if stopped:
+            return True
+        if out.finished:
+            comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+        return False
+
+    def _append_text(self, child: _Child, delta: str) -> bool:
+        comp, params = child.completion, child.params
+        if not delta:
+            return False
+        start = max(0, len(comp.text) - max((len(s) for s in params.stop), default=0) + 1)
+        comp.text += delta
+        for stop in params.stop:
+            at = comp.text.find(stop, start)
+            if at >= 0:
+                end = at + len(stop) if params.include_stop_str_in_output else at
+                comp.text = comp.text[:end]
+                comp.finish_reason, comp.stop_reason = "stop", stop
+                return True
+        return False
+
+    def _logprob_dict(self, token: int, entry: LogprobsEntry) -> dict[int, Logprob]:
+        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer else (lambda t: None)
+        result = {t: Logprob(lp, rank + 1, decode(t))
+                  for rank, (t, lp) in enumerate(zip(entry.top_token_ids, entry.top_logprobs))}
+        if token not in result:
+            result[token] = Logprob(entry.logprob, None, decode(token))
+        return result
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=[c.completion for c in parent.children],
+            finished=parent.finished,
+            num_cached_tokens=parent.num_cached_tokens,
+            error=parent.error,
+        )
+
+
+def msgspec_replace(params: SamplingParams, **changes) -> SamplingParams:
+    return msgspec.structs.replace(params, **changes)

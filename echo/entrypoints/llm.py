@@ -1,0 +1,97 @@
+"""echo.LLM: offline batch generation with continuous batching, in the caller's process."""
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from echo.config import EngineConfig
+from echo.engine.core import EngineCore
+from echo.engine.input_processor import InputProcessor, Prompt, load_tokenizer
+from echo.engine.output_processor import OutputProcessor
+from echo.outputs import RequestOutput
+from echo.sampling_params import SamplingParams
+
+
+class LLM:
+    """`LLM(model, **engine_args).generate(prompts, sampling_params)`, as with vLLM.
+
+    model: a local Hugging Face folder, a preset name (with load_format="dummy"), or "default"
+    (the embedded SmolLM2-135M-Instruct). Engine arguments: see EngineConfig.create.
+    """
+
+    def __init__(self, model: str | None = "default", **engine_args):
+        self.config = EngineConfig.create(model, **engine_args)
+        self.tokenizer = load_tokenizer(self.config.model)
+        self.input_processor = InputProcessor(self.config.model, self.tokenizer)
+        self.engine = EngineCore(self.config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Prompts as text or token-id lists; one SamplingParams for all or one per prompt."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params)} given for "
+                                 f"{len(prompts)} prompts")
+        # tokenize and validate everything before anything is queued
+        inputs = [self.input_processor.tokenize(p) for p in prompts]
+        for (_, ids), p in zip(inputs, params):
+            self.input_processor.validate(ids, p)
+        return self._run(inputs, params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {'role', 'content'}) or a list of them."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        texts = [self.input_processor.apply_chat_template(c, add_generation_prompt)
+                 for c in conversations]
+        # the template already holds the special tokens (BOS included)
+        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return self.generate(ids, sampling_params, use_tqdm)
+
+    def _run(self, inputs, params, use_tqdm: bool) -> list[RequestOutput]:
+        processor = OutputProcessor(self.tokenizer)
+        order = []
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(inputs), desc="generate", disable=not use_tqdm, unit="req")
+        try:
+            for (text, ids), p in zip(inputs, params):
+                request_id = str(next(self._ids))
+                order.append(request_id)
+                for core_request in processor.add_request(request_id, text, ids, p, time.time()):
+                    self.engine.add_request(core_request)
+            while processor.has_unfinished():
+                outputs = self.engine.step()
+                results, to_abort = processor.process_outputs(outputs.outputs)
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                for result in results:
+                    if result.finished:
+                        finished[result.request_id] = result
+                        bar.update(1)
+        except BaseException:
+            # leave the engine clean for the next call (e.g. after Ctrl-C)
+            self.engine.abort_requests([cid for rid in order for cid in processor.child_ids(rid)])
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in order]
+
+    def stats(self):
+        return self.engine.scheduler.make_stats()

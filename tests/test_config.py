@@ -1,0 +1,72 @@
+"""EngineConfig: resolution of models, presets and defaults; errors that name the field."""
+
+import json
+
+import pytest
+
+from echo.config import EngineConfig
+from echo.models.arch import arch_from_hf_config
+
+
+def test_tiny_folder_resolves_shapes(tiny_qwen3):
+    config = EngineConfig.create(str(tiny_qwen3), device="cpu", max_model_len=256)
+    arch = config.model.arch
+    assert (arch.family, arch.num_heads, arch.num_kv_heads, arch.head_dim) == ("qwen3", 4, 2, 32)
+    assert config.model.max_model_len == config.scheduler.max_model_len == 256
+    assert config.model.dtype == "float32"  # auto on CPU
+    assert config.device.attention_backend == "torch"
+
+
+def test_presets_need_dummy_weights():
+    with pytest.raises(ValueError, match="never downloads"):
+        EngineConfig.create("qwen3-8b", device="cpu")
+    config = EngineConfig.create("llama-3.1-8b", load_format="dummy", device="cpu")
+    arch = config.model.arch
+    assert arch.rope_scaling.rope_type == "llama3" and arch.rope_scaling.factor == 8.0
+    assert arch.eos_token_ids == (128001, 128008, 128009)
+    assert arch.head_dim == 128 and arch.num_kv_heads == 8
+
+
+def test_missing_model_path_is_named(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        EngineConfig.create(str(missing))
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        EngineConfig.create(str(tmp_path))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("block_size", 7), ("gpu_memory_utilization", 1.5), ("max_num_seqs", 0),
+    ("tensor_parallel_size", 3), ("dtype", "int4"), ("kv_cache_dtype", "fp4"),
+    ("load_format", "pickle"), ("num_gpu_blocks_override", 0),
+])
+def test_bad_values_name_their_field(tiny_llama, field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig.create(str(tiny_llama), device="cpu", **{field: value})
+
+
+def test_unknown_argument_is_rejected(tiny_llama):
+    with pytest.raises(TypeError, match="max_num_seq"):
+        EngineConfig.create(str(tiny_llama), max_num_seq=4)
+
+
+def test_config_is_frozen(tiny_llama):
+    config = EngineConfig.create(str(tiny_llama), device="cpu")
+    with pytest.raises(AttributeError):
+        config.cache.block_size = 32
+
+
+def test_old_and_new_rope_forms_agree():
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    old = arch_from_hf_config({**base, "rope_theta": 5e5,
+                               "rope_scaling": {"rope_type": "llama3", **scaling}})
+    new = arch_from_hf_config({**base, "rope_parameters": {"rope_type": "llama3",
+                                                           "rope_theta": 5e5, **scaling}})
+    assert old == new and old.rope_theta == 5e5
