@@ -192,6 +192,8 @@ def _create(model: str | None, **kwargs) -> EngineConfig:
            "max_model_len", f"{max_model_len} exceeds the model's max_position_embeddings "
            f"({arch.max_position_embeddings})")
     tokenizer = model_kwargs.get("tokenizer")
+    if tokenizer and not Path(tokenizer).expanduser().is_dir():
+        raise FileNotFoundError(f"tokenizer: {tokenizer!r} is not a local folder")
     model_cfg = ModelConfig(
         model=str(model or "default"),
         path=path,

@@ -19,7 +19,8 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def add_tokens(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (may be empty)."""

@@ -11,13 +11,18 @@ from echo.sampling_params import SamplingParams
 Prompt = str | Sequence[int]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def load_tokenizer(config: ModelConfig):
-    """The model folder's tokenizer, or None for presets (token-id prompts only)."""
-    if config.tokenizer is None:
+    """The model folder's tokenizer, or None where there is none (presets, weight-only
+    folders): such models take token-id prompts only."""
+    folder = config.tokenizer
+    if folder is None or not any((folder / name).exists() for name in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(config.tokenizer))
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 class InputProcessor:

@@ -1,0 +1,121 @@
+"""FakeModelRunner: the workers' side of the SchedulerOutput contract, without a model.
+
+For scheduler and engine tests and for tools/bench_scheduler.py. It keeps per-request state from
+the diffs exactly as a model runner must (a new request's tokens and block table; running
+requests' new blocks; forgetting finished ids first), asserts the diffs agree with its own
+bookkeeping, and appends the tokens it samples itself, as real workers do.
+
+With check_kv it also simulates the KV cache: computing a position writes a fingerprint of the
+whole token sequence up to it into that position's slot, and every step checks each slot it
+reads. A block shared, reused or freed wrongly shows up as an AssertionError there, instead of
+as subtly different text.
+
+The default next token is a function of the whole sequence so far (greedy decoding), so the
+same requests give the same outputs under any schedule: chunked, preempted, cached, async.
+"""
+
+from collections.abc import Callable
+
+from echo.core.sched_output import SchedulerOutput
+from echo.engine.messages import LogprobsEntry, ModelRunnerOutput
+from echo.sampling_params import SamplingParams
+
+
+def fingerprint(prev: int, token_id: int) -> int:
+    return hash((prev, token_id))  # ints and tuples of ints hash the same in every process
+
+
+def default_next_token(token_ids: list[int], vocab_size: int) -> int:
+    fp = 0
+    for token_id in token_ids:
+        fp = fingerprint(fp, token_id)
+    return fp % vocab_size
+
+
+class _WorkerRequest:
+    __slots__ = ("token_ids", "fingerprints", "block_ids", "num_computed", "params")
+
+    def __init__(self, token_ids, block_ids, num_computed, params):
+        self.token_ids: list[int] = token_ids
+        self.fingerprints: list[int] = []
+        self.block_ids: list[int] = block_ids
+        self.num_computed: int = num_computed
+        self.params: SamplingParams = params
+
+    def fingerprints_upto(self, n: int) -> list[int]:
+        fps, tokens = self.fingerprints, self.token_ids
+        for pos in range(len(fps), n):
+            fps.append(fingerprint(fps[-1] if fps else 0, tokens[pos]))
+        return fps
+
+
+class FakeModelRunner:
+    def __init__(self, block_size: int, num_blocks: int, vocab_size: int = 1000,
+                 next_token: Callable[[str, list[int]], int] | None = None,
+                 check_kv: bool = True):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.vocab_size = vocab_size
+        self.next_token = next_token
+        self.check_kv = check_kv
+        self.requests: dict[str, _WorkerRequest] = {}
+        self.kv: list[int | None] = [None] * (num_blocks * block_size)
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in so.finished_req_ids:
+            assert rid in self.requests, f"told to forget unknown request {rid!r}"
+            del self.requests[rid]
+        for new in so.scheduled_new_reqs:
+            assert new.req_id not in self.requests, f"{new.req_id!r} added twice"
+            self._check_new_blocks(new.block_ids, [])
+            self.requests[new.req_id] = _WorkerRequest(
+                list(new.prompt_token_ids) + list(new.output_token_ids), list(new.block_ids),
+                new.num_computed_tokens, new.sampling_params)
+        cached = so.scheduled_cached_reqs
+        for rid, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                cached.num_computed_tokens, strict=True):
+            req = self.requests[rid]
+            assert req.num_computed == num_computed, (
+                f"{rid}: scheduler says {num_computed} computed, worker has {req.num_computed}")
+            self._check_new_blocks(block_ids, req.block_ids)
+            req.block_ids.extend(block_ids)
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+
+        req_ids, sampled, logprobs = [], [], []
+        for rid, num in so.num_scheduled_tokens.items():
+            req = self.requests[rid]
+            start, end = req.num_computed, req.num_computed + num
+            assert num >= 1, f"{rid}: scheduled {num} tokens"
+            assert end <= len(req.token_ids), f"{rid}: scheduled past its known tokens"
+            assert len(req.block_ids) * self.block_size >= end, f"{rid}: too few blocks"
+            if self.check_kv:
+                self._compute_kv(rid, req, start, end)
+            req.num_computed = end
+            req_ids.append(rid)
+            if end == len(req.token_ids):
+                token_id = self._sample(rid, req.token_ids)
+                req.token_ids.append(token_id)
+                sampled.append([token_id])
+                logprobs.append(None if req.params.logprobs is None
+                                else LogprobsEntry(logprob=-float(token_id % 7)))
+            else:
+                sampled.append([])
+                logprobs.append(None)
+        return ModelRunnerOutput(so.step_id, req_ids, sampled, logprobs)
+
+    def _sample(self, rid: str, token_ids: list[int]) -> int:
+        if self.next_token is not None:
+            return self.next_token(rid, token_ids)
+        return default_next_token(token_ids, self.vocab_size)
+
+    def _check_new_blocks(self, new_ids: list[int], held: list[int]) -> None:
+        assert all(0 <= b < self.num_blocks for b in new_ids), f"block id out of range: {new_ids}"
+        assert len(set(new_ids) | set(held)) == len(new_ids) + len(held), "block listed twice"
+
+    def _compute_kv(self, rid: str, req: _WorkerRequest, start: int, end: int) -> None:
+        fps, bs, kv = req.fingerprints_upto(end), self.block_size, self.kv
+        for pos in range(start, end):  # write the new tokens' KV
+            kv[req.block_ids[pos // bs] * bs + pos % bs] = fps[pos]
+        for pos in range(end):  # attention reads the whole context
+            got = kv[req.block_ids[pos // bs] * bs + pos % bs]
+            assert got == fps[pos], f"{rid}: wrong KV at position {pos} (block {pos // bs})"

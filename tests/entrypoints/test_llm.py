@@ -1,0 +1,125 @@
+"""echo.LLM end to end on tiny random models: greedy output equals transformers' generate."""
+
+import pytest
+import torch
+
+from echo import LLM, SamplingParams
+from tests.helpers import load_hf
+
+PROMPTS = [[1, 17, 42, 99, 5], [1, 3], list(range(10, 60)), [1] + [7, 8, 9] * 9]
+
+
+def hf_greedy(folder, prompt: list[int], max_new_tokens: int) -> list[int]:
+    model = load_hf(folder)
+    model.generation_config.eos_token_id = None  # compare raw greedy continuations
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def make_llm(folder, **kwargs) -> LLM:
+    kwargs = {"device": "cpu", "num_gpu_blocks_override": 128, "max_num_seqs": 8, **kwargs}
+    return LLM(str(folder), **kwargs)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+def test_batched_greedy_equals_transformers_generate(fixture, request):
+    folder = request.getfixturevalue(fixture)
+    llm = make_llm(folder)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.prompt_token_ids == prompt
+        assert out.outputs[0].token_ids == hf_greedy(folder, prompt, 32)
+        assert out.outputs[0].finish_reason == "length"
+
+
+def test_chunked_prefill_and_small_budget_do_not_change_greedy_output(tiny_qwen3):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    reference = make_llm(tiny_qwen3).generate(PROMPTS, params, use_tqdm=False)
+    chunked = make_llm(tiny_qwen3, max_num_batched_tokens=16, max_num_seqs=4).generate(
+        PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in chunked] == \
+        [o.outputs[0].token_ids for o in reference]
+
+
+def test_stop_token_ids_and_max_tokens(tiny_llama):
+    llm = make_llm(tiny_llama)
+    free = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12,
+                                                     ignore_eos=True), use_tqdm=False)
+    tokens = free[0].outputs[0].token_ids
+    stop_at = tokens[5]
+    first = tokens.index(stop_at)
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12,
+                                                    stop_token_ids=[stop_at], ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[: first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_at)
+
+
+def test_eos_finishes_unless_ignored(tiny_llama):
+    llm = make_llm(tiny_llama)
+    tokens = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12,
+                                                       ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    # pretend the 4th generated token is the end-of-sequence token
+    llm2 = make_llm(tiny_llama)
+    llm2.engine.eos_token_ids = (tokens[3],)
+    out = llm2.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12),
+                        use_tqdm=False)[0].outputs[0]
+    first = tokens.index(tokens[3])
+    assert out.token_ids == tokens[: first + 1] and out.finish_reason == "stop"
+
+
+def test_seeded_sampling_reproduces_and_n_gives_distinct_samples(tiny_qwen3):
+    llm = make_llm(tiny_qwen3)
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    a = llm.generate(PROMPTS, params, use_tqdm=False)
+    # same seed, different batch composition: same tokens
+    b = llm.generate(PROMPTS[::-1], params, use_tqdm=False)[::-1]
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    many = llm.generate([PROMPTS[0]], SamplingParams(n=3, temperature=1.0, max_tokens=12,
+                                                     seed=1, ignore_eos=True), use_tqdm=False)
+    samples = [c.token_ids for c in many[0].outputs]
+    assert [c.index for c in many[0].outputs] == [0, 1, 2]
+    assert len({tuple(s) for s in samples}) == 3
+
+
+def test_logprobs_match_transformers(tiny_llama):
+    llm = make_llm(tiny_llama)
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, logprobs=3,
+                                                    ignore_eos=True), use_tqdm=False)
+    comp = out[0].outputs[0]
+    hf = load_hf(tiny_llama)
+    ids = PROMPTS[0] + comp.token_ids
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    for i, (token, entry) in enumerate(zip(comp.token_ids, comp.logprobs)):
+        row = ref[len(PROMPTS[0]) - 1 + i]
+        assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+        top = row.topk(3)
+        assert [t for t, lp in entry.items() if lp.rank is not None] == top.indices.tolist()
+        assert entry[token].rank == 1
+
+
+def test_bad_input_fails_before_queuing_and_llm_keeps_working(tiny_llama):
+    llm = make_llm(tiny_llama, max_model_len=64)
+    good = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([PROMPTS[0], list(range(1, 70))], good, use_tqdm=False)
+    for field, value in [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0),
+                         ("top_p", 1.5), ("top_k", -2)]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([[1, 2, 10_000]], good, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([PROMPTS[0]], good, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_text_prompts_need_a_tokenizer_for_presetless_folders(tiny_llama):
+    llm = make_llm(tiny_llama)
+    with pytest.raises(Exception, match="tokenizer|Tokenizer|prompt"):
+        llm.generate("hello", use_tqdm=False)
