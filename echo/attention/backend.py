@@ -20,6 +20,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32, context including this step's tokens
     max_seqlen_q: int
     max_seqlen_k: int
+    # every sequence's run is its whole context (a first prefill): K/V can be read contiguously
+    no_cached_prefix: bool = False
     # host copies for backends that loop over sequences (the torch reference)
     query_lens_cpu: tuple[int, ...] = ()
     seq_lens_cpu: tuple[int, ...] = ()

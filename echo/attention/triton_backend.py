@@ -1,0 +1,23 @@
+"""Attention with echo_kernels on CUDA: store the step's K/V, then one paged-attention launch
+for the whole mixed batch (pure prefills with no cached prefix read K/V contiguously instead)."""
+
+import torch
+
+from echo.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        from echo_kernels import flash_attn_varlen, paged_attention, store_kv_cache
+
+        store_kv_cache(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+        if meta.no_cached_prefix:
+            return flash_attn_varlen(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q,
+                                     meta.max_seqlen_q, meta.max_seqlen_q, self.scale,
+                                     causal=True)
+        return paged_attention(q, cache.k, cache.v, meta.block_table, meta.cu_seqlens_q,
+                               meta.seq_lens, meta.max_seqlen_q, meta.max_seqlen_k, self.scale,
+                               cache.k_scale, cache.v_scale)

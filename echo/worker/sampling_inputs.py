@@ -1,0 +1,76 @@
+"""Per-step sampling tensors, gathered from the InputBatch rows of the requests that sample."""
+
+import numpy as np
+import torch
+
+from echo.worker.input_batch import InputBatch
+from echo.worker.sampler import SamplingTensors
+
+
+def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, vocab_size: int,
+                           eos_token_ids: tuple[int, ...], device: torch.device
+                           ) -> SamplingTensors:
+    params = [batch.params[r] for r in rows]
+    dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    temperature, top_k = batch.temperature[rows], batch.top_k[rows]
+    top_p, min_p = batch.top_p[rows], batch.min_p[rows]
+    logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    extra = {}
+    if any(p.has_penalties for p in params):
+        extra = _penalties(batch, rows, params, vocab_size, device)
+    banned = _banned_tokens(batch, rows, params, vocab_size, eos_token_ids)
+    if banned is not None:
+        extra["banned"] = banned.to(device)
+    return SamplingTensors(
+        temperature=dev(temperature), top_k=dev(top_k), top_p=dev(top_p), min_p=dev(min_p),
+        seeds=dev(batch.seeds[rows]),
+        steps=dev(batch.num_tokens[rows] - batch.num_prompt_tokens[rows]),
+        all_greedy=bool((temperature == 0).all()),
+        need_top_k=bool((top_k < vocab_size).any()),
+        need_top_p=bool((top_p < 1).any()), need_min_p=bool((min_p > 0).any()),
+        max_logprobs=max(logprobs) if logprobs else None, **extra)
+
+
+def _penalties(batch: InputBatch, rows: np.ndarray, params, vocab_size: int,
+               device: torch.device) -> dict:
+    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32)
+    prompt_mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        prompt_len, total = batch.num_prompt_tokens[row], batch.num_tokens[row]
+        prompt_mask[i, torch.from_numpy(batch.token_ids[row, :prompt_len])] = True
+        output = torch.from_numpy(batch.token_ids[row, prompt_len:total])
+        counts[i].index_add_(0, output, torch.ones(len(output)))
+    per_request = lambda name: torch.tensor(  # noqa: E731
+        [getattr(p, name) for p in params], dtype=torch.float32, device=device)
+    return {"presence": per_request("presence_penalty"),
+            "frequency": per_request("frequency_penalty"),
+            "repetition": per_request("repetition_penalty"),
+            "output_counts": counts.to(device), "prompt_mask": prompt_mask.to(device)}
+
+
+def _banned_tokens(batch: InputBatch, rows: np.ndarray, params, vocab_size: int,
+                   eos_token_ids: tuple[int, ...]) -> torch.Tensor | None:
+    """EOS and stop tokens are banned until a request has min_tokens outputs."""
+    pending = [i for i, (row, p) in enumerate(zip(rows, params))
+               if p.min_tokens > batch.num_tokens[row] - batch.num_prompt_tokens[row]]
+    if not pending:
+        return None
+    banned = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
+    for i in pending:
+        stops = [t for t in (*eos_token_ids, *params[i].stop_token_ids) if t < vocab_size]
+        banned[i, stops] = True
+    return banned
+
+
+def worst_case_sampling_tensors(n: int, vocab_size: int, device: torch.device
+                                ) -> SamplingTensors:
+    """Every sampling feature on, for measuring the sampler's peak memory."""
+    full = lambda v, dt: torch.full((n,), v, dtype=dt, device=device)  # noqa: E731
+    counts = torch.zeros(n, vocab_size, device=device)
+    return SamplingTensors(
+        full(0.7, torch.float32), full(50, torch.int64), full(0.9, torch.float32),
+        full(0.05, torch.float32), full(1, torch.int64), full(0, torch.int64),
+        all_greedy=False, need_top_k=True, need_top_p=True, need_min_p=True, max_logprobs=20,
+        presence=full(0.1, torch.float32), frequency=full(0.1, torch.float32),
+        repetition=full(1.1, torch.float32), output_counts=counts,
+        prompt_mask=counts > 0, banned=counts > 0)

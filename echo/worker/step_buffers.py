@@ -1,0 +1,77 @@
+"""Persistent device tensors for a step's inputs, filled from the host in one pass per field.
+
+The same tensors are the static inputs CUDA graphs are captured on, so eager and graph steps
+share them. On CUDA the host side goes through pinned buffers, so copies are asynchronous.
+"""
+
+import numpy as np
+import torch
+
+from echo.attention.backend import AttentionMetadata
+from echo.worker.input_batch import StepInputs
+
+
+class StepBuffers:
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+                 device: torch.device):
+        self.device = device
+        self.max_blocks_per_seq = max_blocks_per_seq
+        pin = device.type == "cuda"
+        self.fields: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, size, dtype in (
+            ("input_ids", max_num_tokens, torch.int64),
+            ("positions", max_num_tokens, torch.int64),
+            ("slot_mapping", max_num_tokens, torch.int64),
+            ("cu_seqlens_q", max_num_seqs + 1, torch.int32),
+            ("seq_lens", max_num_seqs, torch.int32),
+            ("logits_indices", max_num_seqs, torch.int64),
+            ("block_table", max_num_seqs * max_blocks_per_seq, torch.int32),
+        ):
+            host = torch.zeros(size, dtype=dtype, pin_memory=pin)
+            dev = torch.zeros(size, dtype=dtype, device=device)
+            self.fields[name] = (host, dev)
+
+    def put(self, name: str, values: np.ndarray) -> torch.Tensor:
+        """Copy `values` into the front of the field; return the device view."""
+        host, dev = self.fields[name]
+        n = values.size
+        host[:n].numpy()[:] = values.reshape(-1)
+        dev[:n].copy_(host[:n], non_blocking=True)
+        return dev[:n]
+
+    def device(self, name: str) -> torch.Tensor:
+        return self.fields[name][1]
+
+    def load(self, inp: StepInputs, pad_seqs_to: int | None = None):
+        """Upload a step's inputs. With pad_seqs_to (CUDA-graph replay of a decode batch) the
+        batch is padded with one-token dummy sequences that store nothing, and the block table
+        keeps its full static width."""
+        num_seqs = len(inp.seq_lens)
+        query_lens = np.diff(inp.cu_seqlens_q)
+        input_ids, positions, slots = inp.input_ids, inp.positions, inp.slot_mapping
+        seq_lens, cu, table = inp.seq_lens, inp.cu_seqlens_q, inp.block_table
+        width = table.shape[1]
+        if pad_seqs_to is not None:
+            pad = pad_seqs_to - num_seqs
+            input_ids = np.concatenate([input_ids, np.zeros(pad, np.int64)])
+            positions = np.concatenate([positions, np.zeros(pad, np.int64)])
+            slots = np.concatenate([slots, np.full(pad, -1, np.int64)])
+            seq_lens = np.concatenate([seq_lens, np.ones(pad, np.int32)])
+            cu = np.arange(pad_seqs_to + 1, dtype=np.int32)
+            width = self.max_blocks_per_seq
+            full = np.zeros((pad_seqs_to, width), np.int32)
+            full[:num_seqs, : table.shape[1]] = table
+            table = full
+        rows = len(seq_lens)
+        meta = AttentionMetadata(
+            slot_mapping=self.put("slot_mapping", slots),
+            block_table=self.put("block_table", table).view(rows, width),
+            cu_seqlens_q=self.put("cu_seqlens_q", cu),
+            seq_lens=self.put("seq_lens", seq_lens),
+            max_seqlen_q=int(query_lens.max()),
+            max_seqlen_k=int(inp.seq_lens.max()),
+            no_cached_prefix=bool((query_lens == inp.seq_lens).all()),
+            query_lens_cpu=tuple(query_lens.tolist()),
+            seq_lens_cpu=tuple(inp.seq_lens.tolist()),
+        )
+        return self.put("input_ids", input_ids), self.put("positions", positions), meta
