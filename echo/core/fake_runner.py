@@ -81,16 +81,24 @@ class FakeModelRunner:
             req.block_ids.extend(block_ids)
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
 
-        req_ids, sampled, logprobs = [], [], []
         for rid, num in so.num_scheduled_tokens.items():
             req = self.requests[rid]
-            start, end = req.num_computed, req.num_computed + num
+            end = req.num_computed + num
             assert num >= 1, f"{rid}: scheduled {num} tokens"
             assert end <= len(req.token_ids), f"{rid}: scheduled past its known tokens"
             assert len(req.block_ids) * self.block_size >= end, f"{rid}: too few blocks"
             if self.check_kv:
-                self._compute_kv(rid, req, start, end)
-            req.num_computed = end
+                self._write_kv(req, req.num_computed, end)
+        if self.check_kv:
+            # as on the GPU, where each layer stores the whole batch's KV before attention
+            # reads any, so a request may reuse blocks another writes in the same step
+            for rid, num in so.num_scheduled_tokens.items():
+                self._read_kv(rid, self.requests[rid], self.requests[rid].num_computed + num)
+
+        req_ids, sampled, logprobs = [], [], []
+        for rid, num in so.num_scheduled_tokens.items():
+            req = self.requests[rid]
+            end = req.num_computed = req.num_computed + num
             req_ids.append(rid)
             if end == len(req.token_ids):
                 token_id = self._sample(rid, req.token_ids)
@@ -112,10 +120,14 @@ class FakeModelRunner:
         assert all(0 <= b < self.num_blocks for b in new_ids), f"block id out of range: {new_ids}"
         assert len(set(new_ids) | set(held)) == len(new_ids) + len(held), "block listed twice"
 
-    def _compute_kv(self, rid: str, req: _WorkerRequest, start: int, end: int) -> None:
+    def _write_kv(self, req: _WorkerRequest, start: int, end: int) -> None:
         fps, bs, kv = req.fingerprints_upto(end), self.block_size, self.kv
-        for pos in range(start, end):  # write the new tokens' KV
+        for pos in range(start, end):
             kv[req.block_ids[pos // bs] * bs + pos % bs] = fps[pos]
-        for pos in range(end):  # attention reads the whole context
+
+    def _read_kv(self, rid: str, req: _WorkerRequest, end: int) -> None:
+        """Attention reads the whole context; every slot must hold what this sequence wrote."""
+        fps, bs, kv = req.fingerprints, self.block_size, self.kv
+        for pos in range(end):
             got = kv[req.block_ids[pos // bs] * bs + pos % bs]
             assert got == fps[pos], f"{rid}: wrong KV at position {pos} (block {pos // bs})"

@@ -1,0 +1,380 @@
+"""Scheduler: one rule, no phases (DESIGN.md section 3).
+
+Every request has num_tokens (prompt + generated) and num_computed_tokens; each step hands out
+a token budget so requests catch up. Running requests go first, in admission order: a decode
+needs one token, an unfinished prefill takes a chunk. Then waiting requests are admitted in
+arrival order, within max_num_seqs. Chunked prefill, mixed batches and prefix caching all
+follow from this.
+
+Two rules keep long prompts from hurting others:
+- every running request keeps one token of the budget reserved for each running request after
+  it, so a long prefill admitted early never starves later decodes;
+- while requests wait for a seat, running prefills together take at most
+  long_prefill_token_threshold tokens, and a waiting request with others behind it takes at
+  most that much too; the rest is left for admissions, and what admissions leave unused goes
+  back to the running prefills. A short prompt behind a long one thus gets its first token
+  while the long prefill is still going.
+
+Async scheduling: the engine may call schedule() for step N+1 before update_from_output() of
+step N. So schedule() advances num_computed_tokens at once and counts the token a step will
+sample as a placeholder; the next schedule() treats it as present. update_from_output() turns
+placeholders into tokens and ignores requests that finished meanwhile.
+"""
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from echo.config import CacheConfig, SchedulerConfig
+from echo.core.kv_cache_manager import KVCacheManager
+from echo.core.request import Request, RequestStatus
+from echo.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from echo.core.stop_checker import check_stop, max_num_tokens
+from echo.engine.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_gpu_blocks: int,
+        *,
+        long_prefill_token_threshold: int | None = None,
+    ):
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        if long_prefill_token_threshold is None:
+            long_prefill_token_threshold = max(1, self.max_num_batched_tokens // 2)
+        if not 1 <= long_prefill_token_threshold <= self.max_num_batched_tokens:
+            raise ValueError(
+                f"long_prefill_token_threshold must be in [1, max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}], got {long_prefill_token_threshold}")
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.kv = KVCacheManager(num_gpu_blocks, self.block_size,
+                                 cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        # ids the workers must forget before the next step
+        self._finished_req_ids: list[str] = []
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if it is malformed or could never fit in the KV cache."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} is already queued or running")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError(f"request {rid!r}: the prompt is empty")
+        if num_prompt > self.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt length {num_prompt} exceeds "
+                             f"max_model_len {self.max_model_len}")
+        num_tokens = max(num_prompt, max_num_tokens(request, self.max_model_len))
+        num_blocks = self.kv.num_blocks_for(num_tokens)
+        if num_blocks > self.kv.num_blocks:
+            raise ValueError(
+                f"request {rid!r} can never fit in the KV cache: prompt length {num_prompt} + "
+                f"max_tokens {num_tokens - num_prompt} = {num_tokens} tokens need {num_blocks} "
+                f"blocks of {self.block_size}, but the cache has {self.kv.num_blocks} blocks "
+                f"({self.kv.num_blocks * self.block_size} tokens); lower max_tokens or the "
+                "prompt length")
+        request.status = RequestStatus.WAITING
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """Finish requests as aborted and free their blocks now; unknown ids are ignored.
+        A step in flight may still write KV into those blocks: harmless, since a block freed
+        now is only handed out to a step that runs after it."""
+        outputs = []
+        aborted_running, aborted_waiting = set(), set()
+        for rid in request_ids:
+            request = self.requests.pop(rid, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                aborted_running.add(rid)
+                self._finished_req_ids.append(rid)
+            else:  # waiting or preempted: the workers do not hold it
+                aborted_waiting.add(rid)
+            self.kv.free(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+            outputs.append(EngineCoreOutput(rid, [], finish_reason="abort",
+                                            num_cached_tokens=max(request.num_cached_tokens, 0)))
+        if aborted_running:
+            self.running = [r for r in self.running if r.request_id not in aborted_running]
+        if aborted_waiting:
+            self.waiting = deque(r for r in self.waiting if r.request_id not in aborted_waiting)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's work. The output carries finished_req_ids even when it schedules
+        no tokens: the engine must still hand such an output to the workers."""
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        throttled: list[Request] = []  # prefills held back for admissions; topped up at the end
+        running = self.running
+        # running prefills share this while requests wait for a seat
+        prefill_allowance = (self.long_prefill_token_threshold
+                             if self.waiting and len(running) < self.max_num_seqs else budget)
+        preempted = False
+        allocate_slots = self.kv.allocate_slots
+
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            # len()s rather than the num_tokens property: this runs per request per step
+            num_new = (len(request.prompt_token_ids) + len(request.output_token_ids)
+                       + request.num_output_placeholders - request.num_computed_tokens)
+            if num_new <= 0 or (request.num_output_placeholders and self._at_limit(request)):
+                i += 1  # nothing to compute until an in-flight token comes back
+                continue
+            limit = budget - (len(running) - i - 1)
+            if num_new > 1:
+                if prefill_allowance < min(num_new, limit):
+                    throttled.append(request)
+                limit = min(limit, prefill_allowance)
+                if limit <= 0:
+                    i += 1
+                    continue
+            if num_new > limit:
+                num_new = limit
+            blocks = allocate_slots(request, num_new)
+            while blocks is None:
+                victim = running.pop()  # most recently admitted; never one scheduled already
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                blocks = allocate_slots(request, num_new)
+            if blocks is None:
+                break
+            if num_new > 1:
+                prefill_allowance -= num_new
+            num_scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = blocks
+            scheduled_running.append(request)
+            budget -= num_new
+            i += 1
+
+        new_reqs: list[Request] = []
+        if not preempted:  # admitting right after preempting would only thrash
+            budget = self._admit_waiting(budget, num_scheduled, new_reqs, throttled)
+        if throttled and budget > 0:
+            budget = self._top_up(throttled, budget, num_scheduled, new_block_ids,
+                                  scheduled_running)
+        return self._make_output(num_scheduled, new_block_ids, scheduled_running, new_reqs)
+
+    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
+                       new_reqs: list[Request], throttled: list[Request]) -> int:
+        waiting, running = self.waiting, self.running
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            request = waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token still in flight: wait until it comes back
+            computed = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - computed.num_tokens, budget)
+            held_back = (num_new > self.long_prefill_token_threshold and len(waiting) > 1
+                         and len(running) + 1 < self.max_num_seqs)
+            if held_back:  # leave room for the requests behind it
+                num_new = self.long_prefill_token_threshold
+            if self.kv.allocate_slots(request, num_new, computed) is None:
+                break  # first come, first served: nobody overtakes the head of the queue
+            waiting.popleft()
+            running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = computed.num_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = computed.num_tokens
+                request.first_scheduled_time = time.time()
+            num_scheduled[request.request_id] = num_new
+            new_reqs.append(request)
+            if held_back:
+                throttled.append(request)
+            budget -= num_new
+        return budget
+
+    def _top_up(self, throttled: list[Request], budget: int, num_scheduled: dict[str, int],
+                new_block_ids: dict[str, list[int]], scheduled_running: list[Request]) -> int:
+        """Give the budget admissions left unused back to the prefills held back for them."""
+        for request in throttled:
+            if budget == 0:
+                break
+            rid = request.request_id
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted later in the same step
+            already = num_scheduled.get(rid, 0)
+            remaining = (request.num_tokens + request.num_output_placeholders
+                         - request.num_computed_tokens - already)
+            extra = min(remaining, budget)
+            if extra <= 0:
+                continue
+            blocks = self.kv.allocate_slots(request, already + extra)
+            if blocks is None:
+                continue  # no preemption for a top-up
+            if rid in new_block_ids:
+                new_block_ids[rid].extend(blocks)
+            elif rid not in num_scheduled:
+                new_block_ids[rid] = blocks
+                scheduled_running.append(request)
+            # else: admitted this step; NewRequestData carries its whole block table
+            num_scheduled[rid] = already + extra
+            budget -= extra
+        return budget
+
+    def _make_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
+                     scheduled_running: list[Request], new_reqs: list[Request]) -> SchedulerOutput:
+        cached_ids, cached_blocks, cached_computed = [], [], []
+        for request in scheduled_running:
+            rid = request.request_id
+            cached_ids.append(rid)
+            cached_blocks.append(new_block_ids[rid])
+            computed = request.num_computed_tokens
+            cached_computed.append(computed)
+            # _advance, inlined: this runs per request per step
+            computed = request.num_computed_tokens = computed + num_scheduled[rid]
+            if computed == (len(request.prompt_token_ids) + len(request.output_token_ids)
+                            + request.num_output_placeholders):
+                request.num_output_placeholders += 1
+        new_data = []
+        for request in new_reqs:
+            new_data.append(NewRequestData(
+                req_id=request.request_id,
+                # copies: an in-process worker may keep and extend these lists
+                prompt_token_ids=list(request.prompt_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=self.kv.get_block_ids(request),
+                num_computed_tokens=request.num_computed_tokens,
+                output_token_ids=list(request.output_token_ids),
+            ))
+            self._advance(request, num_scheduled[request.request_id])
+        finished, self._finished_req_ids = self._finished_req_ids, []
+        output = SchedulerOutput(
+            step_id=self._step_id,
+            scheduled_new_reqs=new_data,
+            scheduled_cached_reqs=CachedRequestData(cached_ids, cached_blocks, cached_computed),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=finished,
+        )
+        self._step_id += 1
+        return output
+
+    @staticmethod
+    def _advance(request: Request, num_new: int) -> None:
+        computed = request.num_computed_tokens = request.num_computed_tokens + num_new
+        if computed == (len(request.prompt_token_ids) + len(request.output_token_ids)
+                        + request.num_output_placeholders):
+            request.num_output_placeholders += 1  # this step samples a token
+
+    def _at_limit(self, request: Request) -> bool:
+        """Whether the tokens in flight already reach max_tokens / max_model_len, so another
+        step could only produce a token to throw away."""
+        return (request.num_tokens + request.num_output_placeholders
+                >= max_num_tokens(request, self.max_model_len))
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's blocks and requeue it at the front, to be recomputed (its
+        prefix is reused if still cached). A token it has in flight is kept when it arrives."""
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._finished_req_ids.append(request.request_id)
+
+    # ---- results -------------------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, finish requests that are done, and report both."""
+        outputs = []
+        finished_running: set[str] = set()
+        logprobs = runner_output.logprobs
+        requests, max_model_len = self.requests, self.max_model_len
+        for i, rid in enumerate(runner_output.req_ids):
+            new_token_ids = runner_output.sampled_token_ids[i]
+            if not new_token_ids:
+                continue  # mid-prefill
+            request = requests.get(rid)
+            if request is None:
+                continue  # finished or aborted while this step was in flight: discard
+            placeholders = request.num_output_placeholders - len(new_token_ids)
+            request.num_output_placeholders = placeholders if placeholders > 0 else 0
+            if len(new_token_ids) == 1:  # the usual case, without a call
+                request.output_token_ids.append(new_token_ids[0])
+                status = check_stop(request, max_model_len)
+            else:
+                new_token_ids, status = self._append_tokens(request, new_token_ids)
+            entry = logprobs[i] if logprobs else None
+            output = EngineCoreOutput(rid, new_token_ids,
+                                      [entry] if entry is not None else [],
+                                      None, None, request.num_cached_tokens)
+            if status is not None:
+                was_running = request.status == RequestStatus.RUNNING
+                request.status = status
+                output.finish_reason = request.finish_reason
+                output.stop_reason = request.stop_reason
+                self._release_finished(request, was_running)
+                if was_running:
+                    finished_running.add(rid)
+            outputs.append(output)
+        if finished_running:
+            self.running = [r for r in self.running if r.request_id not in finished_running]
+        return outputs
+
+    def _append_tokens(self, request: Request,
+                       token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:
+        """Append tokens one by one, up to the first that finishes the request (its status)."""
+        output_ids = request.output_token_ids
+        for n, token_id in enumerate(token_ids, 1):
+            output_ids.append(token_id)
+            status = check_stop(request, self.max_model_len)
+            if status is not None:
+                return token_ids[:n], status
+        return token_ids, None
+
+    def _release_finished(self, request: Request, was_running: bool) -> None:
+        """Forget a finished request (the caller drops a running one from self.running)."""
+        del self.requests[request.request_id]
+        self.kv.free(request)
+        if was_running:
+            self._finished_req_ids.append(request.request_id)
+        else:
+            # preempted while its token was in flight; the workers forgot it at preemption
+            self.waiting.remove(request)
+
+    # ---- introspection -------------------------------------------------------------------
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_total_blocks=self.kv.num_blocks,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; False (nothing done) while any request holds blocks."""
+        return self.kv.reset_prefix_cache()
