@@ -4,7 +4,9 @@ The offline LLM drives it in its own process; the multi-process engine wraps the
 in a busy loop with IO threads.
 """
 
+import gc
 import time
+from collections import deque
 
 from echo.config import EngineConfig
 from echo.core.request import Request
@@ -24,6 +26,15 @@ class EngineCore:
         executor.init_kv_cache(self.num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)
         self.eos_token_ids = config.model.arch.eos_token_ids
+        # steps sent to the executor whose output has not been processed, oldest first
+        self.in_flight: deque = deque()
+        overlap = config.scheduler.async_scheduling and hasattr(executor, "execute_model_async")
+        self.max_in_flight = 2 if overlap else 1
+        # NOTE: everything alive now (model, caches, tokenizer tables) lives as long as the
+        # engine; freezing it keeps the garbage collector from rescanning it every few steps
+        # (at 1,024 running requests that scan was a 10 ms p99 stall per step).
+        gc.collect()
+        gc.freeze()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         params = request.sampling_params
@@ -47,6 +58,29 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
                                  timestamp=time.time())
+
+    def step_overlapped(self) -> EngineCoreOutputs | None:
+        """Schedule and launch the next step before waiting for the oldest one in flight, so
+        scheduling on the CPU overlaps the workers' GPU work. Returns None when nothing came
+        back this call (the pipeline is filling)."""
+        scheduled = False
+        if len(self.in_flight) < self.max_in_flight and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.is_empty or scheduler_output.finished_req_ids:
+                self.executor.execute_model_async(scheduler_output)
+                self.in_flight.append(scheduler_output)
+                scheduled = not scheduler_output.is_empty
+        # wait for the oldest step once the pipeline is full, or when nothing new could start
+        if not self.in_flight or (scheduled and len(self.in_flight) < self.max_in_flight):
+            return None
+        scheduler_output = self.in_flight.popleft()
+        runner_output = self.executor.get_output()
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
+                                 timestamp=time.time())
+
+    def has_work(self) -> bool:
+        return bool(self.in_flight) or self.scheduler.has_unfinished_requests()
 
     def shutdown(self) -> None:
         self.executor.shutdown()
