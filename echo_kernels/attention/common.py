@@ -1,0 +1,238 @@
+"""@triton.jit pieces shared by the attention kernels, plus their launch-config tables.
+
+Query tiles pack the GQA group: a sequence's query rows are flattened as
+`row = token_in_run * GROUP + head_in_group`, and a tile is BLOCK_M consecutive rows. All query
+heads of one KV head then share each K/V tile (read once per KV head), a decode token fills GROUP
+rows of a tile instead of one, and non-power-of-two groups (40/8 heads) waste no rows.
+Sequence `s` owns tiles `cu_seqlens_q[s] * GROUP // BLOCK_M + s ...` (at least as many as it
+needs, never overlapping the next sequence's), so a grid of
+`num_tokens * GROUP // BLOCK_M + num_seqs` tiles covers any batch without a host sync.
+"""
+
+import os
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# NOTE: the running max starts at a finite floor, not -inf: a row that sees no key in a tile
+# (causal rows before a split's first key) keeps exp2(m - m_new) = 1 and p = exp2(-inf) = 0, where
+# -inf - -inf would give NaN.
+M_FLOOR = tl.constexpr(-1.0e30)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # query rows (tokens x GQA heads) per program
+    block_n: int  # keys per inner-loop step
+    num_warps: int
+    num_stages: int
+
+
+def tile_config(rows_per_seq: int, head_dim: int, is_int8: bool = False) -> TileConfig:
+    """Tile sizes for query runs of about `rows_per_seq` rows (GQA heads included).
+
+    Sizes are fixed per shape class rather than autotuned, so the first call of a shape neither
+    benchmarks nor syncs (CUDA-graph capture safe).
+    """
+    if interpreting():
+        return TileConfig(16 if rows_per_seq <= 16 else 32, 32, 1, 1)
+    # NOTE: picked from sweeps on an H200 at d=128, 32/8 heads, block size 16 (bench_kernels.py
+    # --sweep); d=64 keeps the same bytes per K/V tile, unmeasured.
+    if rows_per_seq <= 16:
+        # decode, memory bound: 98-105% of copy bandwidth at B=64/256, 81% at B=1 x 32K (split).
+        # Small bf16 tiles keep ~6 programs per SM in flight. int8 tiles are converted to bf16
+        # through byte-wise shared-memory reads in Triton 3.6; long tiles, 2 stages measured best.
+        if is_int8:
+            return TileConfig(16, 128, 4, 2)
+        return TileConfig(16, 32 if head_dim > 64 else 64, 4, 3)
+    if rows_per_seq <= 256:
+        # short runs, or decode-heavy mixes where 128-row tiles would mostly hold padding
+        return TileConfig(64, 64, 4, 3)
+    # long runs: causal S=4096 prefill at 447 TFLOP/s contiguous, 419 paged (wgmma, 3 stages)
+    return TileConfig(128, 64 if head_dim > 64 else 128, 8, 3)
+
+
+@triton.jit
+def find_seq(
+    cu_seqlens_q_ptr,  # [num_seqs + 1] int32
+    num_seqs,
+    tile,  # this program's tile index in [0, num_tokens * GROUP // BLOCK_M + num_seqs)
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """The sequence whose tile range holds `tile` (binary search over tile starts)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(cu_seqlens_q_ptr + mid) * GROUP // BLOCK_M + mid
+        go_right = start <= tile
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(go_right, hi, mid)
+    return lo - 1
+
+
+@triton.jit
+def query_rows(
+    row0,  # first flattened row of the tile within its sequence's run
+    q_start,  # first token of the run in q
+    q_len,
+    ctx_len,  # keys of the sequence (the run's tokens are its last q_len)
+    kv_head,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Per-row token index, head index, validity and causal limit (last key each row sees)."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len * GROUP
+    t = rows // GROUP
+    tokens = (q_start + t).to(tl.int64)
+    heads = kv_head * GROUP + rows % GROUP
+    q_pos = ctx_len - q_len + t
+    return tokens, heads, row_ok, q_pos
+
+
+@triton.jit
+def causal_bounds(
+    row0,
+    q_len,
+    ctx_len,
+    kv_lo,  # first key of this program's range (multiple of BLOCK_N)
+    kv_hi,  # end of the range (exclusive)
+    CAUSAL: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Split [kv_lo, kv_hi) into whole tiles every row sees unmasked, then the masked rest."""
+    if CAUSAL:
+        last_row = tl.minimum(row0 + BLOCK_M, q_len * GROUP) - 1
+        first_pos = ctx_len - q_len + row0 // GROUP
+        last_pos = ctx_len - q_len + last_row // GROUP
+        full_hi = tl.minimum(kv_hi, first_pos + 1)
+        masked_hi = tl.minimum(kv_hi, last_pos + 1)
+    else:
+        full_hi = kv_hi
+        masked_hi = kv_hi
+    full_hi = kv_lo + tl.maximum(full_hi - kv_lo, 0) // BLOCK_N * BLOCK_N
+    return full_hi, masked_hi
+
+
+@triton.jit
+def online_softmax_step(
+    acc,  # [BLOCK_M, HEAD_DIM] float32, unnormalised output
+    l_i,  # [BLOCK_M] float32, running sum of exp2
+    m_i,  # [BLOCK_M] float32, running max (log2 units)
+    qk,  # [BLOCK_M, BLOCK_N] float32 scores in log2 units, -inf where masked
+    v,  # [BLOCK_N, HEAD_DIM] values in the dot dtype
+    v_scale,  # [BLOCK_N] float32 per-key dequant scale (HAS_V_SCALE)
+    HAS_V_SCALE: tl.constexpr,
+):
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if HAS_V_SCALE:
+        p = p * v_scale[None, :]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def attend_key_range(
+    acc,  # [BLOCK_M, HEAD_DIM] float32
+    l_i,  # [BLOCK_M] float32
+    m_i,  # [BLOCK_M] float32
+    q,  # [BLOCK_M, HEAD_DIM] query tile
+    q_pos,  # [BLOCK_M] int32, last key index each row may see
+    lo,  # first key (multiple of BLOCK_N)
+    hi,  # end of the keys to visit
+    kv_limit,  # keys >= kv_limit are masked (MASKED)
+    k_ptr,  # K at this KV head: paged [blocks, BLOCK_SIZE, ., HEAD_DIM] or rows [., ., HEAD_DIM]
+    v_ptr,  # V, same layout and strides as K
+    k_scale_ptr,  # [num_blocks, BLOCK_SIZE, .] float32 at this KV head (IS_INT8_KV)
+    v_scale_ptr,
+    block_table_ptr,  # [max_blocks] int32 row of this sequence (PAGED)
+    stride_kb,  # K/V stride between cache blocks (PAGED)
+    stride_kt,  # K/V stride between tokens
+    stride_sb,  # scale stride between cache blocks
+    stride_st,  # scale stride between tokens
+    qk_scale,  # softmax_scale * log2(e)
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PAGED: tl.constexpr,
+    IS_INT8_KV: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,  # K/V element offsets may pass 2^31: compute them in int64
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Online softmax over keys [lo, hi), one BLOCK_N tile at a time (the flash inner loop)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if PAGED:
+        # Tiles start at multiples of BLOCK_N, so a row's cache block (relative to the tile's
+        # first) and its offset in that block are loop invariants; only block ids change.
+        if BLOCK_N >= BLOCK_SIZE:
+            blk_of_row = offs_n // BLOCK_SIZE
+            row_in_blk = offs_n % BLOCK_SIZE
+        else:
+            blk_of_row = offs_n * 0
+            row_in_blk = offs_n
+        # NOTE: block ids are fetched one tile ahead into registers. Loaded in the same step as
+        # the K/V they address, they make Triton's pipeliner keep K/V only double-buffered and
+        # wait for every copy each step (no overlap); prefetched, K/V get a full pipeline.
+        next_blk = tl.load(block_table_ptr + lo // BLOCK_SIZE + blk_of_row,
+                           mask=lo + offs_n < kv_limit, other=0)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        in_range = pos < kv_limit
+        if PAGED:
+            blk = next_blk.to(tl.int64) if WIDE_OFFSETS else next_blk
+            ahead = start + BLOCK_N
+            next_blk = tl.load(block_table_ptr + ahead // BLOCK_SIZE + blk_of_row,
+                               mask=ahead + offs_n < kv_limit, other=0)
+            if BLOCK_N >= BLOCK_SIZE:
+                row = row_in_blk
+            else:
+                row = start % BLOCK_SIZE + row_in_blk
+            kv_off = blk * stride_kb + row * stride_kt
+            sc_off = blk * stride_sb + row * stride_st
+        else:
+            kv_off = (pos.to(tl.int64) if WIDE_OFFSETS else pos) * stride_kt
+            sc_off = pos
+        kv_ptrs = kv_off[:, None] + offs_d[None, :]
+        if MASKED:
+            k = tl.load(k_ptr + kv_ptrs, mask=in_range[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptr + kv_ptrs)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)))
+        if IS_INT8_KV:
+            if MASKED:
+                k_sc = tl.load(k_scale_ptr + sc_off, mask=in_range, other=0.0)
+                v_sc = tl.load(v_scale_ptr + sc_off, mask=in_range, other=0.0)
+            else:
+                k_sc = tl.load(k_scale_ptr + sc_off)
+                v_sc = tl.load(v_scale_ptr + sc_off)
+            qk = qk * (k_sc * qk_scale)[None, :]
+        else:
+            v_sc = None
+            qk = qk * qk_scale
+        if MASKED:
+            visible = in_range[None, :]
+            if CAUSAL:
+                visible = visible & (pos[None, :] <= q_pos[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+        if MASKED:
+            v = tl.load(v_ptr + kv_ptrs, mask=in_range[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptr + kv_ptrs)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, qk, v.to(q.dtype), v_sc, IS_INT8_KV)
+    return acc, l_i, m_i

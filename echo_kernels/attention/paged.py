@@ -1,0 +1,265 @@
+"""Attention over the paged KV cache for any batch: decode, chunked prefill, prefill over a cached
+prefix, and mixes of them, in one launch (plus a merge launch when the keys are split).
+
+Each program handles one (KV head, query tile, key split). Query tiles pack the GQA group (see
+common.py), so a decode token fills GROUP rows and K/V are read once per KV head. When the query
+tiles alone cannot fill the GPU (decode, short chunks over long contexts), the keys are split into
+`num_splits` equal chunks (flash decoding); programs then write unnormalised partials and
+reduce.merge_splits combines them.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from echo_kernels.attention.common import (
+    LOG2E,
+    M_FLOOR,
+    TileConfig,
+    attend_key_range,
+    causal_bounds,
+    find_seq,
+    interpreting,
+    query_rows,
+    tile_config,
+)
+from echo_kernels.attention.reduce import merge_splits
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [num_tokens, num_heads, HEAD_DIM]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+    k_scale_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads] float32 (IS_INT8_KV)
+    v_scale_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads] float32 (IS_INT8_KV)
+    block_table_ptr,  # [num_seqs, max_blocks] int32
+    cu_seqlens_q_ptr,  # [num_seqs + 1] int32
+    seq_lens_ptr,  # [num_seqs] int32, context including the run
+    out_ptr,  # [num_tokens, num_heads, HEAD_DIM] (not SPLIT)
+    part_acc_ptr,  # [num_tokens, num_heads, num_splits, HEAD_DIM] float32 (SPLIT)
+    part_ml_ptr,  # [num_tokens, num_heads, num_splits, 2] float32: max, sum (SPLIT)
+    num_seqs,
+    num_heads,
+    num_splits,
+    split_len,  # keys per split, a multiple of BLOCK_N (SPLIT)
+    qk_scale,  # softmax_scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_sb,
+    stride_st,
+    stride_sh,
+    stride_bt,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # cache block size (tokens)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ONE_TILE_PER_SEQ: tl.constexpr,  # every run fits one tile: tile index == sequence index
+    SPLIT: tl.constexpr,
+    IS_INT8_KV: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,  # the cache has 2^31 elements or more
+):
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
+    tl.static_assert((HEAD_DIM & (HEAD_DIM - 1)) == 0, "HEAD_DIM must be a power of two")
+    tl.static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0, "block size must be a power of two")
+    kv_head = tl.program_id(0)
+    # NOTE: later tiles of a run see more keys; launching them first shortens the tail.
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    split = tl.program_id(2)
+
+    if ONE_TILE_PER_SEQ:
+        seq = tile
+        row0 = 0
+    else:
+        seq = find_seq(cu_seqlens_q_ptr, num_seqs, tile, GROUP, BLOCK_M)
+        first_tile = tl.load(cu_seqlens_q_ptr + seq) * GROUP // BLOCK_M + seq
+        row0 = (tile - first_tile) * BLOCK_M
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if row0 >= q_len * GROUP:
+        return
+    ctx_len = tl.load(seq_lens_ptr + seq)
+
+    tokens, heads, row_ok, q_pos = query_rows(row0, q_start, q_len, ctx_len, kv_head, GROUP,
+                                              BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+
+    if SPLIT:
+        kv_lo = split * split_len
+        kv_hi = tl.minimum(ctx_len, kv_lo + split_len)
+    else:
+        kv_lo = 0
+        kv_hi = ctx_len
+    full_hi, masked_hi = causal_bounds(row0, q_len, ctx_len, kv_lo, kv_hi, True, GROUP, BLOCK_M,
+                                       BLOCK_N)
+
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_kh
+    ks_base = k_scale_ptr + kv_head * stride_sh
+    vs_base = v_scale_ptr + kv_head * stride_sh
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], M_FLOOR, dtype=tl.float32)
+    acc, l_i, m_i = attend_key_range(
+        acc, l_i, m_i, q, q_pos, kv_lo, full_hi, kv_hi, k_base, v_base, ks_base, vs_base, bt_row,
+        stride_kb, stride_kt, stride_sb, stride_st, qk_scale,
+        False, True, True, IS_INT8_KV, WIDE_OFFSETS, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+    )
+    acc, l_i, m_i = attend_key_range(
+        acc, l_i, m_i, q, q_pos, full_hi, masked_hi, kv_hi, k_base, v_base, ks_base, vs_base,
+        bt_row, stride_kb, stride_kt, stride_sb, stride_st, qk_scale,
+        True, True, True, IS_INT8_KV, WIDE_OFFSETS, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+    )
+
+    if SPLIT:
+        part = (tokens * num_heads + heads) * num_splits + split
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+    else:
+        # a padded sequence (no keys) writes zeros, not 0/0
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptrs = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh
+        tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+# Splits aim at this many programs per SM, and give each split at least MIN_SPLIT_LEN keys so
+# the partials' write and merge stay small next to the K/V reads. NOTE: measured on an H200,
+# splitting batches that already have 2 programs per SM only added work (B=64 x 4096: 512
+# programs unsplit ran at 99-105% of copy bandwidth); B=1 x 32K runs 8 x 32 programs.
+_PROGRAMS_PER_SM = 2
+_MIN_SPLIT_LEN = 256
+_MAX_SPLITS = 128
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # interpreter: small enough that tiny test batches split
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_programs: int, max_seqlen_k: int, block_n: int,
+                      device: torch.device) -> int:
+    """Key splits so that (query tiles x KV heads x splits) gives every SM a couple of programs.
+
+    Host-side and sync-free: it sees only the grid size and the max_seqlen_k bound, so a CUDA
+    graph captured with a max_seqlen_k stays valid for every shorter context it replays."""
+    target = _PROGRAMS_PER_SM * _sm_count(device)
+    if num_programs >= target:
+        return 1
+    min_len = block_n if interpreting() else _MIN_SPLIT_LEN
+    return max(1, min(triton.cdiv(target, num_programs), triton.cdiv(max_seqlen_k, min_len),
+                      _MAX_SPLITS))
+
+
+def paged_attention_launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """paged_attention with the split count and tile config open to tests and benchmarks."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be contiguous"
+    assert v_cache.stride() == k_cache.stride(), "k_cache and v_cache must share a layout"
+    is_int8 = k_cache.dtype == torch.int8
+    if is_int8:
+        assert k_scale is not None and v_scale is not None, "int8 caches need k_scale/v_scale"
+        assert v_scale.stride() == k_scale.stride()
+    else:
+        k_scale = v_scale = k_cache  # unused
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+
+    if config is None:
+        rows_per_seq = min(max_seqlen_q, triton.cdiv(num_tokens, num_seqs)) * group
+        config = tile_config(rows_per_seq, head_dim, is_int8)
+    one_tile = max_seqlen_q * group <= config.block_m
+    num_tiles = num_seqs if one_tile else num_tokens * group // config.block_m + num_seqs
+    if num_splits is None:
+        num_splits = choose_num_splits(num_tiles * num_kv_heads, max_seqlen_k, config.block_n,
+                                       q.device)
+    split_len = triton.cdiv(triton.cdiv(max_seqlen_k, num_splits), config.block_n) * config.block_n
+    num_splits = max(1, triton.cdiv(max_seqlen_k, split_len))
+    split = num_splits > 1
+    if split:
+        part_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
+                               device=q.device)
+        part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32,
+                              device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+
+    grid = (num_kv_heads, num_tiles, num_splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, k_scale, v_scale, block_table, cu_seqlens_q, seq_lens,
+        out, part_acc, part_ml,
+        num_seqs, num_heads, num_splits, split_len, softmax_scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), block_table.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, ONE_TILE_PER_SEQ=one_tile,
+        SPLIT=split, IS_INT8_KV=is_int8, WIDE_OFFSETS=k_cache.numel() >= 2**31,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split:
+        merge_splits(part_acc, part_ml, out)
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's query run over its paged context.
+
+    q [num_tokens, num_heads, head_dim]; k_cache/v_cache [num_blocks, block_size, num_kv_heads,
+    head_dim] (int8 with k_scale/v_scale [num_blocks, block_size, num_kv_heads]); block_table
+    [num_seqs, max_blocks] int32; cu_seqlens_q [num_seqs + 1] int32; seq_lens [num_seqs] int32,
+    each context including its run, whose K/V are already in the cache. The run of sequence s is
+    its last q_len tokens; query i sees keys 0 .. seq_len - q_len + i. max_seqlen_q/max_seqlen_k
+    are host ints (upper bounds are fine) used only to size the grid.
+    """
+    return paged_attention_launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens,
+                                  max_seqlen_q, max_seqlen_k, softmax_scale, k_scale, v_scale, out)

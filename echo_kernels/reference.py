@@ -1,0 +1,122 @@
+"""Pure-PyTorch twins of every kernel, in float32 math: the ground truth of the kernel tests.
+
+Slow (Python loops over sequences, host syncs) and meant only for tests and benchmarks. Where a
+kernel rounds to the model dtype at a point Hugging Face's modules do, the twin rounds there too.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 over the last dim: (values int8, scale = absmax / 127 float32)."""
+    x = x.float()
+    absmax = x.abs().amax(-1)
+    inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+    y = x * inv.unsqueeze(-1)
+    y = torch.where(y >= 0, torch.floor(y + 0.5), torch.ceil(y - 0.5)).clamp(-127, 127)
+    return y.to(torch.int8), absmax / 127.0
+
+
+def store_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """In place, like store_kv_cache."""
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    for src, cache, scale in ((k[keep], k_cache, k_scale), (v[keep], v_cache, v_scale)):
+        if cache.dtype == torch.int8:
+            values, sc = quantize_int8(src)
+            cache[blocks, offsets] = values
+            scale[blocks, offsets] = sc
+        else:
+            cache[blocks, offsets] = src.to(cache.dtype)
+
+
+def gather_kv(cache, scale, block_table_row, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence from a paged cache, float32 [length, H, D]."""
+    block_size = cache.shape[1]
+    blocks = block_table_row[: -(-length // block_size)].long()
+    x = cache[blocks].flatten(0, 1)[:length].float()
+    if cache.dtype == torch.int8:
+        x = x * scale[blocks].flatten(0, 1)[:length].float().unsqueeze(-1)
+    return x
+
+
+def _attend(q, k, v, softmax_scale: float, causal: bool) -> torch.Tensor:
+    """q [Lq, H, D], k/v [Lk, Hkv, D] float32; bottom-right causal; rows seeing no key -> 0."""
+    lq, num_heads, _ = q.shape
+    lk, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale
+    if causal:
+        q_pos = torch.arange(lq, device=q.device) + (lk - lq)
+        visible = torch.arange(lk, device=q.device)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def paged_attention_ref(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens,
+                        softmax_scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
+    """float32 [num_tokens, num_heads, head_dim]; rows of tokens outside every run stay 0."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    cu = cu_seqlens_q.tolist()
+    for s, ctx in enumerate(seq_lens.tolist()):
+        if cu[s + 1] == cu[s]:
+            continue
+        k = gather_kv(k_cache, k_scale, block_table[s], ctx)
+        v = gather_kv(v_cache, v_scale, block_table[s], ctx)
+        out[cu[s]:cu[s + 1]] = _attend(q[cu[s]:cu[s + 1]].float(), k, v, softmax_scale, True)
+    return out
+
+
+def flash_attn_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale: float,
+                          causal: bool = True) -> torch.Tensor:
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for s in range(len(cq) - 1):
+        out[cq[s]:cq[s + 1]] = _attend(q[cq[s]:cq[s + 1]].float(), k[ck[s]:ck[s + 1]].float(),
+                                       v[ck[s]:ck[s + 1]].float(), softmax_scale, causal)
+    return out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm: (x.float() * rsqrt(mean(x^2) + eps)).to(dtype) * weight."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (y.float() * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm_ref(x, residual, weight, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), the sum rounded to x's dtype."""
+    s = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm_ref(s, weight, eps), s
+
+
+def rotary_embedding_ref(positions, q, k, cos_sin_cache, is_neox: bool = True,
+                         q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6):
+    """Rotated float32 copies (q, k), after the per-head RMSNorm when its weights are given."""
+    half = cos_sin_cache.shape[1] // 2
+    cos = cos_sin_cache[positions.long(), :half].float().unsqueeze(1)
+    sin = cos_sin_cache[positions.long(), half:].float().unsqueeze(1)
+
+    def rotate(x, norm_weight):
+        if norm_weight is not None:
+            x = rms_norm_ref(x, norm_weight, eps)
+        x = x.float()
+        if is_neox:
+            x1, x2 = x[..., :half], x[..., half:]
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+    return rotate(q, q_norm_weight), rotate(k, k_norm_weight)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    x = x.float()
+    return F.silu(x[..., :d]) * x[..., d:]

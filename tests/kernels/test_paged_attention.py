@@ -1,0 +1,145 @@
+"""paged_attention against the float32 reference, over caches whose unused slots are NaN.
+
+CPU (interpreter) cases are tiny but walk every path: decode with and without key splits (and
+the merge), multi-tile prefill runs, prefill over a cached prefix, mixed batches, GQA groups of
+1/2/3/4, block sizes 16/32/64, int8 caches. GPU cases use the real head shapes in bf16.
+"""
+
+import random
+
+import pytest
+import torch
+from kernel_utils import PagedBatch, assert_close
+
+from echo_kernels import paged_attention
+from echo_kernels.reference import paged_attention_ref
+
+# (num_heads, num_kv_heads): groups 2, 4, 1 and a non-power-of-two 3
+CPU_HEADS = [(4, 2), (4, 1), (2, 2), (6, 2)]
+CPU_ATOL = {torch.float16: 3e-3, torch.float32: 1e-4}
+
+
+@pytest.mark.parametrize("heads", CPU_HEADS)
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_decode(paged_batch, heads, block_size):
+    # contexts of 1 and around block-size multiples; the split heuristic splits these on CPU
+    ctx = [1, block_size - 1, block_size, block_size + 1, 2 * block_size + 1]
+    b = paged_batch([1] * len(ctx), ctx, *heads, 32, block_size, torch.float16)
+    assert_close(b.run(), b.reference(), CPU_ATOL[torch.float16])
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_decode_forced_splits(paged_batch, num_splits):
+    # 5 splits of 32 keys over contexts <= 97: some splits see no key at all
+    b = paged_batch([1, 1, 1], [97, 3, 40], 4, 2, 32, 16, torch.float32)
+    assert_close(b.run(num_splits=num_splits), b.reference(), CPU_ATOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("heads", [(4, 2), (6, 2), (2, 2)])
+def test_mixed_batch(paged_batch, dtype, heads):
+    # decode, a fresh prefill, a chunk over a cached prefix, decode at a block boundary
+    q_lens, ctx = [1, 13, 9, 1, 1], [40, 13, 50, 32, 1]
+    b = paged_batch(q_lens, ctx, *heads, 32, 16, dtype)
+    assert_close(b.run(), b.reference(), CPU_ATOL[dtype])
+
+
+def test_mixed_batch_split(paged_batch):
+    # key splits under prefill rows: causal rows that see nothing in a split must drop out
+    b = paged_batch([1, 13, 9], [70, 13, 75], 4, 2, 32, 32, torch.float32)
+    assert_close(b.run(num_splits=3), b.reference(), CPU_ATOL[torch.float32])
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_prefill_multi_tile(paged_batch, block_size):
+    # runs of several 32-row tiles (binary search over tiles), a fresh one and one over a prefix
+    b = paged_batch([20, 17], [20, 60], 4, 2, 32, block_size, torch.float16)
+    assert_close(b.run(), b.reference(), CPU_ATOL[torch.float16])
+
+
+@pytest.mark.parametrize("q_lens,ctx", [([1, 1, 1], [33, 1, 64]), ([1, 9, 12], [30, 9, 47])])
+def test_int8_cache(paged_batch, q_lens, ctx):
+    b = paged_batch(q_lens, ctx, 4, 2, 32, 16, torch.float16, kv_dtype=torch.int8)
+    assert b.k_cache.dtype == torch.int8
+    assert_close(b.run(), b.reference(), CPU_ATOL[torch.float16])
+
+
+def test_strided_q_and_default_out(device):
+    b = PagedBatch([1, 5], [20, 5], 4, 2, 32, 16, 8, torch.float16, device)
+    # q as a view into a fused qkv projection output
+    qkv = torch.randn(6, (4 + 2 * 2) * 32, dtype=torch.float16, device=device)
+    q = qkv[:, : 4 * 32].view(6, 4, 32)
+    out = paged_attention(q, b.k_cache, b.v_cache, b.block_table, b.cu_seqlens_q, b.seq_lens,
+                          5, 20, 0.125)
+    ref = paged_attention_ref(q, b.k_cache, b.v_cache, b.block_table, b.cu_seqlens_q,
+                              b.seq_lens, 0.125)
+    assert out.shape == q.shape and out.is_contiguous()
+    assert_close(out, ref, CPU_ATOL[torch.float16])
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+GPU_HEADS = [(32, 8), (40, 40), (64, 8), (16, 1)]
+GPU_ATOL = 2e-2
+POOL = 4096  # blocks in the cache pool
+
+
+def _random_ctx(rng: random.Random, block_size: int, n: int, max_len: int) -> list[int]:
+    """Context lengths: 1, block multiples and +-1 around them, and uniform ones."""
+    special = [1, block_size, block_size - 1, block_size + 1, 4 * block_size,
+               4 * block_size + 1, 4 * block_size - 1]
+    return [rng.choice(special) if rng.random() < 0.4 else rng.randint(1, max_len)
+            for _ in range(n)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", GPU_HEADS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_gpu_decode(paged_batch, heads, head_dim, block_size):
+    rng = random.Random(f"decode{heads}{head_dim}{block_size}")
+    ctx = _random_ctx(rng, block_size, 24, 2000)
+    b = paged_batch([1] * len(ctx), ctx, *heads, head_dim, block_size, torch.bfloat16,
+                    num_blocks=POOL, seed=rng.randint(0, 1000))
+    assert_close(b.run(), b.reference(), GPU_ATOL)
+    # a batch of one long context goes through many splits and the merge
+    b = paged_batch([1], [8191], *heads, head_dim, block_size, torch.bfloat16,
+                    num_blocks=max(POOL, 8191 // block_size + 16))
+    assert_close(b.run(), b.reference(), GPU_ATOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", GPU_HEADS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_gpu_mixed(paged_batch, heads, head_dim, block_size):
+    rng = random.Random(f"mixed{heads}{head_dim}{block_size}")
+    ctx = _random_ctx(rng, block_size, 16, 1500)
+    # decodes, fresh prefills, chunks over cached prefixes
+    q_lens = [rng.choice([1, 1, c, rng.randint(1, c)]) for c in ctx]
+    b = paged_batch(q_lens, ctx, *heads, head_dim, block_size, torch.bfloat16, num_blocks=POOL,
+                    seed=rng.randint(0, 1000))
+    assert_close(b.run(), b.reference(), GPU_ATOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len,ctx", [(4096, 4096), (512, 8192), (3000, 3001)])
+def test_gpu_long_prefill(paged_batch, q_len, ctx):
+    b = paged_batch([q_len], [ctx], 32, 8, 128, 16, torch.bfloat16,
+                    num_blocks=max(POOL, ctx // 16 + 16))
+    assert_close(b.run(), b.reference(), GPU_ATOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(32, 8), (40, 40)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_gpu_int8(paged_batch, heads, block_size):
+    rng = random.Random(f"int8{heads}{block_size}")
+    ctx = _random_ctx(rng, block_size, 16, 2000)
+    q_lens = [rng.choice([1, 1, 1, rng.randint(1, c)]) for c in ctx]
+    b = paged_batch(q_lens, ctx, *heads, 128, block_size, torch.bfloat16,
+                    kv_dtype=torch.int8, num_blocks=POOL, seed=rng.randint(0, 1000))
+    assert_close(b.run(), b.reference(), GPU_ATOL)
+    b = paged_batch([1] * 8, [1, 17, 4000, 1000, 33, 64, 65, 2048], *heads, 128, block_size,
+                    torch.bfloat16, kv_dtype=torch.int8, num_blocks=POOL)
+    assert_close(b.run(), b.reference(), GPU_ATOL)

@@ -1,0 +1,368 @@
+"""Benchmark echo_kernels against the GPU's measured ceilings and against torch's SDPA.
+
+Measures, in the same run, the device copy bandwidth (bytes read + written) and a bf16 matmul
+rate, then times each kernel at the issue's acceptance shapes with triton.testing.do_bench
+(median; L2 flushed between runs) and reports achieved TB/s or TFLOP/s, the fraction of the
+ceiling and the target. Prints a table; --out writes the rows as JSON.
+
+    python tools/bench_kernels.py [--out bench.json] [--only decode,prefill,...] [--sweep]
+
+--sweep also times the attention shapes under several tile configs and split counts (for tuning
+echo_kernels.attention.common.tile_config and the split heuristic).
+"""
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from echo_kernels import (  # noqa: E402
+    fused_add_rms_norm,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+    store_kv_cache,
+)
+from echo_kernels.attention import flash_attn_varlen_launch, paged_attention_launch  # noqa: E402
+from echo_kernels.attention.common import TileConfig  # noqa: E402
+
+DT = torch.bfloat16
+
+
+def bench(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds."""
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def measure_ceilings() -> dict:
+    n = 1 << 29  # 1 GiB of bf16
+    src = torch.randn(n, device="cuda", dtype=DT)
+    dst = torch.empty_like(src)
+    copy_tbs = 2 * src.numel() * 2 / bench(lambda: dst.copy_(src)) / 1e9
+    src = dst = None
+    a = torch.randn(8192, 8192, device="cuda", dtype=DT)
+    b = torch.randn(8192, 8192, device="cuda", dtype=DT)
+    mm_tflops = 2 * 8192**3 / bench(lambda: a @ b) / 1e9
+    return {"copy_TBps": copy_tbs, "matmul_bf16_TFLOPs": mm_tflops}
+
+
+class Rows:
+    def __init__(self, ceilings: dict):
+        self.ceil = ceilings
+        self.rows: list[dict] = []
+
+    def add(self, name: str, shape: str, ms: float, *, nbytes: float = 0, flops: float = 0,
+            target: float | None = None, note: str = "") -> None:
+        if flops:
+            achieved, unit = flops / ms / 1e9, "TFLOP/s"
+            frac = achieved / self.ceil["matmul_bf16_TFLOPs"]
+        else:
+            achieved, unit = nbytes / ms / 1e9, "TB/s"
+            frac = achieved / self.ceil["copy_TBps"]
+        row = {"kernel": name, "shape": shape, "us": ms * 1e3, "achieved": achieved,
+               "unit": unit, "frac_of_ceiling": frac, "target": target, "note": note}
+        if target is not None and unit == "TB/s":
+            row["pass"] = frac >= target
+        elif target is not None:
+            row["pass"] = achieved >= target
+        self.rows.append(row)
+        tgt = "" if target is None else (f"{target:.0%}" if unit == "TB/s" else f">={target:.0f}")
+        ok = {True: "ok", False: "MISS"}.get(row.get("pass"), "")
+        print(f"{name:<34} {shape:<34} {ms * 1e3:>9.1f} us {achieved:>8.2f} {unit:<8}"
+              f" {frac:>6.1%}  {tgt:>6} {ok:<4} {note}", flush=True)
+
+
+# ---------------------------------------------------------------------------- attention inputs
+
+def paged_decode_inputs(batch: int, ctx: int, heads=(32, 8), head_dim=128, block_size=16,
+                        kv_dtype=DT):
+    num_heads, num_kv = heads
+    blocks_per_seq = ctx // block_size
+    num_blocks = batch * blocks_per_seq
+    perm = torch.randperm(num_blocks, device="cuda", dtype=torch.int64).to(torch.int32)
+    block_table = perm.view(batch, blocks_per_seq)
+    shape = (num_blocks, block_size, num_kv, head_dim)
+    if kv_dtype == torch.int8:
+        k_cache = torch.randint(-127, 128, shape, device="cuda", dtype=torch.int8)
+        v_cache = torch.randint(-127, 128, shape, device="cuda", dtype=torch.int8)
+        k_scale = torch.rand(shape[:3], device="cuda") / 127
+        v_scale = torch.rand(shape[:3], device="cuda") / 127
+    else:
+        k_cache = torch.randn(shape, device="cuda", dtype=kv_dtype)
+        v_cache = torch.randn(shape, device="cuda", dtype=kv_dtype)
+        k_scale = v_scale = None
+    return dict(block_table=block_table, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale,
+                v_scale=v_scale, seq_lens=torch.full((batch,), ctx, device="cuda",
+                                                     dtype=torch.int32))
+
+
+def run_paged(inp, q, cu_q, max_q, max_k, out, **kw):
+    return paged_attention_launch(q, inp["k_cache"], inp["v_cache"], inp["block_table"], cu_q,
+                                  inp["seq_lens"], max_q, max_k, q.shape[-1] ** -0.5,
+                                  inp["k_scale"], inp["v_scale"], out=out, **kw)
+
+
+def bench_graph(fns, reps: int = 20, inner: int = 10) -> float:
+    """Median ms per call of `fns` replayed from one CUDA graph, as the engine's decode runs.
+
+    `fns` rotates over inputs that together exceed the L2, so no call reads the last one's K/V
+    from cache; launch overheads, which graphs remove in serving, are not counted.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            for fn in fns:
+                fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2] / (inner * len(fns))
+
+
+def sdpa_fn(q, k, v, backend, causal: bool, gqa: bool):
+    """A callable running SDPA on one backend, or None where that backend refuses the shapes."""
+    from torch.nn.attention import sdpa_kernel
+
+    def fn():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+    try:
+        fn()
+        return fn
+    except RuntimeError:
+        return None
+
+
+DECODE_SWEEP = {
+    DT: [TileConfig(16, 64, 4, 2), TileConfig(16, 64, 4, 3), TileConfig(16, 64, 4, 4),
+         TileConfig(16, 32, 4, 3), TileConfig(16, 128, 4, 3), TileConfig(16, 128, 4, 2)],
+    torch.int8: [TileConfig(16, 128, 4, 2), TileConfig(16, 128, 4, 3), TileConfig(16, 64, 4, 3),
+                 TileConfig(16, 64, 4, 2), TileConfig(16, 256, 4, 2)],
+}
+
+
+def bench_decode(rows: Rows, sweep: bool) -> None:
+    from torch.nn.attention import SDPBackend
+
+    cases = [(64, 4096, 0.85), (1, 32768, 0.70), (256, 1024, 0.85)]
+    for batch, ctx, target in cases:
+        kv_bytes = batch * ctx * 8 * 128 * 2 * 2
+        num_rot = max(1, math.ceil(512e6 / kv_bytes))  # inputs in rotation: >= 512 MB in all
+        q = torch.randn(batch, 32, 128, device="cuda", dtype=DT)
+        out = torch.empty_like(q)
+        cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+        for kv_dtype in (DT, torch.int8):
+            inps = [paged_decode_inputs(batch, ctx, kv_dtype=kv_dtype) for _ in range(num_rot)]
+            elem = 1 if kv_dtype == torch.int8 else 2
+            nbytes = batch * ctx * 8 * 128 * 2 * elem + (batch * ctx * 8 * 2 * 4 if elem == 1
+                                                         else 0)
+
+            def calls(**kw):
+                return [lambda i=i: run_paged(i, q, cu_q, 1, ctx, out, **kw)  # noqa: B023
+                        for i in inps]  # noqa: B023
+
+            name = "paged_attention decode" + (" int8" if elem == 1 else "")
+            rows.add(name, f"B={batch} L={ctx} 32/8 d128 bs16", bench_graph(calls()),
+                     nbytes=nbytes, target=target if elem == 2 else None, note="cuda graph")
+            rows.add(name + " (eager)", f"B={batch} L={ctx} 32/8 d128 bs16",
+                     bench(calls()[0]), nbytes=nbytes, note="do_bench, launch overhead incl.")
+            if sweep:
+                for splits in (1, 2, 4, 16, 32, 64):
+                    if batch * 8 * splits > 8 * 132 * 8:
+                        continue
+                    for cfg in DECODE_SWEEP[kv_dtype]:
+                        ms = bench_graph(calls(num_splits=splits, config=cfg), reps=10)
+                        rows.add("  sweep", f"splits={splits} {cfg}", ms, nbytes=nbytes)
+            inps = None
+        # dense decode in SDPA for comparison; K/V bytes counted at 8 heads
+        qd = q.view(batch, 32, 1, 128)
+        kd = torch.randn(batch, 8, ctx, 128, device="cuda", dtype=DT)
+        vd = torch.randn_like(kd)
+        for label, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
+                               ("flash", SDPBackend.FLASH_ATTENTION)):
+            fn, note = sdpa_fn(qd, kd, vd, backend, False, True), "enable_gqa"
+            if fn is None:
+                ke, ve = kd.repeat_interleave(4, 1), vd.repeat_interleave(4, 1)
+                fn, note = sdpa_fn(qd, ke, ve, backend, False, False), "K/V expanded to 32 heads"
+            if fn is not None:
+                rows.add(f"sdpa {label} decode (dense)", f"B={batch} L={ctx} 32/8 d128",
+                         bench_graph([fn]), nbytes=kv_bytes, note=note + ", cuda graph")
+
+
+def bench_prefill(rows: Rows, sweep: bool) -> None:
+    from torch.nn.attention import SDPBackend
+
+    seq, h, hkv, d = 4096, 32, 8, 128
+    flops = 4 * seq * seq * h * d / 2
+    q = torch.randn(seq, h, d, device="cuda", dtype=DT)
+    k = torch.randn(seq, hkv, d, device="cuda", dtype=DT)
+    v = torch.randn_like(k)
+    cu = torch.tensor([0, seq], device="cuda", dtype=torch.int32)
+    out = torch.empty_like(q)
+
+    def varlen(cfg=None):
+        return flash_attn_varlen_launch(q, k, v, cu, cu, seq, seq, d**-0.5, True, out=out,
+                                        config=cfg)
+
+    rows.add("flash_attn_varlen causal", f"S={seq} {h}/{hkv} d{d}", bench(varlen), flops=flops,
+             target=400)
+    inp = paged_decode_inputs(1, seq)
+    store_kv_cache(k, v, inp["k_cache"], inp["v_cache"],
+                   (inp["block_table"][0].long()[:, None] * 16
+                    + torch.arange(16, device="cuda")).flatten())
+
+    def paged(cfg=None, splits=None):
+        return run_paged(inp, q, cu, seq, seq, out, config=cfg, num_splits=splits)
+
+    rows.add("paged_attention prefill", f"S={seq} {h}/{hkv} d{d} bs16", bench(paged),
+             flops=flops, target=400)
+    if sweep:
+        for cfg in (TileConfig(128, 64, 8, 2), TileConfig(128, 64, 8, 3),
+                    TileConfig(128, 64, 8, 4), TileConfig(128, 128, 8, 2),
+                    TileConfig(128, 128, 8, 3), TileConfig(128, 32, 4, 3),
+                    TileConfig(64, 64, 4, 3), TileConfig(64, 64, 4, 4)):
+            for label, fn in (("varlen", varlen), ("paged", paged)):
+                try:
+                    ms = bench(lambda: fn(cfg))  # noqa: B023
+                except Exception as e:  # a config can exceed shared memory
+                    print(f"  sweep {label} {cfg}: {type(e).__name__}")
+                    continue
+                rows.add(f"  sweep {label}", str(cfg), ms, flops=flops)
+    qs = q.view(1, seq, h, d).transpose(1, 2)
+    ks = k.view(1, seq, hkv, d).transpose(1, 2).repeat_interleave(h // hkv, 1)
+    vs = v.view(1, seq, hkv, d).transpose(1, 2).repeat_interleave(h // hkv, 1)
+    for label, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
+                           ("flash", SDPBackend.FLASH_ATTENTION)):
+        fn = sdpa_fn(qs, ks, vs, backend, True, False)
+        if fn is not None:
+            rows.add(f"sdpa {label} causal", f"S={seq} {h}/{h} d{d}", bench(fn), flops=flops)
+
+
+def bench_mixed(rows: Rows) -> None:
+    """One launch over 64 decodes (ctx 4096) + 2 prefill chunks of 1024 over 1024-token prefixes,
+    against the decode-only and prefill-only launches of the same work."""
+    n_dec, ctx, chunk = 64, 4096, 1024
+    inp = paged_decode_inputs(n_dec + 2, ctx)
+    inp["seq_lens"][n_dec:] = 2 * chunk
+    q_lens = [1] * n_dec + [chunk, chunk]
+    cu = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+    q = torch.randn(int(sum(q_lens)), 32, 128, device="cuda", dtype=DT)
+    out = torch.empty_like(q)
+    mixed = bench_graph([lambda: run_paged(inp, q, cu, chunk, ctx, out)])
+    dec = {k: (v[:n_dec] if k in ("block_table", "seq_lens") else v) for k, v in inp.items()}
+    pre = {k: (v[n_dec:] if k in ("block_table", "seq_lens") else v) for k, v in inp.items()}
+    cu_pre = cu[n_dec:] - n_dec
+    t_dec = bench_graph([lambda: run_paged(dec, q[:n_dec], cu[:n_dec + 1], 1, ctx, out[:n_dec])])
+    t_pre = bench_graph([lambda: run_paged(pre, q[n_dec:], cu_pre, chunk, 2 * chunk,
+                                           out[n_dec:])])
+    nbytes = n_dec * ctx * 8 * 128 * 4
+    flops = 2 * 4 * chunk * (chunk + chunk / 2) * 32 * 128
+    rows.add("paged_attention mixed (1 launch)", f"{n_dec}x dec@{ctx} + 2x {chunk}@{2 * chunk}",
+             mixed, nbytes=nbytes, note=f"decode-only {t_dec * 1e3:.0f} us + prefill-only "
+             f"{t_pre * 1e3:.0f} us; TB/s counts decode KV only; prefill {flops / 1e9:.0f} GFLOP")
+
+
+def bench_elementwise(rows: Rows) -> None:
+    tokens, hidden = 8192, 4096
+    x = torch.randn(tokens, hidden, device="cuda", dtype=DT)
+    residual = torch.randn_like(x)
+    w = torch.randn(hidden, device="cuda", dtype=DT)
+    size = x.numel() * 2
+    rows.add("rms_norm", f"[{tokens}, {hidden}]", bench(lambda: rms_norm(x, w, 1e-6)),
+             nbytes=2 * size)
+    rows.add("fused_add_rms_norm", f"[{tokens}, {hidden}]",
+             bench(lambda: fused_add_rms_norm(x, residual, w, 1e-6)), nbytes=4 * size, target=0.8)
+    rows.add("torch rms_norm (eager)", f"[{tokens}, {hidden}]",
+             bench(lambda: F.rms_norm(x, (hidden,), w, 1e-6)), nbytes=2 * size)
+
+    gate_up = torch.randn(tokens, 2 * hidden, device="cuda", dtype=DT)
+    rows.add("silu_and_mul", f"[{tokens}, {2 * hidden}] -> {hidden}",
+             bench(lambda: silu_and_mul(gate_up)), nbytes=3 * size, target=0.8)
+    rows.add("torch silu*mul (eager)", f"[{tokens}, {2 * hidden}] -> {hidden}",
+             bench(lambda: F.silu(gate_up[:, :hidden]) * gate_up[:, hidden:]), nbytes=3 * size)
+
+    h, hkv, d = 32, 8, 128
+    qkv = torch.randn(tokens, (h + 2 * hkv) * d, device="cuda", dtype=DT)
+    q = qkv[:, : h * d].view(tokens, h, d)
+    k = qkv[:, h * d: (h + hkv) * d].view(tokens, hkv, d)
+    positions = torch.randint(0, 32768, (tokens,), device="cuda")
+    inv = 1.0 / 1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d)
+    freqs = torch.outer(torch.arange(32768, device="cuda").float(), inv)
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), -1)
+    qk_bytes = 2 * tokens * (h + hkv) * d * 2 + tokens * d * 4
+    rows.add("rotary_embedding", f"T={tokens} {h}/{hkv} d{d}",
+             bench(lambda: rotary_embedding(positions, q, k, cos_sin)), nbytes=qk_bytes,
+             target=0.8)
+    qn = torch.rand(d, device="cuda", dtype=DT) + 0.5
+    rows.add("rotary_embedding + q/k norm", f"T={tokens} {h}/{hkv} d{d}",
+             bench(lambda: rotary_embedding(positions, q, k, cos_sin, True, qn, qn)),
+             nbytes=qk_bytes, target=0.8)
+
+    kv = torch.randn(tokens, 2, hkv, d, device="cuda", dtype=DT)
+    slots = torch.randperm(tokens * 4, device="cuda")[:tokens]
+    for kv_dtype in (DT, torch.int8):
+        kc = torch.zeros(tokens * 4 // 16, 16, hkv, d, device="cuda", dtype=kv_dtype)
+        vc = torch.zeros_like(kc)
+        sc = [torch.zeros(kc.shape[:3], device="cuda") for _ in range(2)] \
+            if kv_dtype == torch.int8 else [None, None]
+        elem = kc.element_size()
+        nbytes = tokens * hkv * d * 2 * (2 + elem) + (tokens * hkv * 8 if elem == 1 else 0)
+        rows.add("store_kv_cache" + (" int8" if elem == 1 else ""), f"T={tokens} {hkv} d{d}",
+                 bench(lambda: store_kv_cache(kv[:, 0], kv[:, 1], kc, vc, slots, *sc)),  # noqa: B023
+                 nbytes=nbytes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--only", default="decode,prefill,mixed,elementwise")
+    parser.add_argument("--sweep", action="store_true", help="also sweep attention tile configs")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "bench_kernels needs a CUDA GPU"
+    torch.manual_seed(0)
+    ceilings = measure_ceilings()
+    print(f"# {torch.cuda.get_device_name()}: copy {ceilings['copy_TBps']:.2f} TB/s, "
+          f"bf16 matmul {ceilings['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
+    print(f"{'kernel':<34} {'shape':<34} {'time':>12} {'achieved':>17} {'ceil':>7}  target")
+    rows = Rows(ceilings)
+    parts = set(args.only.split(","))
+    if "decode" in parts:
+        bench_decode(rows, args.sweep)
+    if "prefill" in parts:
+        bench_prefill(rows, args.sweep)
+    if "mixed" in parts:
+        bench_mixed(rows)
+    if "elementwise" in parts:
+        bench_elementwise(rows)
+    missed = [r["kernel"] for r in rows.rows if r.get("pass") is False]
+    print(f"# targets missed: {', '.join(missed) if missed else 'none'}")
+    if args.out:
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                        "ceilings": ceilings, "rows": rows.rows}, indent=1,
+                                       default=lambda o: None if isinstance(o, float)
+                                       and math.isnan(o) else str(o)))
+
+
+if __name__ == "__main__":
+    main()
