@@ -19,6 +19,9 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None  # one dict per generated token
     finish_reason: str | None = None  # stop, length, abort, error
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # what is new since the previous output of this request (streaming)
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -69,7 +69,23 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         return self.finish_reason is not None
 
 
+class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A call into the core that is not a generation request (stats, reset_prefix_cache)."""
+
+    call_id: int
+    method: str
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    call_id: int
+    result: object = None
+    error: str | None = None
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    utility: UtilityResult | None = None
+    # set once, when the core hits an error it cannot recover from (then it exits)
+    engine_error: str | None = None

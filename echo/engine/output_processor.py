@@ -5,6 +5,7 @@ string is found here (the core never sees text), so the request is then reported
 caller as one to abort in the core.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import msgspec
@@ -23,6 +24,24 @@ class _Child:
     completion: CompletionOutput
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None
+    # how much text / how many tokens earlier outputs reported (for deltas)
+    sent_text: int = 0
+    sent_tokens: int = 0
+
+    def snapshot(self) -> CompletionOutput:
+        """A copy for the caller, with what is new since the last snapshot. While unfinished,
+        text that could be the start of a stop string is held back."""
+        comp = self.completion
+        end = len(comp.text)
+        if not comp.finished and self.params.stop:
+            end = max(self.sent_text, end - max(len(s) for s in self.params.stop) + 1)
+        out = dataclasses.replace(
+            comp, token_ids=list(comp.token_ids),
+            logprobs=list(comp.logprobs) if comp.logprobs is not None else None,
+            delta_text=comp.text[self.sent_text:end],
+            delta_token_ids=comp.token_ids[self.sent_tokens:])
+        self.sent_text, self.sent_tokens = end, len(comp.token_ids)
+        return out
 
 
 @dataclass
@@ -173,7 +192,7 @@ class OutputProcessor:
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
-            outputs=[c.completion for c in parent.children],
+            outputs=[c.snapshot() for c in parent.children],
             finished=parent.finished,
             num_cached_tokens=parent.num_cached_tokens,
             error=parent.error,

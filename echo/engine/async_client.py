@@ -1,0 +1,261 @@
+"""AsyncClient: the asyncio frontend. Tokenizes, talks to an EngineCore process over ZeroMQ,
+detokenizes, applies stop strings, and streams outputs per request.
+
+    async with AsyncClient("default") as client:
+        async for out in client.generate("Hello", SamplingParams(max_tokens=16)):
+            print(out.outputs[0].delta_text, end="")
+
+One asyncio task reads the core's outputs and feeds per-request queues. Leaving a generate()
+loop early (break, cancellation) aborts the request in the core.
+"""
+
+import asyncio
+import itertools
+import multiprocessing
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from echo.config import EngineConfig
+from echo.engine.input_processor import InputProcessor, Prompt, load_tokenizer
+from echo.engine.messages import (
+    EngineCoreOutputs,
+    RequestType,
+    SchedulerStats,
+    UtilityRequest,
+)
+from echo.engine.output_processor import OutputProcessor
+from echo.outputs import RequestOutput
+from echo.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The EngineCore process (or one of its workers) is gone; pending requests fail."""
+
+
+class AsyncClient:
+    def __init__(self, model: str | None = "default", startup_timeout_s: float = 600.0,
+                 **engine_args):
+        self.config = EngineConfig.create(model, **engine_args)
+        self.tokenizer = load_tokenizer(self.config.model)
+        self.input_processor = InputProcessor(self.config.model, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.startup_timeout_s = startup_timeout_s
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.utility_waiters: dict[int, asyncio.Future] = {}
+        self.call_ids = itertools.count()
+        self.latest_stats = SchedulerStats()
+        self.engine_info: dict = {}
+        self.dead_error: str | None = None
+        self.proc: multiprocessing.Process | None = None
+        self.ctx: zmq.asyncio.Context | None = None
+        self.output_task: asyncio.Task | None = None
+        self.encoder = msgspec.msgpack.Encoder()
+        self.ipc_dir: str | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> "AsyncClient":
+        from echo.engine.core_proc import run_engine_core
+
+        self.ipc_dir = tempfile.mkdtemp(prefix="echo-")
+        input_address = f"ipc://{self.ipc_dir}/input"
+        output_address = f"ipc://{self.ipc_dir}/output"
+        mp = multiprocessing.get_context("spawn")
+        reader, writer = mp.Pipe(duplex=False)
+        self.proc = mp.Process(target=run_engine_core, name="EngineCore", daemon=False,
+                               args=(self.config, input_address, output_address, writer))
+        self.proc.start()
+        writer.close()
+        loop = asyncio.get_running_loop()
+        try:
+            status, info = await loop.run_in_executor(None, self._wait_ready, reader)
+        except BaseException:
+            await self.shutdown()
+            raise
+        if status != "ready":
+            await self.shutdown()
+            raise RuntimeError(f"EngineCore failed to start:\n{info}")
+        self.engine_info = info
+        self.ctx = zmq.asyncio.Context()
+        self.input_socket = self.ctx.socket(zmq.PUSH)
+        self.input_socket.connect(input_address)
+        self.output_socket = self.ctx.socket(zmq.PULL)
+        self.output_socket.connect(output_address)
+        self.output_task = asyncio.create_task(self._output_loop())
+        return self
+
+    def _wait_ready(self, reader) -> tuple[str, object]:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if reader.poll(0.5):
+                try:
+                    return reader.recv()
+                except EOFError:
+                    break
+            if not self.proc.is_alive():
+                break
+        if self.proc.is_alive():
+            return "error", f"no ready message within {self.startup_timeout_s:.0f} s"
+        return "error", f"the process exited with code {self.proc.exitcode} before it was ready"
+
+    async def __aenter__(self) -> "AsyncClient":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the core (it stops its workers) and wait for it; idempotent."""
+        if self.output_task is not None:
+            self.output_task.cancel()
+            self.output_task = None
+        if self.ctx is not None:
+            if self.proc is not None and self.proc.is_alive():
+                await self.input_socket.send_multipart([RequestType.SHUTDOWN.value, b""])
+            self.input_socket.close(linger=200)
+            self.output_socket.close(linger=0)
+            self.ctx.term()
+            self.ctx = None
+        if self.proc is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.proc.join, timeout_s)
+            if self.proc.is_alive():
+                self.proc.kill()  # by its own PID: only the process we started
+                self.proc.join(5)
+            self.proc = None
+        self._fail_all("the engine was shut down")
+        if self.ipc_dir is not None:
+            for name in ("input", "output"):
+                try:
+                    os.unlink(os.path.join(self.ipc_dir, name))
+                except FileNotFoundError:
+                    pass
+            os.rmdir(self.ipc_dir)
+            self.ipc_dir = None
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def generate(self, prompt: Prompt | list[dict],
+                       sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream outputs for a prompt (text, token ids, or chat messages)."""
+        self._check_alive()
+        params = sampling_params or SamplingParams()
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            text = self.input_processor.apply_chat_template(prompt)
+            prompt = list(self.tokenizer.encode(text, add_special_tokens=False))
+        text, ids = self.input_processor.tokenize(prompt)
+        self.input_processor.validate(ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        requests = self.output_processor.add_request(request_id, text, ids, params, time.time())
+        out_queue: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = out_queue
+        finished = False
+        try:
+            for request in requests:
+                await self.input_socket.send_multipart(
+                    [RequestType.ADD.value, self.encoder.encode(request)])
+            while True:
+                item = await out_queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                if item.error:  # the core refused the request
+                    raise ValueError(item.error)
+                yield item
+                if finished:
+                    return
+        finally:
+            self.queues.pop(request_id, None)
+            if not finished:  # the caller left early or was cancelled
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        child_ids = self.output_processor.child_ids(request_id)
+        self.output_processor.abort(request_id)
+        if child_ids and self.ctx is not None:
+            await self.input_socket.send_multipart(
+                [RequestType.ABORT.value, self.encoder.encode(child_ids)])
+
+    async def health(self) -> bool:
+        return self.dead_error is None and self.proc is not None and self.proc.is_alive()
+
+    async def stats(self) -> SchedulerStats:
+        result = await self._utility("stats")
+        return msgspec.convert(result, SchedulerStats)
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self._utility("reset_prefix_cache"))
+
+    async def _utility(self, method: str, timeout_s: float = 30.0):
+        self._check_alive()
+        call_id = next(self.call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self.utility_waiters[call_id] = future
+        await self.input_socket.send_multipart(
+            [RequestType.UTILITY.value, self.encoder.encode(UtilityRequest(call_id, method))])
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self.utility_waiters.pop(call_id, None)
+
+    # ---- the output task ------------------------------------------------------------------
+
+    async def _output_loop(self) -> None:
+        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        try:
+            while True:
+                if not await self.output_socket.poll(1000):
+                    if not self.proc.is_alive():
+                        raise EngineDeadError(
+                            f"EngineCore exited with code {self.proc.exitcode}")
+                    continue
+                outputs = decoder.decode(await self.output_socket.recv())
+                self._dispatch(outputs)
+                if outputs.engine_error:
+                    raise EngineDeadError(f"EngineCore failed:\n{outputs.engine_error}")
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self.dead_error = str(e)
+            self._fail_all(self.dead_error)
+
+    def _dispatch(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.scheduler_stats is not None:
+            self.latest_stats = outputs.scheduler_stats
+        if outputs.utility is not None:
+            future = self.utility_waiters.get(outputs.utility.call_id)
+            if future is not None and not future.done():
+                if outputs.utility.error:
+                    future.set_exception(RuntimeError(outputs.utility.error))
+                else:
+                    future.set_result(outputs.utility.result)
+        if not outputs.outputs:
+            return
+        results, to_abort = self.output_processor.process_outputs(outputs.outputs)
+        for result in results:
+            out_queue = self.queues.get(result.request_id)
+            if out_queue is not None:
+                out_queue.put_nowait(result)
+        if to_abort:
+            self.input_socket.send_multipart([RequestType.ABORT.value,
+                                              self.encoder.encode(to_abort)])
+
+    def _fail_all(self, message: str) -> None:
+        for out_queue in self.queues.values():
+            out_queue.put_nowait(EngineDeadError(message))
+        for future in self.utility_waiters.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(message))
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        if self.ctx is None:
+            raise RuntimeError("AsyncClient is not started: use `async with` or await start()")
