@@ -38,3 +38,11 @@ def tiny_qwen3(tmp_path_factory):
 def tiny_qwen3_untied(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_untied"), "qwen3", tie=False,
                             sharded=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    from echo.models.default_model import ensure_default_model
+    from tests.helpers import write_tiny_chat_model
+
+    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"), ensure_default_model())

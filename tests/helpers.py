@@ -41,3 +41,26 @@ def load_hf(folder: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def write_tiny_chat_model(folder: Path, tokenizer_source: Path) -> Path:
+    """A tiny random Llama that speaks SmolLM2's vocabulary, with its tokenizer and chat
+    template: real text in and out, at test speed (the output is gibberish)."""
+    import json
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer_config = json.loads((tokenizer_source / "config.json").read_text())
+    config = LlamaConfig(vocab_size=tokenizer_config["vocab_size"], hidden_size=64,
+                         intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "special_tokens_map.json"):
+        if (tokenizer_source / name).exists():
+            shutil.copy(tokenizer_source / name, folder / name)
+    return folder

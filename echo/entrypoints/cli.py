@@ -63,6 +63,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from echo.entrypoints.serve import serve
+
+    return serve(args, engine_kwargs(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="echollm", description="echo LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +84,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(handler=_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", action="append",
+                     help="name(s) clients use for the model (default: --model)")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests may finish after SIGTERM")
+    srv.add_argument("--max-request-bytes", type=int, default=16 * 2**20)
+    srv.add_argument("--log-level", default="info")
+    srv.set_defaults(handler=_serve)
     return parser
 
 

@@ -123,3 +123,12 @@ def test_text_prompts_need_a_tokenizer_for_presetless_folders(tiny_llama):
     llm = make_llm(tiny_llama)
     with pytest.raises(Exception, match="tokenizer|Tokenizer|prompt"):
         llm.generate("hello", use_tqdm=False)
+
+
+def test_preset_with_dummy_weights_generates_token_ids():
+    llm = LLM("qwen3-0.6b", load_format="dummy", device="cpu", max_model_len=64,
+              num_gpu_blocks_override=16, max_num_seqs=2)
+    out = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
+    assert all(0 <= t < 151936 for o in out for t in o.outputs[0].token_ids)

@@ -1,0 +1,227 @@
+"""`echo serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn on uvloop).
+
+Routes: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models, /health, /version,
+/metrics. Errors use OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}.
+"""
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+import echo
+from echo.engine.async_client import AsyncClient, EngineDeadError
+from echo.entrypoints.metrics import RequestTimer, ServerMetrics
+from echo.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from echo.entrypoints.responses import ChoiceState, chunk_json, final_json, usage_json
+from echo.outputs import RequestOutput
+from echo.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   kind: str = "invalid_request_error") -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def create_app(client: AsyncClient, served_model_names: list[str], api_key: str | None = None,
+               max_request_bytes: int = 16 * 2**20) -> FastAPI:
+    app = FastAPI(title="echo", version=echo.__version__)
+    metrics = ServerMetrics(served_model_names[0])
+    max_model_len = client.config.model.max_model_len
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return error_response(e.status, e.message, e.param, e.kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_, e: RequestValidationError):
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
+        return error_response(400, f"{field}: {first['msg']}", field)
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                return error_response(401, "invalid API key", kind="authentication_error")
+        length = request.headers.get("content-length")
+        if length is not None and int(length) > max_request_bytes:
+            return error_response(413, f"request body over {max_request_bytes} bytes")
+        return await call_next(request)
+
+    def check_model(name: str | None) -> str:
+        if name is not None and name not in served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist.", "model",
+                           "not_found_error")
+        return served_model_names[0]
+
+    async def check_engine() -> None:
+        if not await client.health():
+            raise APIError(503, "the engine is not running", kind="service_unavailable")
+
+    def prepare(prompt, body, max_tokens: int | None, logprobs: int | None):
+        field = body.unsupported()
+        if field:
+            raise APIError(400, f"{field}: not supported by this server", field)
+        try:
+            _, ids = client.input_processor.tokenize(prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt") from None
+        if max_tokens is not None and len(ids) + max_tokens > max_model_len or \
+                len(ids) >= max_model_len:
+            raise APIError(400, f"This model's maximum context length is {max_model_len} "
+                           f"tokens. However, you requested {len(ids) + (max_tokens or 0)} "
+                           f"tokens ({len(ids)} in the prompt, {max_tokens or 0} in the "
+                           "completion). Please reduce the length of the prompt or completion.",
+                           "max_tokens" if max_tokens else "prompt")
+        try:
+            params = body.sampling_params(max_tokens, logprobs)
+        except ValueError as e:
+            field = str(e).split(":")[0].removeprefix("SamplingParams.")
+            raise APIError(400, str(e), field) from None
+        return ids, params
+
+    async def stream_outputs(ids: list[int], params: SamplingParams, request_id: str
+                             ) -> AsyncIterator[RequestOutput]:
+        timer = RequestTimer(metrics, len(ids))
+        try:
+            async for out in client.generate(ids, params, request_id):
+                timer.on_tokens(sum(len(c.delta_token_ids) for c in out.outputs))
+                yield out
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine died: {e}", kind="service_unavailable") from None
+        timer.on_finish()
+
+    async def serve(kind: str, body, prompts: list, max_tokens: int | None,
+                    logprobs: int | None, chat: bool):
+        await check_engine()
+        model = check_model(body.model)
+        prepared = [prepare(p, body, max_tokens, logprobs) for p in prompts]
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        states = [ChoiceState(i * body.n + c, client.tokenizer, chat)
+                  for i in range(len(prepared)) for c in range(body.n)]
+        streams = [stream_outputs(ids, params, f"{request_id}-{i}")
+                   for i, (ids, params) in enumerate(prepared)]
+        prompt_tokens = sum(len(ids) for ids, _ in prepared)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                sse(kind, request_id, created, model, streams, states, body.n, chat,
+                    include_usage, prompt_tokens), media_type="text/event-stream")
+        finals = await asyncio.gather(*(drain(s) for s in streams))
+        cached = sum(f.num_cached_tokens for f in finals)
+        for i, final in enumerate(finals):
+            for c, completion in enumerate(final.outputs):
+                states[i * body.n + c].absorb(completion)
+        return JSONResponse(final_json(kind, request_id, created, model, states,
+                                       usage_json(prompt_tokens, states, cached)))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await serve("text_completion", body, body.prompts(), body.max_tokens,
+                           body.logprobs, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        try:
+            text = client.input_processor.apply_chat_template(
+                body.message_dicts(), body.add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
+        ids = list(client.tokenizer.encode(text, add_special_tokens=False))
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await serve("chat.completion", body, [ids], body.limit(), logprobs, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "echo",
+                 "max_model_len": max_model_len} for name in served_model_names]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health():
+        if not await client.health():
+            return error_response(503, "the engine is not running", kind="service_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": echo.__version__}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(client.latest_stats),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+async def drain(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    final = None
+    async for out in stream:
+        final = out
+    return final
+
+
+async def sse(kind, request_id, created, model, streams, states, n, chat, include_usage,
+              prompt_tokens):
+    """Server-sent events: one chunk per output of each prompt, merged as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as e:  # noqa: BLE001 - surfaced to the client below
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+    cached, open_streams = 0, len(tasks)
+    try:
+        if chat:
+            for state in states:
+                yield data(chunk_json(chunk_kind, request_id, created, model,
+                                      state.role_delta()))
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+                continue
+            if isinstance(item, BaseException):
+                message = item.message if isinstance(item, APIError) else str(item)
+                yield data({"error": {"message": message, "type": "internal_error"}})
+                break
+            cached += item.num_cached_tokens if item.finished else 0
+            for c, completion in enumerate(item.outputs):
+                choice = states[i * n + c].delta(completion)
+                if choice is not None:
+                    yield data(chunk_json(chunk_kind, request_id, created, model, choice))
+        if include_usage:
+            usage = usage_json(prompt_tokens, states, cached)
+            yield data({"id": request_id, "object": chunk_kind, "created": created,
+                        "model": model, "choices": [], "usage": usage})
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:  # a disconnected client cancels its requests
+            task.cancel()
+
+
+def data(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

@@ -1,0 +1,131 @@
+"""OpenAI request bodies (pydantic) and their translation into SamplingParams.
+
+Unknown fields are ignored, as OpenAI-compatible servers commonly do; known fields that echo
+cannot honour (echo=True, best_of > n, logit_bias, suffix, tools) are rejected with a 400 that
+names them, so nothing silently behaves differently from what was asked.
+"""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from echo.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def unsupported(self) -> str | None:
+        """The name of a field echo cannot honour, if one was set."""
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of"
+        if self.logit_bias:
+            return "logit_bias"
+        return None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo"
+        if self.suffix:
+            return "suffix"
+        return super().unsupported()
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+
+    def unsupported(self) -> str | None:
+        if self.tools:
+            return "tools"
+        return super().unsupported()
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    def message_dicts(self) -> list[dict]:
+        result = []
+        for m in self.messages:
+            content = m.content
+            if isinstance(content, list):  # text parts only
+                content = "".join(part.get("text", "") for part in content
+                                  if part.get("type") == "text")
+            result.append({"role": m.role, "content": content or ""})
+        return result

@@ -1,0 +1,105 @@
+"""OpenAI response bodies for completions and chat completions, streamed or whole."""
+
+from echo.outputs import CompletionOutput, Logprob
+
+
+class ChoiceState:
+    """One choice of a response: what has been sent so far and how to format the rest."""
+
+    def __init__(self, index: int, tokenizer, chat: bool):
+        self.index, self.tokenizer, self.chat = index, tokenizer, chat
+        self.text = ""
+        self.num_tokens = 0
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.finish_reason: str | None = None
+        self.stop_reason = None
+
+    def absorb(self, completion: CompletionOutput) -> None:
+        """Take a whole (non-streamed) completion."""
+        self.text = completion.text
+        self.num_tokens = len(completion.token_ids)
+        self.logprobs = list(completion.logprobs or [])
+        self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
+
+    def delta(self, completion: CompletionOutput) -> dict | None:
+        """The streamed choice for what is new in `completion` (None if nothing is)."""
+        new_logprobs = (completion.logprobs or [])[len(self.logprobs):]
+        self.logprobs.extend(new_logprobs)
+        self.num_tokens = len(completion.token_ids)
+        text = completion.delta_text
+        self.text += text
+        finish = completion.finish_reason
+        if not text and finish is None and not new_logprobs:
+            return None
+        self.finish_reason, self.stop_reason = finish, completion.stop_reason
+        return self._choice(text, new_logprobs, finish, completion.stop_reason, delta=True)
+
+    def role_delta(self) -> dict:
+        return {"index": self.index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}
+
+    def final_choice(self) -> dict:
+        return self._choice(self.text, self.logprobs, self.finish_reason, self.stop_reason,
+                            delta=False)
+
+    def _choice(self, text, logprobs, finish, stop_reason, delta: bool) -> dict:
+        choice = {"index": self.index, "logprobs": None, "finish_reason": finish,
+                  "stop_reason": stop_reason}
+        if self.chat:
+            message = {"content": text} if delta else {"role": "assistant", "content": text}
+            choice["delta" if delta else "message"] = message
+            if logprobs:
+                choice["logprobs"] = {"content": [self._chat_logprob(e) for e in logprobs]}
+        else:
+            choice["text"] = text
+            if logprobs:
+                choice["logprobs"] = self._completion_logprobs(logprobs)
+        return choice
+
+    def _token(self, token_id: int, lp: Logprob) -> str:
+        if lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([token_id]) if self.tokenizer else f"token_id:{token_id}"
+
+    def _sampled(self, entry: dict[int, Logprob]) -> tuple[int, Logprob]:
+        # the sampled token is the one without a rank, or else the best-ranked
+        unranked = [(t, lp) for t, lp in entry.items() if lp.rank is None]
+        return unranked[0] if unranked else min(entry.items(), key=lambda kv: kv[1].rank)
+
+    def _chat_logprob(self, entry: dict[int, Logprob]) -> dict:
+        token_id, lp = self._sampled(entry)
+        token = self._token(token_id, lp)
+        top = [{"token": self._token(t, p), "logprob": p.logprob,
+                "bytes": list(self._token(t, p).encode())}
+               for t, p in entry.items() if p.rank is not None]
+        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode()),
+                "top_logprobs": top}
+
+    def _completion_logprobs(self, entries: list[dict[int, Logprob]]) -> dict:
+        tokens, token_logprobs, top = [], [], []
+        for entry in entries:
+            token_id, lp = self._sampled(entry)
+            tokens.append(self._token(token_id, lp))
+            token_logprobs.append(lp.logprob)
+            top.append({self._token(t, p): p.logprob for t, p in entry.items()
+                        if p.rank is not None} or None)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                "text_offset": []}
+
+
+def usage_json(prompt_tokens: int, states: list[ChoiceState], cached_tokens: int) -> dict:
+    completion = sum(s.num_tokens for s in states)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def chunk_json(kind: str, request_id: str, created: int, model: str, choice: dict) -> dict:
+    return {"id": request_id, "object": kind, "created": created, "model": model,
+            "choices": [choice]}
+
+
+def final_json(kind: str, request_id: str, created: int, model: str,
+               states: list[ChoiceState], usage: dict) -> dict:
+    return {"id": request_id, "object": kind, "created": created, "model": model,
+            "choices": [s.final_choice() for s in states], "usage": usage}
