@@ -19,10 +19,12 @@ from echo_kernels.attention import flash_attn_varlen, paged_attention  # noqa: E
 from echo_kernels.cache import store_kv_cache  # noqa: E402
 from echo_kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from echo_kernels.rope import rotary_embedding  # noqa: E402
+from echo_kernels.sampling import gumbel_sample  # noqa: E402
 
 __all__ = [
     "flash_attn_varlen",
     "fused_add_rms_norm",
+    "gumbel_sample",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",

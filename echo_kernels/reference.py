@@ -120,3 +120,35 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     x = x.float()
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """The 32-bit finalizer of sampling.py on int64 tensors holding 32-bit values (int64
+    products wrap, which keeps the low 32 bits exact)."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise_ref(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B] seeds, [B] output indices -> [B, vocab] uniforms in (0, 1), deterministic."""
+    key = _mix32((seeds >> 32) ^ _mix32((seeds & _M32) ^ _mix32(steps)))
+    token = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    bits = _mix32(key[:, None] ^ _mix32(token * 0x9E3779B1)[None, :])
+    bits = _mix32(bits ^ (key[:, None] >> 5))
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def gumbel_sample_ref(logits, temperature, seeds, steps) -> torch.Tensor:
+    """argmax(logits / T + Gumbel noise) per row; T = 0 rows take the plain argmax."""
+    logits = logits.float()
+    greedy = temperature == 0
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    gumbel = -torch.log(-torch.log(uniform_noise_ref(seeds, steps, logits.shape[-1])))
+    return torch.where(greedy, logits.argmax(-1), (scaled + gumbel).argmax(-1))

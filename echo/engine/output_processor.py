@@ -63,8 +63,11 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stream: bool = True):
+        """stream=False (offline batches): outputs are made only when a request finishes, and
+        text is decoded once at the end unless stop strings need it token by token."""
         self.tokenizer = tokenizer
+        self.stream = stream
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
 
@@ -91,7 +94,7 @@ class OutputProcessor:
                 seed = None if params.seed is None else params.seed + i
                 child_params = msgspec_replace(params, n=1, seed=seed)
             detok = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and (self.stream or params.stop):
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                                params.skip_special_tokens)
             child_id = child_request_id(request_id, i, params.n)
@@ -117,7 +120,8 @@ class OutputProcessor:
             if self._apply(child, out):
                 to_abort.append(out.request_id)
             changed[child.parent.request_id] = child.parent
-        results = [self._make_output(p) for p in changed.values()]
+        results = [self._make_output(p) for p in changed.values()
+                   if self.stream or p.finished]
         for parent in changed.values():
             if parent.finished:
                 self._forget(parent)
@@ -158,6 +162,10 @@ class OutputProcessor:
             if out.finished:
                 delta += child.detokenizer.flush()
             stopped = self._append_text(child, delta)
+        elif out.finished and self.tokenizer is not None:
+            comp.text = self.tokenizer.decode(comp.token_ids,
+                                              skip_special_tokens=child.params.skip_special_tokens,
+                                              clean_up_tokenization_spaces=False)
         if stopped:
             return True
         if out.finished:

@@ -66,7 +66,7 @@ class LLM:
         return self.generate(ids, sampling_params, use_tqdm)
 
     def _run(self, inputs, params, use_tqdm: bool) -> list[RequestOutput]:
-        processor = OutputProcessor(self.tokenizer)
+        processor = OutputProcessor(self.tokenizer, stream=False)
         order = []
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(inputs), desc="generate", disable=not use_tqdm, unit="req")
@@ -77,7 +77,10 @@ class LLM:
                 for core_request in processor.add_request(request_id, text, ids, p, time.time()):
                     self.engine.add_request(core_request)
             while processor.has_unfinished():
-                outputs = self.engine.step()
+                # two steps in flight: the next is scheduled while the device runs this one
+                outputs = self.engine.step_overlapped()
+                if outputs is None:
+                    continue
                 results, to_abort = processor.process_outputs(outputs.outputs)
                 if to_abort:
                     self.engine.abort_requests(to_abort)

@@ -268,6 +268,10 @@ class ShmRingReader(_RingEnd):
             else:
                 waiter.check()
 
+    def has_message(self) -> bool:
+        """Whether dequeue() would return at once (never blocks)."""
+        return self._subscribed and self._chunk_written(self.layout.meta(self._index))
+
     def dequeue(self, timeout: float | None = None) -> bytes:
         """The next message; blocks (without CPU once past a short spin) until it is written."""
         if not self._subscribed:

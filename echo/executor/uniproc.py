@@ -21,5 +21,11 @@ class UniprocExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> None:
+        self.runner.launch(scheduler_output)
+
+    def get_output(self) -> ModelRunnerOutput:
+        return self.runner.collect()
+
     def shutdown(self) -> None:
         pass

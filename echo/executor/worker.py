@@ -141,14 +141,20 @@ class Worker:
 
     def serve(self) -> None:
         decoder = msgspec.msgpack.Decoder(WorkerCommand)
+        runner = self.runner
         while True:
+            if runner.in_flight and not self._next_step_before_device_is_done():
+                self._reply_step(runner.collect())
+                continue
             # no timeout: an idle engine may wait for requests forever; the liveness check
             # ends the wait when the parent dies
             command = decoder.decode(self.ring.dequeue())
             if isinstance(command, ExecuteModel):
-                output = self.runner.execute_model(command.scheduler_output)
-                if self.rank == 0:
-                    self._reply(StepOutput(output))
+                # launch the next step before landing the previous one, so its host-side
+                # preparation overlaps the device's work
+                runner.launch(command.scheduler_output)
+                if len(runner.in_flight) > 1:
+                    self._reply_step(runner.collect())
             elif isinstance(command, DetermineNumBlocks):
                 self._reply(NumBlocks(self.rank, self.runner.determine_num_blocks()))
             elif isinstance(command, InitKVCache):
@@ -158,6 +164,19 @@ class Worker:
                 return
             else:  # pragma: no cover - the decoder admits only the union
                 raise TypeError(f"unknown worker command {command!r}")
+
+    def _next_step_before_device_is_done(self) -> bool:
+        """Wait until the next command arrives (True) or the oldest step in flight finishes
+        on the device (False), whichever is first."""
+        while not self.ring.has_message():
+            if self.runner.oldest_step_done():
+                return False
+            time.sleep(20e-6)
+        return True
+
+    def _reply_step(self, output) -> None:
+        if self.rank == 0:
+            self._reply(StepOutput(output))
 
     def _reply(self, message: WorkerReply) -> None:
         self.replies.send(self.encoder.encode(message))

@@ -38,19 +38,19 @@ class CudaGraphRunner:
     def _static_inputs(self, bs: int):
         buf, width = self.buffers, self.buffers.max_blocks_per_seq
         # harmless values for capture and warm-up: one-token sequences that store nothing
-        buf.device("slot_mapping")[:bs].fill_(-1)
-        buf.device("seq_lens")[:bs].fill_(1)
-        buf.device("block_table")[: bs * width].zero_()
-        buf.device("cu_seqlens_q")[: bs + 1].copy_(torch.arange(bs + 1, dtype=torch.int32))
+        buf.tensor("slot_mapping")[:bs].fill_(-1)
+        buf.tensor("seq_lens")[:bs].fill_(1)
+        buf.tensor("block_table")[: bs * width].zero_()
+        buf.tensor("cu_seqlens_q")[: bs + 1].copy_(torch.arange(bs + 1, dtype=torch.int32))
         meta = AttentionMetadata(
-            slot_mapping=buf.device("slot_mapping")[:bs],
-            block_table=buf.device("block_table")[: bs * width].view(bs, width),
-            cu_seqlens_q=buf.device("cu_seqlens_q")[: bs + 1],
-            seq_lens=buf.device("seq_lens")[:bs],
+            slot_mapping=buf.tensor("slot_mapping")[:bs],
+            block_table=buf.tensor("block_table")[: bs * width].view(bs, width),
+            cu_seqlens_q=buf.tensor("cu_seqlens_q")[: bs + 1],
+            seq_lens=buf.tensor("seq_lens")[:bs],
             max_seqlen_q=1,
             max_seqlen_k=self.max_model_len,
         )
-        ids, positions = buf.device("input_ids")[:bs], buf.device("positions")[:bs]
+        ids, positions = buf.tensor("input_ids")[:bs], buf.tensor("positions")[:bs]
         return ids, positions, ForwardContext(self.backend, meta, self.kv_caches)
 
     @torch.inference_mode()

@@ -27,6 +27,10 @@ class StepInputs:
     seq_lens: np.ndarray  # [num_seqs] int32
     sample_seq_idx: np.ndarray  # indices (into the seqs) of requests that sample this step
     logits_indices: np.ndarray  # their last token's index in the flat token batch
+    # tokens whose value the previous step is still sampling on the device: their index in
+    # the flat batch, and the row they belong to
+    placeholder_idx: np.ndarray
+    placeholder_rows: np.ndarray
 
 
 class InputBatch:
@@ -35,6 +39,8 @@ class InputBatch:
         self.block_size = block_size
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        # tokens sampled on the device whose values have not reached the host yet
+        self.num_pending = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
@@ -68,6 +74,7 @@ class InputBatch:
         tokens = prompt + output
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
+        self.num_pending[row] = 0
         self.num_prompt_tokens[row] = len(prompt)
         self.num_computed[row] = num_computed
         self.num_blocks[row] = 0
@@ -113,7 +120,10 @@ class InputBatch:
         block_ids = self.block_table[token_rows, positions // self.block_size]
         seq_lens = (starts + counts).astype(np.int32)
         max_blocks = int(self.num_blocks[rows].max()) if len(rows) else 0
-        samples = np.nonzero(seq_lens >= self.num_tokens[rows])[0]
+        known = self.num_tokens[rows]
+        samples = np.nonzero(seq_lens >= known + self.num_pending[rows])[0]
+        # positions at or past the host's tokens hold values still on the device
+        placeholders = np.nonzero(positions >= np.repeat(known, counts))[0]
         return StepInputs(
             req_ids=req_ids,
             rows=rows,
@@ -125,9 +135,20 @@ class InputBatch:
             seq_lens=seq_lens,
             sample_seq_idx=samples,
             logits_indices=cu[1:][samples] - 1,
+            placeholder_idx=placeholders,
+            placeholder_rows=token_rows[placeholders],
         )
 
-    def append_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
-        for row, token in zip(rows.tolist(), token_ids):
+    def num_output_tokens(self, rows: np.ndarray) -> np.ndarray:
+        """Generated so far, counting tokens still on the device."""
+        return self.num_tokens[rows] + self.num_pending[rows] - self.num_prompt_tokens[rows]
+
+    def append_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
+        """Tokens that reached the host; requests forgotten meanwhile are skipped."""
+        for req_id, token in zip(req_ids, token_ids):
+            row = self.row_of.get(req_id)
+            if row is None:
+                continue
             self.token_ids[row, self.num_tokens[row]] = token
             self.num_tokens[row] += 1
+            self.num_pending[row] = max(0, self.num_pending[row] - 1)

@@ -4,6 +4,8 @@
 batch, samples for the requests whose prompt is fully computed, and returns their tokens.
 """
 
+from collections import deque
+
 import numpy as np
 import torch
 
@@ -41,6 +43,8 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None
         self.buffers: StepBuffers | None = None
         self.graphs: CudaGraphRunner | None = None
+        # launched steps, oldest first: outputs ready, or steps still on the device
+        self.in_flight: deque[ModelRunnerOutput | _StepInFlight] = deque()
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -123,10 +127,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.launch(out)
+        return self.collect()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> None:
+        """Start a step on the device without waiting for it. A token the previous step is
+        still sampling is copied into this step's inputs on the device: no host round trip."""
         batch = self.input_batch
+        if self.in_flight and any(batch.params[r].has_penalties for r in batch.row_of.values()):
+            self._land_all()  # penalties count tokens on the host: they must be there
         batch.update(out, self.vocab_size)
         if out.is_empty:
-            return ModelRunnerOutput(step_id=out.step_id)
+            self.in_flight.append(ModelRunnerOutput(step_id=out.step_id))
+            return
+        self.buffers.flip()
         inp = batch.prepare(out)
         hidden = self.forward(inp)
         logits = self.model.compute_logits(
@@ -134,9 +149,30 @@ class ModelRunner:
         sample_rows = inp.rows[inp.sample_seq_idx]
         sampled = self.sampler(logits, build_sampling_tensors(
             batch, sample_rows, self.vocab_size, self.arch.eos_token_ids, self.device))
-        token_ids = sampled.token_ids.tolist()
-        batch.append_sampled(sample_rows, token_ids)
-        return self._runner_output(out.step_id, inp, sample_rows, token_ids, sampled)
+        batch.num_pending[sample_rows] += 1
+        logprobs = [batch.params[r].logprobs for r in sample_rows]
+        self.in_flight.append(_StepInFlight(out.step_id, inp, sample_rows, sampled, logprobs))
+
+    def oldest_step_done(self) -> bool:
+        """Whether collect() would return without waiting for the device."""
+        item = self.in_flight[0]
+        return isinstance(item, ModelRunnerOutput) or item.ready.query()
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest launched step's output, waiting for the device if needed."""
+        item = self.in_flight.popleft()
+        return item if isinstance(item, ModelRunnerOutput) else self._land(item)
+
+    def _land(self, step: "_StepInFlight") -> ModelRunnerOutput:
+        step.ready.synchronize()
+        token_ids = step.host_tokens.tolist()
+        req_ids = [step.inp.req_ids[i] for i in step.inp.sample_seq_idx]
+        self.input_batch.append_sampled(req_ids, token_ids)
+        return self._runner_output(step, token_ids)
+
+    def _land_all(self) -> None:
+        self.in_flight = deque(item if isinstance(item, ModelRunnerOutput) else self._land(item)
+                               for item in self.in_flight)
 
     def forward(self, inp: StepInputs) -> torch.Tensor:
         """Hidden states of every scheduled token: [num_tokens, hidden]."""
@@ -145,13 +181,27 @@ class ModelRunner:
             size = self.graphs.padded_size(num_seqs)
             if size is not None:
                 self.buffers.load(inp, pad_seqs_to=size)
+                self._fill_placeholders(inp)
                 return self.graphs.replay(size)[:num_tokens]
         input_ids, positions, meta = self.buffers.load(inp)
+        self._fill_placeholders(inp)
         return self.model(input_ids, positions, ForwardContext(self.backend, meta,
                                                                self.kv_caches))
 
-    def _runner_output(self, step_id: int, inp: StepInputs, rows: np.ndarray,
-                       token_ids: list[int], sampled: SamplerOutput) -> ModelRunnerOutput:
+    def _fill_placeholders(self, inp: StepInputs) -> None:
+        if not len(inp.placeholder_idx):
+            return
+        # only the latest launched step can still owe tokens
+        previous = next(i for i in reversed(self.in_flight) if isinstance(i, _StepInFlight))
+        index_of_row = {row: i for i, row in enumerate(previous.rows.tolist())}
+        source = np.array([index_of_row[r] for r in inp.placeholder_rows.tolist()])
+        target = self.buffers.put("placeholder_idx", inp.placeholder_idx)
+        source = self.buffers.put("placeholder_src", source)
+        self.buffers.tensor("input_ids")[target] = previous.sampled.token_ids[source]
+
+    @staticmethod
+    def _runner_output(step: "_StepInFlight", token_ids: list[int]) -> ModelRunnerOutput:
+        inp, sampled = step.inp, step.sampled
         sampled_ids: list[list[int]] = [[] for _ in inp.req_ids]
         logprobs: list[LogprobsEntry | None] = [None] * len(inp.req_ids)
         host = None
@@ -159,12 +209,39 @@ class ModelRunner:
             host = (sampled.logprob.tolist(),
                     sampled.top_ids.tolist() if sampled.top_ids is not None else None,
                     sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None)
-        for i, (seq, row, token) in enumerate(zip(inp.sample_seq_idx.tolist(), rows, token_ids)):
+        for i, (seq, token, n) in enumerate(zip(inp.sample_seq_idx.tolist(), token_ids,
+                                                step.logprobs)):
             sampled_ids[seq] = [token]
-            n = self.input_batch.params[row].logprobs
             if host is not None and n is not None:
                 logprobs[seq] = LogprobsEntry(host[0][i], host[1][i][:n] if n else [],
                                               host[2][i][:n] if n else [])
-        return ModelRunnerOutput(step_id=step_id, req_ids=inp.req_ids,
+        return ModelRunnerOutput(step_id=step.step_id, req_ids=inp.req_ids,
                                  sampled_token_ids=sampled_ids,
                                  logprobs=logprobs if host is not None else [])
+
+
+class _StepInFlight:
+    """A launched step: its inputs, and its sampled tokens on their way to the host."""
+
+    def __init__(self, step_id: int, inp: StepInputs, rows: np.ndarray, sampled: SamplerOutput,
+                 logprobs: list[int | None]):
+        self.step_id, self.inp, self.rows, self.sampled = step_id, inp, rows, sampled
+        self.logprobs = logprobs  # top-N asked for by each sampled request
+        tokens = sampled.token_ids
+        if tokens.is_cuda:
+            self.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host_tokens.copy_(tokens, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host_tokens, self.ready = tokens, _NoEvent()
+
+
+class _NoEvent:
+    """Stands in for a CUDA event on the CPU, where the step has already run."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True

@@ -4,34 +4,24 @@ Every request carries a seed (one is drawn for requests that gave none). Random 
 counter-based hash of (seed, output index, token id) turned into Gumbel noise, so a request's
 tokens depend only on its own seed and logits: the same seed gives the same output whatever
 else shares the batch, every tensor-parallel rank draws the same token, and there is no
-per-request generator, loop or host sync.
+per-request generator, loop or host sync. On the GPU the noise and the argmax are one fused
+kernel (echo_kernels.sampling) that never writes the noise out.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-_M32 = 0xFFFFFFFF
+def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                  steps: torch.Tensor) -> torch.Tensor:
+    """One fused pass on the GPU; the PyTorch twin (same hash, bit for bit) elsewhere."""
+    if logits.is_cuda:
+        from echo_kernels import gumbel_sample as kernel
 
+        return kernel(logits, temperature, seeds, steps)
+    from echo_kernels.reference import gumbel_sample_ref
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finalizer (xor-shift-multiply) on int64 tensors holding 32-bit values.
-    int64 products wrap, which keeps the low 32 bits exact."""
-    x = x & _M32
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
-
-
-def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B] seeds, [B] output indices -> [B, vocab] uniforms in (0, 1), deterministic."""
-    key = _mix32((seeds >> 32) ^ _mix32(seeds ^ _mix32(steps)))
-    token = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    bits = _mix32(key[:, None] ^ _mix32(token * 0x9E3779B1)[None, :])
-    bits = _mix32(bits ^ (key[:, None] >> 5))
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return gumbel_sample_ref(logits, temperature, seeds, steps)
 
 
 @dataclass(frozen=True)
@@ -99,21 +89,22 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.T
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
-        logits = logits.float()
-        raw_logprobs = logits.log_softmax(dim=-1) if t.max_logprobs is not None else None
+        raw_logprobs = logits.float().log_softmax(dim=-1) if t.max_logprobs is not None else None
         if t.output_counts is not None:
-            logits = apply_penalties(logits, t)
+            logits = apply_penalties(logits.float(), t)
         if t.banned is not None:
             logits = logits.masked_fill(t.banned, float("-inf"))
-        greedy = logits.argmax(dim=-1)
         if t.all_greedy:
-            token_ids = greedy
-        else:
+            token_ids = logits.argmax(dim=-1)
+        elif t.need_top_k or t.need_top_p or t.need_min_p:
+            # the filters act on the temperature-scaled distribution
             is_greedy = t.temperature == 0
-            temperature = torch.where(is_greedy, 1.0, t.temperature)
-            logits = apply_top_k_top_p_min_p(logits / temperature[:, None], t)
-            gumbel = -torch.log(-torch.log(uniform_noise(t.seeds, t.steps, logits.shape[-1])))
-            token_ids = torch.where(is_greedy, greedy, (logits + gumbel).argmax(dim=-1))
+            scaled = logits.float() / torch.where(is_greedy, 1.0, t.temperature)[:, None]
+            filtered = apply_top_k_top_p_min_p(scaled, t)
+            token_ids = gumbel_sample(filtered, is_greedy.logical_not().float(), t.seeds,
+                                      t.steps)
+        else:
+            token_ids = gumbel_sample(logits, t.temperature, t.seeds, t.steps)
         if raw_logprobs is None:
             return SamplerOutput(token_ids)
         logprob = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)

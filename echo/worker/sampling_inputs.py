@@ -11,9 +11,11 @@ def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, vocab_size: int,
                            eos_token_ids: tuple[int, ...], device: torch.device
                            ) -> SamplingTensors:
     params = [batch.params[r] for r in rows]
-    dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
     temperature, top_k = batch.temperature[rows], batch.top_k[rows]
     top_p, min_p = batch.top_p[rows], batch.min_p[rows]
+    # two host-to-device copies per step (floats, ints), pinned so they do not block
+    floats = _upload(np.stack([temperature, top_p, min_p]), device)
+    ints = _upload(np.stack([top_k, batch.seeds[rows], batch.num_output_tokens(rows)]), device)
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
     extra = {}
     if any(p.has_penalties for p in params):
@@ -22,13 +24,20 @@ def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, vocab_size: int,
     if banned is not None:
         extra["banned"] = banned.to(device)
     return SamplingTensors(
-        temperature=dev(temperature), top_k=dev(top_k), top_p=dev(top_p), min_p=dev(min_p),
-        seeds=dev(batch.seeds[rows]),
-        steps=dev(batch.num_tokens[rows] - batch.num_prompt_tokens[rows]),
+        temperature=floats[0], top_p=floats[1], min_p=floats[2],
+        top_k=ints[0], seeds=ints[1], steps=ints[2],
         all_greedy=bool((temperature == 0).all()),
         need_top_k=bool((top_k < vocab_size).any()),
         need_top_p=bool((top_p < 1).any()), need_min_p=bool((min_p > 0).any()),
         max_logprobs=max(logprobs) if logprobs else None, **extra)
+
+
+def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor
+    # pin_memory() draws from torch's caching host allocator, so this costs no cudaHostAlloc
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _penalties(batch: InputBatch, rows: np.ndarray, params, vocab_size: int,
@@ -51,8 +60,8 @@ def _penalties(batch: InputBatch, rows: np.ndarray, params, vocab_size: int,
 def _banned_tokens(batch: InputBatch, rows: np.ndarray, params, vocab_size: int,
                    eos_token_ids: tuple[int, ...]) -> torch.Tensor | None:
     """EOS and stop tokens are banned until a request has min_tokens outputs."""
-    pending = [i for i, (row, p) in enumerate(zip(rows, params))
-               if p.min_tokens > batch.num_tokens[row] - batch.num_prompt_tokens[row]]
+    generated = batch.num_output_tokens(rows)
+    pending = [i for i, p in enumerate(params) if p.min_tokens > generated[i]]
     if not pending:
         return None
     banned = torch.zeros(len(rows), vocab_size, dtype=torch.bool)

@@ -1,7 +1,9 @@
 """Persistent device tensors for a step's inputs, filled from the host in one pass per field.
 
 The same tensors are the static inputs CUDA graphs are captured on, so eager and graph steps
-share them. On CUDA the host side goes through pinned buffers, so copies are asynchronous.
+share them. On CUDA the host side goes through pinned buffers, so copies are asynchronous; there
+are two host sets, used by alternate steps, because a step's copies may still be queued behind
+the previous step's kernels when the next step is prepared (two steps in flight).
 """
 
 import numpy as np
@@ -17,7 +19,8 @@ class StepBuffers:
         self.device = device
         self.max_blocks_per_seq = max_blocks_per_seq
         pin = device.type == "cuda"
-        self.fields: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.fields: dict[str, tuple[list[torch.Tensor], torch.Tensor]] = {}
+        self.current = 0
         for name, size, dtype in (
             ("input_ids", max_num_tokens, torch.int64),
             ("positions", max_num_tokens, torch.int64),
@@ -25,21 +28,28 @@ class StepBuffers:
             ("cu_seqlens_q", max_num_seqs + 1, torch.int32),
             ("seq_lens", max_num_seqs, torch.int32),
             ("logits_indices", max_num_seqs, torch.int64),
+            ("placeholder_idx", max_num_seqs, torch.int64),
+            ("placeholder_src", max_num_seqs, torch.int64),
             ("block_table", max_num_seqs * max_blocks_per_seq, torch.int32),
         ):
-            host = torch.zeros(size, dtype=dtype, pin_memory=pin)
+            hosts = [torch.zeros(size, dtype=dtype, pin_memory=pin) for _ in range(2)]
             dev = torch.zeros(size, dtype=dtype, device=device)
-            self.fields[name] = (host, dev)
+            self.fields[name] = (hosts, dev)
+
+    def flip(self) -> None:
+        """Switch host sets: call once per step, before its first put()."""
+        self.current ^= 1
 
     def put(self, name: str, values: np.ndarray) -> torch.Tensor:
         """Copy `values` into the front of the field; return the device view."""
-        host, dev = self.fields[name]
+        hosts, dev = self.fields[name]
+        host = hosts[self.current]
         n = values.size
         host[:n].numpy()[:] = values.reshape(-1)
         dev[:n].copy_(host[:n], non_blocking=True)
         return dev[:n]
 
-    def device(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str) -> torch.Tensor:
         return self.fields[name][1]
 
     def load(self, inp: StepInputs, pad_seqs_to: int | None = None):

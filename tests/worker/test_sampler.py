@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from echo.worker.sampler import Sampler, SamplingTensors, apply_penalties, uniform_noise
+from echo.worker.sampler import Sampler, SamplingTensors, apply_penalties
+from echo_kernels.reference import uniform_noise_ref as uniform_noise
 
 
 def tensors(batch: int, vocab: int, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0,
