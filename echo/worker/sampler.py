@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                   steps: torch.Tensor) -> torch.Tensor:
     """One fused pass on the GPU; the PyTorch twin (same hash, bit for bit) elsewhere."""
