@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_PIN ?= torch==2.13.0
 PROMPT ?= What is the capital of France?
 
-.PHONY: install demo test test-gpu lint bench-offline
+.PHONY: install demo serve generate test test-gpu lint bench-offline
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,14 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# start the OpenAI-compatible server on the default model, ask it one question, stop it
 demo: install
+	$(BIN)/python tools/demo.py "$(PROMPT)"
+
+serve: install
+	$(BIN)/python -m echo serve
+
+generate: install
 	$(BIN)/python -m echo generate --prompt "$(PROMPT)"
 
 test: install
