@@ -17,3 +17,27 @@ def cpu_kv_cache_gib() -> float:
 def nvtx_enabled() -> bool:
     """Emit NVTX ranges around engine phases (ECHO_NVTX=1); off costs nothing."""
     return os.environ.get("ECHO_NVTX", "0") == "1"
+
+
+def profile_steps() -> tuple[int, int] | None:
+    """Profile the model runner's steps START..START+COUNT-1 (ECHO_PROFILE_STEPS=START:COUNT):
+    with the PyTorch profiler when ECHO_PROFILE_OUT is set, else between cudaProfilerStart and
+    cudaProfilerStop for an outside profiler (nsys --capture-range=cudaProfilerApi)."""
+    value = os.environ.get("ECHO_PROFILE_STEPS", "")
+    if not value:
+        return None
+    start, sep, count = value.partition(":")
+    try:
+        window = int(start), int(count or "0")
+    except ValueError:
+        window = (-1, 0)
+    if not sep or window[0] < 0 or window[1] < 1:
+        raise ValueError(f"ECHO_PROFILE_STEPS must be START:COUNT (START >= 0, COUNT >= 1), "
+                         f"got {value!r}")
+    return window
+
+
+def profile_out() -> Path | None:
+    """Folder for the PyTorch profiler's Chrome traces (ECHO_PROFILE_OUT); see profile_steps."""
+    value = os.environ.get("ECHO_PROFILE_OUT", "")
+    return Path(value).expanduser() if value else None

@@ -97,13 +97,16 @@ class AsyncClient:
             if reader.poll(0.5):
                 try:
                     return reader.recv()
-                except EOFError:
+                except EOFError:  # the child closed the pipe without a word: it is exiting
+                    self.proc.join(5)
                     break
             if not self.proc.is_alive():
                 break
         if self.proc.is_alive():
             return "error", f"no ready message within {self.startup_timeout_s:.0f} s"
-        return "error", f"the process exited with code {self.proc.exitcode} before it was ready"
+        return "error", (f"the process exited with code {self.proc.exitcode} before it was "
+                         "ready (a script starting the engine needs `if __name__ == "
+                         "'__main__':`, since engine processes are spawned)")
 
     async def __aenter__(self) -> "AsyncClient":
         return await self.start()

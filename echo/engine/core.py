@@ -12,6 +12,7 @@ from echo.config import EngineConfig
 from echo.core.request import Request
 from echo.core.scheduler import Scheduler
 from echo.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from echo.profiling import step_range
 
 
 class EngineCore:
@@ -53,9 +54,11 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute, update: one step, synchronously."""
-        scheduler_output = self.scheduler.schedule()
+        with step_range("schedule", self.scheduler._step_id):
+            scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        with step_range("update", scheduler_output.step_id):
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
                                  timestamp=time.time())
 
@@ -65,7 +68,8 @@ class EngineCore:
         back this call (the pipeline is filling)."""
         scheduled = False
         if len(self.in_flight) < self.max_in_flight and self.scheduler.has_unfinished_requests():
-            scheduler_output = self.scheduler.schedule()
+            with step_range("schedule", self.scheduler._step_id):
+                scheduler_output = self.scheduler.schedule()
             if not scheduler_output.is_empty or scheduler_output.finished_req_ids:
                 self.executor.execute_model_async(scheduler_output)
                 self.in_flight.append(scheduler_output)
@@ -75,7 +79,8 @@ class EngineCore:
             return None
         scheduler_output = self.in_flight.popleft()
         runner_output = self.executor.get_output()
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        with step_range("update", scheduler_output.step_id):
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
                                  timestamp=time.time())
 

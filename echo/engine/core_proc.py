@@ -121,13 +121,17 @@ class EngineCoreProc:
 
     def run(self) -> None:
         core = self.core
+        next_parent_check = 0.0
         while not self.stopping.is_set():
-            if not core.has_work():  # idle: block for input, checking on the parent now and then
+            now = time.monotonic()
+            if now >= next_parent_check:  # also while busy: an orphaned core would run on
+                if os.getppid() != self.parent_pid:
+                    break  # the frontend died: do not outlive it
+                next_parent_check = now + _IDLE_POLL_S
+            if not core.has_work():  # idle: block for input
                 try:
                     self._handle(*self.input_queue.get(timeout=_IDLE_POLL_S))
                 except queue.Empty:
-                    if os.getppid() != self.parent_pid:
-                        break  # the frontend died: do not outlive it
                     continue
             while not self.input_queue.empty():
                 self._handle(*self.input_queue.get_nowait())

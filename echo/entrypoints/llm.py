@@ -11,6 +11,7 @@ from echo.engine.core import EngineCore
 from echo.engine.input_processor import InputProcessor, Prompt, load_tokenizer
 from echo.engine.output_processor import OutputProcessor
 from echo.outputs import RequestOutput
+from echo.profiling import step_range
 from echo.sampling_params import SamplingParams
 
 
@@ -81,7 +82,8 @@ class LLM:
                 outputs = self.engine.step_overlapped()
                 if outputs is None:
                     continue
-                results, to_abort = processor.process_outputs(outputs.outputs)
+                with step_range("output-processing"):
+                    results, to_abort = processor.process_outputs(outputs.outputs)
                 if to_abort:
                     self.engine.abort_requests(to_abort)
                 for result in results:

@@ -17,6 +17,7 @@ from echo.distributed.parallel_state import SINGLE, TPGroup
 from echo.engine.messages import LogprobsEntry, ModelRunnerOutput
 from echo.layers.attention import ForwardContext
 from echo.models.loader import build_model
+from echo.profiling import profiler_window, step_range
 from echo.worker.cuda_graphs import CudaGraphRunner
 from echo.worker.input_batch import InputBatch, StepInputs
 from echo.worker.sampler import Sampler, SamplerOutput
@@ -45,6 +46,7 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         # launched steps, oldest first: outputs ready, or steps still on the device
         self.in_flight: deque[ModelRunnerOutput | _StepInFlight] = deque()
+        self.profile_window = profiler_window(f"rank{tp.rank}")  # ECHO_PROFILE_STEPS
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -134,24 +136,30 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput) -> None:
         """Start a step on the device without waiting for it. A token the previous step is
         still sampling is copied into this step's inputs on the device: no host round trip."""
+        self.profile_window.on_step(out.step_id)
         batch = self.input_batch
-        if self.in_flight and any(batch.params[r].has_penalties for r in batch.row_of.values()):
-            self._land_all()  # penalties count tokens on the host: they must be there
-        batch.update(out, self.vocab_size)
-        if out.is_empty:
-            self.in_flight.append(ModelRunnerOutput(step_id=out.step_id))
-            return
-        self.buffers.flip()
-        inp = batch.prepare(out)
-        hidden = self.forward(inp)
-        logits = self.model.compute_logits(
-            hidden[self.buffers.put("logits_indices", inp.logits_indices)])
-        sample_rows = inp.rows[inp.sample_seq_idx]
-        sampled = self.sampler(logits, build_sampling_tensors(
-            batch, sample_rows, self.vocab_size, self.arch.eos_token_ids, self.device))
-        batch.num_pending[sample_rows] += 1
-        logprobs = [batch.params[r].logprobs for r in sample_rows]
-        self.in_flight.append(_StepInFlight(out.step_id, inp, sample_rows, sampled, logprobs))
+        with step_range("prepare", out.step_id):
+            if self.in_flight and any(batch.params[r].has_penalties
+                                      for r in batch.row_of.values()):
+                self._land_all()  # penalties count tokens on the host: they must be there
+            batch.update(out, self.vocab_size)
+            if out.is_empty:
+                self.in_flight.append(ModelRunnerOutput(step_id=out.step_id))
+                return
+            self.buffers.flip()
+            inp = batch.prepare(out)
+        with step_range("forward", out.step_id):
+            hidden = self.forward(inp)
+            logits = self.model.compute_logits(
+                hidden[self.buffers.put("logits_indices", inp.logits_indices)])
+        with step_range("sample", out.step_id):
+            sample_rows = inp.rows[inp.sample_seq_idx]
+            sampled = self.sampler(logits, build_sampling_tensors(
+                batch, sample_rows, self.vocab_size, self.arch.eos_token_ids, self.device))
+            batch.num_pending[sample_rows] += 1
+            logprobs = [batch.params[r].logprobs for r in sample_rows]
+            self.in_flight.append(_StepInFlight(out.step_id, inp, sample_rows, sampled,
+                                                logprobs))
 
     def oldest_step_done(self) -> bool:
         """Whether collect() would return without waiting for the device."""
@@ -165,10 +173,11 @@ class ModelRunner:
 
     def _land(self, step: "_StepInFlight") -> ModelRunnerOutput:
         step.ready.synchronize()
-        token_ids = step.host_tokens.tolist()
-        req_ids = [step.inp.req_ids[i] for i in step.inp.sample_seq_idx]
-        self.input_batch.append_sampled(req_ids, token_ids)
-        return self._runner_output(step, token_ids)
+        with step_range("output", step.step_id):  # after the wait: CPU work only
+            token_ids = step.host_tokens.tolist()
+            req_ids = [step.inp.req_ids[i] for i in step.inp.sample_seq_idx]
+            self.input_batch.append_sampled(req_ids, token_ids)
+            return self._runner_output(step, token_ids)
 
     def _land_all(self) -> None:
         self.in_flight = deque(item if isinstance(item, ModelRunnerOutput) else self._land(item)
