@@ -98,8 +98,9 @@ class EngineCoreProc:
                     payload.request_id, [], finish_reason="error", error=str(e))]))
         elif kind is RequestType.ABORT:
             finished = core.abort_requests(payload)
-            if finished:
-                self.output_queue.put(EngineCoreOutputs(outputs=finished))
+            if finished:  # with fresh stats: the freed blocks show at once
+                self.output_queue.put(EngineCoreOutputs(
+                    outputs=finished, scheduler_stats=core.scheduler.make_stats()))
         elif kind is RequestType.UTILITY:
             self.output_queue.put(EngineCoreOutputs(utility=self._utility(payload)))
         elif kind is RequestType.SHUTDOWN:

@@ -17,13 +17,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def server(tiny_chat_model):
+def start_server(model: str, *extra: str):
+    """Start `python -m echo serve` and wait until /health answers; yields (proc, base url)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "echo", "serve", "--model", str(tiny_chat_model),
-           "--device", "cpu", "--port", str(port), "--served-model-name", "tiny",
-           "--max-model-len", "512", "--num-gpu-blocks-override", "256",
-           "--shutdown-timeout", "20", "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "echo", "serve", "--model", model, "--device", "cpu",
+           "--port", str(port), "--served-model-name", "tiny", "--max-model-len", "512",
+           "--shutdown-timeout", "20", "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -42,6 +41,11 @@ def server(tiny_chat_model):
         if proc.poll() is None:
             proc.kill()
         proc.wait(30)
+
+
+@pytest.fixture
+def server(tiny_chat_model):
+    yield from start_server(str(tiny_chat_model), "--num-gpu-blocks-override", "256")
 
 
 def stats(base: str) -> dict:
