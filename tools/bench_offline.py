@@ -1,17 +1,67 @@
 """Offline throughput, nano-vllm's benchmark: 256 sequences, prompt and output lengths uniform in
 [100, 1024], random token ids, ignore_eos, Qwen3-0.6B shapes with dummy weights.
 
-    python tools/bench_offline.py [--model qwen3-8b] [--num-seqs 256] [--json out.json]
+    python tools/bench_offline.py [--model qwen3-8b] [--multiprocess] [--no-async] [--json F]
 
-Prints output tokens per second (generated tokens / wall time of generate()).
+Prints output tokens per second (generated tokens / wall time). In-process runs echo.LLM;
+--multiprocess sends the same workload through the AsyncClient (core and worker processes).
 """
 
 import argparse
+import asyncio
 import json
 import random
 import time
 
-from echo import LLM, SamplingParams
+from echo import LLM, AsyncClient, SamplingParams
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    return dict(load_format=args.load_format, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                kv_cache_dtype=args.kv_cache_dtype, async_scheduling=not args.no_async,
+                tensor_parallel_size=args.tp)
+
+
+def workload(args: argparse.Namespace, vocab: int):
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
+               for _ in range(args.num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True,
+                             max_tokens=rng.randint(args.min_len, args.max_len))
+              for _ in range(args.num_seqs)]
+    return prompts, params
+
+
+def run_in_process(args: argparse.Namespace) -> tuple[int, float, dict]:
+    llm = LLM(args.model, **engine_args(args))
+    prompts, params = workload(args, llm.config.model.arch.vocab_size)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return generated, elapsed, {"num_kv_blocks": llm.engine.num_blocks,
+                                "prompt_tokens": sum(map(len, prompts))}
+
+
+async def run_multiprocess(args: argparse.Namespace) -> tuple[int, float, dict]:
+    async with AsyncClient(args.model, **engine_args(args)) as client:
+        prompts, params = workload(args, client.config.model.arch.vocab_size)
+
+        async def one(prompt, sp) -> int:
+            last = None
+            async for out in client.generate(prompt, sp):
+                last = out
+            return len(last.outputs[0].token_ids)
+
+        await one([1, 2, 3], SamplingParams(max_tokens=4))  # warm-up
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
+        elapsed = time.perf_counter() - start
+        return sum(counts), elapsed, {"num_kv_blocks": client.engine_info["num_gpu_blocks"],
+                                      "prompt_tokens": sum(map(len, prompts))}
 
 
 def main() -> None:
@@ -27,43 +77,29 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--multiprocess", action="store_true",
+                        help="run through AsyncClient (core and worker processes)")
+    parser.add_argument("--no-async", action="store_true", help="async_scheduling off")
+    parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
 
-    llm = LLM(args.model, load_format=args.load_format, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_dtype=args.kv_cache_dtype)
-    rng = random.Random(args.seed)
-    vocab = llm.config.model.arch.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
-               for _ in range(args.num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True,
-                             max_tokens=rng.randint(args.min_len, args.max_len))
-              for _ in range(args.num_seqs)]
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    result = {
-        "model": args.model,
-        "num_seqs": args.num_seqs,
-        "output_tokens": generated,
-        "prompt_tokens": sum(len(p) for p in prompts),
-        "seconds": round(elapsed, 3),
-        "output_tok_per_s": round(generated / elapsed, 1),
-        "enforce_eager": args.enforce_eager,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "num_kv_blocks": llm.engine.num_blocks,
-    }
-    print(f"{args.model}: {generated} output tokens in {elapsed:.2f} s = "
+    if args.multiprocess:
+        generated, elapsed, info = asyncio.run(run_multiprocess(args))
+    else:
+        generated, elapsed, info = run_in_process(args)
+    mode = "multi-process" if args.multiprocess else "in-process"
+    result = {"model": args.model, "mode": mode, "num_seqs": args.num_seqs,
+              "output_tokens": generated, "seconds": round(elapsed, 3),
+              "output_tok_per_s": round(generated / elapsed, 1),
+              "enforce_eager": args.enforce_eager, "async_scheduling": not args.no_async,
+              "kv_cache_dtype": args.kv_cache_dtype, "tp": args.tp, **info}
+    print(f"{args.model} ({mode}): {generated} output tokens in {elapsed:.2f} s = "
           f"{generated / elapsed:,.0f} tok/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the engine's processes are spawned: keep this guard
     main()
