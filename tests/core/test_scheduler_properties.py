@@ -14,7 +14,7 @@ from echo.core.fake_runner import default_next_token
 from echo.core.request import RequestStatus
 from echo.core.scheduler import Scheduler
 
-from .test_scheduler import EOS, make_request, make_runner, make_scheduler, merge
+from .scheduler_helpers import EOS, make_request, make_runner, make_scheduler, merge
 
 VOCAB = 30  # small, so EOS (0) and the stop token turn up by themselves
 STOP_TOKEN = 29
