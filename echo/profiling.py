@@ -134,7 +134,8 @@ class ProfilerWindow:
             activities.append(ProfilerActivity.CUDA)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._prof = profile(activities=activities,
-                             schedule=schedule(wait=0, warmup=warmup, active=self.count),
+                             schedule=schedule(wait=0, warmup=warmup, active=self.count,
+                                               repeat=1),
                              on_trace_ready=self._save)
         self._prof.start()
         self._steps_left = warmup + self.count

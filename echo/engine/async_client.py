@@ -32,6 +32,7 @@ from echo.engine.messages import (
 )
 from echo.engine.output_processor import OutputProcessor
 from echo.outputs import RequestOutput
+from echo.profiling import step_range
 from echo.sampling_params import SamplingParams
 
 
@@ -241,7 +242,8 @@ class AsyncClient:
                     future.set_result(outputs.utility.result)
         if not outputs.outputs:
             return
-        results, to_abort = self.output_processor.process_outputs(outputs.outputs)
+        with step_range("output-processing"):
+            results, to_abort = self.output_processor.process_outputs(outputs.outputs)
         for result in results:
             out_queue = self.queues.get(result.request_id)
             if out_queue is not None:
