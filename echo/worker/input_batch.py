@@ -50,6 +50,10 @@ class InputBatch:
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
         self.seeds = np.zeros(max_num_reqs, dtype=np.int64)
+        self.logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # top-N asked for; -1: none
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.has_penalties = np.zeros(max_num_reqs, dtype=bool)
+        self.num_with_penalties = 0  # among the requests held now
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -63,6 +67,8 @@ class InputBatch:
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self.params[row] = None
+            self.num_with_penalties -= int(self.has_penalties[row])
+            self.has_penalties[row] = False
             self.free_rows.append(row)
 
     def add(self, req_id: str, prompt: list[int], output: list[int], params: SamplingParams,
@@ -84,6 +90,10 @@ class InputBatch:
         self.top_k[row] = params.top_k if params.top_k > 0 else vocab_size
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
+        self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.min_tokens[row] = params.min_tokens
+        self.has_penalties[row] = params.has_penalties
+        self.num_with_penalties += int(params.has_penalties)
         seed = params.seed
         self.seeds[row] = seed if seed is not None else int(self._seed_rng.integers(0, 2**62))
 
@@ -145,10 +155,11 @@ class InputBatch:
 
     def append_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
         """Tokens that reached the host; requests forgotten meanwhile are skipped."""
-        for req_id, token in zip(req_ids, token_ids):
-            row = self.row_of.get(req_id)
-            if row is None:
-                continue
-            self.token_ids[row, self.num_tokens[row]] = token
-            self.num_tokens[row] += 1
-            self.num_pending[row] = max(0, self.num_pending[row] - 1)
+        row_of = self.row_of
+        rows = np.fromiter((row_of.get(r, -1) for r in req_ids), dtype=np.int64,
+                           count=len(req_ids))
+        held = rows >= 0
+        rows, tokens = rows[held], np.asarray(token_ids, dtype=np.int64)[held]
+        self.token_ids[rows, self.num_tokens[rows]] = tokens
+        self.num_tokens[rows] += 1
+        self.num_pending[rows] = np.maximum(self.num_pending[rows] - 1, 0)

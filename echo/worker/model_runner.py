@@ -139,8 +139,7 @@ class ModelRunner:
         self.profile_window.on_step(out.step_id)
         batch = self.input_batch
         with step_range("prepare", out.step_id):
-            if self.in_flight and any(batch.params[r].has_penalties
-                                      for r in batch.row_of.values()):
+            if self.in_flight and batch.num_with_penalties:
                 self._land_all()  # penalties count tokens on the host: they must be there
             batch.update(out, self.vocab_size)
             if out.is_empty:
@@ -157,7 +156,7 @@ class ModelRunner:
             sampled = self.sampler(logits, build_sampling_tensors(
                 batch, sample_rows, self.vocab_size, self.arch.eos_token_ids, self.device))
             batch.num_pending[sample_rows] += 1
-            logprobs = [batch.params[r].logprobs for r in sample_rows]
+            logprobs = [n if n >= 0 else None for n in batch.logprobs[sample_rows].tolist()]
             self.in_flight.append(_StepInFlight(out.step_id, inp, sample_rows, sampled,
                                                 logprobs))
 

@@ -10,17 +10,16 @@ from echo.worker.sampler import SamplingTensors
 def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, vocab_size: int,
                            eos_token_ids: tuple[int, ...], device: torch.device
                            ) -> SamplingTensors:
-    params = [batch.params[r] for r in rows]
     temperature, top_k = batch.temperature[rows], batch.top_k[rows]
     top_p, min_p = batch.top_p[rows], batch.min_p[rows]
     # two host-to-device copies per step (floats, ints), pinned so they do not block
     floats = _upload(np.stack([temperature, top_p, min_p]), device)
     ints = _upload(np.stack([top_k, batch.seeds[rows], batch.num_output_tokens(rows)]), device)
-    logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    max_logprobs = int(batch.logprobs[rows].max()) if len(rows) else -1
     extra = {}
-    if any(p.has_penalties for p in params):
-        extra = _penalties(batch, rows, params, vocab_size, device)
-    banned = _banned_tokens(batch, rows, params, vocab_size, eos_token_ids)
+    if batch.has_penalties[rows].any():
+        extra = _penalties(batch, rows, vocab_size, device)
+    banned = _banned_tokens(batch, rows, vocab_size, eos_token_ids)
     if banned is not None:
         extra["banned"] = banned.to(device)
     return SamplingTensors(
@@ -29,7 +28,7 @@ def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, vocab_size: int,
         all_greedy=bool((temperature == 0).all()),
         need_top_k=bool((top_k < vocab_size).any()),
         need_top_p=bool((top_p < 1).any()), need_min_p=bool((min_p > 0).any()),
-        max_logprobs=max(logprobs) if logprobs else None, **extra)
+        max_logprobs=max_logprobs if max_logprobs >= 0 else None, **extra)
 
 
 def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -40,8 +39,9 @@ def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def _penalties(batch: InputBatch, rows: np.ndarray, params, vocab_size: int,
+def _penalties(batch: InputBatch, rows: np.ndarray, vocab_size: int,
                device: torch.device) -> dict:
+    params = [batch.params[r] for r in rows]
     counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32)
     prompt_mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
     for i, row in enumerate(rows):
@@ -57,16 +57,16 @@ def _penalties(batch: InputBatch, rows: np.ndarray, params, vocab_size: int,
             "output_counts": counts.to(device), "prompt_mask": prompt_mask.to(device)}
 
 
-def _banned_tokens(batch: InputBatch, rows: np.ndarray, params, vocab_size: int,
+def _banned_tokens(batch: InputBatch, rows: np.ndarray, vocab_size: int,
                    eos_token_ids: tuple[int, ...]) -> torch.Tensor | None:
     """EOS and stop tokens are banned until a request has min_tokens outputs."""
-    generated = batch.num_output_tokens(rows)
-    pending = [i for i, p in enumerate(params) if p.min_tokens > generated[i]]
-    if not pending:
+    pending = np.nonzero(batch.min_tokens[rows] > batch.num_output_tokens(rows))[0]
+    if not len(pending):
         return None
     banned = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
-    for i in pending:
-        stops = [t for t in (*eos_token_ids, *params[i].stop_token_ids) if t < vocab_size]
+    for i in pending.tolist():
+        stop_ids = batch.params[rows[i]].stop_token_ids
+        stops = [t for t in (*eos_token_ids, *stop_ids) if t < vocab_size]
         banned[i, stops] = True
     return banned
 

@@ -132,3 +132,29 @@ def test_preset_with_dummy_weights_generates_token_ids():
                        use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
     assert all(0 <= t < 151936 for o in out for t in o.outputs[0].token_ids)
+
+
+def test_repetition_penalty_equals_transformers(tiny_llama):
+    llm = make_llm(tiny_llama)
+    out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=16,
+                                                   repetition_penalty=1.5, ignore_eos=True),
+                       use_tqdm=False)
+    hf = load_hf(tiny_llama)
+    hf.generation_config.eos_token_id = None
+    for prompt, o in zip(PROMPTS[:2], out):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                              repetition_penalty=1.5, pad_token_id=0)[0, len(prompt):]
+        assert o.outputs[0].token_ids == ref.tolist()
+
+
+def test_min_tokens_holds_back_stop_tokens(tiny_llama):
+    llm = make_llm(tiny_llama)
+    free = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12,
+                                                     ignore_eos=True), use_tqdm=False)
+    stop = free[0].outputs[0].token_ids[1]
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, min_tokens=6,
+                                                    stop_token_ids=[stop], ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert stop not in out.token_ids[:6]
+    assert len(out.token_ids) >= 6
