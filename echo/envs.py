@@ -41,3 +41,8 @@ def profile_out() -> Path | None:
     """Folder for the PyTorch profiler's Chrome traces (ECHO_PROFILE_OUT); see profile_steps."""
     value = os.environ.get("ECHO_PROFILE_OUT", "")
     return Path(value).expanduser() if value else None
+
+
+def api_key() -> str | None:
+    """The key `echo serve` requires when --api-key is not given (ECHO_API_KEY)."""
+    return os.environ.get("ECHO_API_KEY") or None

@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", action="append",
                      help="name(s) clients use for the model (default: --model)")
-    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
+                     "(default: $ECHO_API_KEY)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may finish after SIGTERM")
     srv.add_argument("--max-request-bytes", type=int, default=16 * 2**20)

@@ -8,6 +8,8 @@ import sys
 
 import uvicorn
 
+from echo import envs
+
 
 class _Server(uvicorn.Server):
     """uvicorn's server, with signals handled by us: uvicorn re-raises a caught SIGTERM after
@@ -31,7 +33,7 @@ async def _run(args: argparse.Namespace, engine_args: dict) -> None:
     await client.start()
     try:
         names = args.served_model_name or [args.model or "default"]
-        app = create_app(client, names, args.api_key, args.max_request_bytes)
+        app = create_app(client, names, args.api_key or envs.api_key(), args.max_request_bytes)
         # uvicorn handles SIGINT/SIGTERM: stop accepting, let requests finish for up to
         # timeout_graceful_shutdown seconds, then cancel them (their generators abort)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
