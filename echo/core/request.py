@@ -49,6 +49,8 @@ class Request:
         self.cache_salt = cache_salt
         # the generation limit after clamping to max_model_len (set by the engine)
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        # prompt + output length at which it stops for length; set by the scheduler on admission
+        self.token_limit = 0
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

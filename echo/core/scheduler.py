@@ -76,7 +76,8 @@ class Scheduler:
         if num_prompt > self.max_model_len:
             raise ValueError(f"request {rid!r}: prompt length {num_prompt} exceeds "
                              f"max_model_len {self.max_model_len}")
-        num_tokens = max(num_prompt, max_num_tokens(request, self.max_model_len))
+        request.token_limit = max_num_tokens(request, self.max_model_len)
+        num_tokens = max(num_prompt, request.token_limit)
         num_blocks = self.kv.num_blocks_for(num_tokens)
         if num_blocks > self.kv.num_blocks:
             raise ValueError(
@@ -287,8 +288,8 @@ class Scheduler:
     def _at_limit(self, request: Request) -> bool:
         """Whether the tokens in flight already reach max_tokens / max_model_len, so another
         step could only produce a token to throw away."""
-        return (request.num_tokens + request.num_output_placeholders
-                >= max_num_tokens(request, self.max_model_len))
+        return (len(request.prompt_token_ids) + len(request.output_token_ids)
+                + request.num_output_placeholders >= request.token_limit)
 
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and requeue it at the front, to be recomputed (its
@@ -309,7 +310,7 @@ class Scheduler:
         outputs = []
         finished_running: set[str] = set()
         logprobs = runner_output.logprobs
-        requests, max_model_len = self.requests, self.max_model_len
+        requests = self.requests
         for i, rid in enumerate(runner_output.req_ids):
             new_token_ids = runner_output.sampled_token_ids[i]
             if not new_token_ids:
@@ -321,7 +322,7 @@ class Scheduler:
             request.num_output_placeholders = placeholders if placeholders > 0 else 0
             if len(new_token_ids) == 1:  # the usual case, without a call
                 request.output_token_ids.append(new_token_ids[0])
-                status = check_stop(request, max_model_len)
+                status = check_stop(request)
             else:
                 new_token_ids, status = self._append_tokens(request, new_token_ids)
             entry = logprobs[i] if logprobs else None
@@ -347,7 +348,7 @@ class Scheduler:
         output_ids = request.output_token_ids
         for n, token_id in enumerate(token_ids, 1):
             output_ids.append(token_id)
-            status = check_stop(request, self.max_model_len)
+            status = check_stop(request)
             if status is not None:
                 return token_ids[:n], status
         return token_ids, None

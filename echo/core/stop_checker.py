@@ -14,7 +14,7 @@ def max_num_tokens(request: Request, max_model_len: int) -> int:
     return min(request.num_prompt_tokens + request.max_tokens, max_model_len)
 
 
-def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
+def check_stop(request: Request) -> RequestStatus | None:
     """The finished status the last appended token gives the request, or None to go on.
     Sets request.stop_reason for a stop token id. A stop token that arrives on the length
     limit counts as a stop: the model did end there."""
@@ -28,10 +28,6 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
         if params.stop_token_ids and last_token_id in params.stop_token_ids:
             request.stop_reason = last_token_id
             return RequestStatus.FINISHED_STOPPED
-    num_prompt = len(request.prompt_token_ids)
-    limit = max_model_len
-    if request.max_tokens is not None and num_prompt + request.max_tokens < limit:
-        limit = num_prompt + request.max_tokens
-    if num_prompt + len(output) >= limit:
+    if len(request.prompt_token_ids) + len(output) >= request.token_limit:
         return RequestStatus.FINISHED_LENGTH
     return None

@@ -50,6 +50,7 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[_Child] = field(default_factory=list)
+    child_ids: list[str] = field(default_factory=list)  # the core's ids, parallel to children
     num_cached_tokens: int = 0
     error: str | None = None
 
@@ -76,9 +77,7 @@ class OutputProcessor:
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self._parents.get(request_id)
-        if parent is None:
-            return []
-        return [cid for cid, c in self._children.items() if c.parent is parent]
+        return list(parent.child_ids) if parent is not None else []
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float) -> list[EngineCoreRequest]:
@@ -102,6 +101,7 @@ class OutputProcessor:
             if params.logprobs is not None:
                 child.completion.logprobs, child.completion.cumulative_logprob = [], 0.0
             parent.children.append(child)
+            parent.child_ids.append(child_id)
             self._children[child_id] = child
             core_requests.append(EngineCoreRequest(child_id, list(prompt_token_ids),
                                                    child_params, arrival_time))
@@ -120,10 +120,12 @@ class OutputProcessor:
             if self._apply(child, out):
                 to_abort.append(out.request_id)
             changed[child.parent.request_id] = child.parent
-        results = [self._make_output(p) for p in changed.values()
-                   if self.stream or p.finished]
+        results = []
         for parent in changed.values():
-            if parent.finished:
+            finished = parent.finished
+            if self.stream or finished:
+                results.append(self._make_output(parent))
+            if finished:
                 self._forget(parent)
         return results, to_abort
 
@@ -141,8 +143,8 @@ class OutputProcessor:
 
     def _forget(self, parent: _Parent) -> None:
         self._parents.pop(parent.request_id, None)
-        for cid in [cid for cid, c in self._children.items() if c.parent is parent]:
-            del self._children[cid]
+        for cid in parent.child_ids:
+            self._children.pop(cid, None)
 
     def _apply(self, child: _Child, out: EngineCoreOutput) -> bool:
         """Returns True when a stop string ended the request (the core must abort it)."""
