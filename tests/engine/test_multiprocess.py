@@ -210,3 +210,17 @@ def test_killed_frontend_takes_core_and_workers_down(tiny_llama, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.gpu
+def test_gpu_worker_process_equals_in_process_llm(tiny_qwen3):
+    args = {**ARGS, "device": "cuda", "dtype": "float32"}
+    expected = LLM(str(tiny_qwen3), **args).generate(PROMPTS, GREEDY, use_tqdm=False)
+
+    async def main():
+        async with AsyncClient(str(tiny_qwen3), **args) as client:
+            return await asyncio.gather(*(final(client, p, GREEDY) for p in PROMPTS))
+
+    outs = asyncio.run(main())
+    assert [o.outputs[0].token_ids for o in outs] == \
+        [o.outputs[0].token_ids for o in expected]
