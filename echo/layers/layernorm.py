@@ -3,12 +3,8 @@
 import torch
 from torch import nn
 
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # fp32 statistics, cast back before the weight multiply, as Hugging Face's Llama/Qwen3 do
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+# fp32 statistics, cast back before the weight multiply, as Hugging Face's Llama/Qwen3 do
+from echo_kernels.reference import rms_norm_ref as rms_norm_reference
 
 
 class RMSNorm(nn.Module):
