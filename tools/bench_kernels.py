@@ -32,6 +32,7 @@ from echo_kernels import (  # noqa: E402
 )
 from echo_kernels.attention import flash_attn_varlen_launch, paged_attention_launch  # noqa: E402
 from echo_kernels.attention.common import TileConfig  # noqa: E402
+from echo_kernels.linear import small_m_linear  # noqa: E402
 
 DT = torch.bfloat16
 
@@ -333,10 +334,27 @@ def bench_elementwise(rows: Rows) -> None:
                  nbytes=nbytes)
 
 
+def bench_linear(rows: Rows) -> None:
+    """Decode at small batch is a read of every weight: cuBLAS (F.linear) against
+    small_m_linear at Llama-3.1-8B's layer shapes; bytes = the weight."""
+    shapes = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
+              "down": (4096, 14336), "lm_head": (128256, 4096)}
+    for m in (1, 8):
+        for name, (n, k) in shapes.items():
+            x = torch.randn(m, k, device="cuda", dtype=DT)
+            w = torch.randn(n, k, device="cuda", dtype=DT)
+            nbytes = n * k * 2
+            shape = f"M={m} {n}x{k}"
+            rows.add(f"torch linear {name}", shape, bench(lambda: F.linear(x, w)),  # noqa: B023
+                     nbytes=nbytes)
+            rows.add(f"small_m_linear {name}", shape,
+                     bench(lambda: small_m_linear(x, w)), nbytes=nbytes)  # noqa: B023
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
-    parser.add_argument("--only", default="decode,prefill,mixed,elementwise")
+    parser.add_argument("--only", default="decode,prefill,mixed,elementwise,linear")
     parser.add_argument("--sweep", action="store_true", help="also sweep attention tile configs")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "bench_kernels needs a CUDA GPU"
@@ -355,6 +373,8 @@ def main() -> None:
         bench_mixed(rows)
     if "elementwise" in parts:
         bench_elementwise(rows)
+    if "linear" in parts:
+        bench_linear(rows)
     missed = [r["kernel"] for r in rows.rows if r.get("pass") is False]
     print(f"# targets missed: {', '.join(missed) if missed else 'none'}")
     if args.out:
