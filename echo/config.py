@@ -60,6 +60,10 @@ class CacheConfig:
         _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
                "num_gpu_blocks_override", f"must be >= 1, got {self.num_gpu_blocks_override}")
         _check_choice(self.kv_cache_dtype, "kv_cache_dtype", KV_CACHE_DTYPES)
+        # NOTE: the kernels store and read int8 caches already; the model runner does not
+        # allocate them yet, so asking for one must fail rather than silently run in bf16
+        _check(self.kv_cache_dtype != "int8", "kv_cache_dtype",
+               "'int8' is not supported by the model runner yet; use 'auto'")
 
 
 @dataclass(frozen=True)

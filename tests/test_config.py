@@ -42,6 +42,7 @@ def test_unsupported_architecture_is_named(tmp_path):
 @pytest.mark.parametrize("field,value", [
     ("block_size", 7), ("gpu_memory_utilization", 1.5), ("max_num_seqs", 0),
     ("tensor_parallel_size", 3), ("dtype", "int4"), ("kv_cache_dtype", "fp4"),
+    ("kv_cache_dtype", "int8"),
     ("load_format", "pickle"), ("num_gpu_blocks_override", 0),
 ])
 def test_bad_values_name_their_field(tiny_llama, field, value):
