@@ -1,7 +1,8 @@
 """ModelRunner: owns the model, the KV cache and the persistent batch of one worker (one TP rank).
 
-`execute_model(scheduler_output)` applies the step's diff, runs the forward pass over the mixed
-batch, samples for the requests whose prompt is fully computed, and returns their tokens.
+`launch(scheduler_output)` applies the step's diff, runs the forward pass over the mixed batch
+and samples for the requests whose tokens are all computed, without waiting for the device;
+`collect()` returns the oldest launched step's tokens. `execute_model` is the two in a row.
 """
 
 from collections import deque
