@@ -75,6 +75,18 @@ def _store_kv_cache_kernel(
         tl.store(v_cache_ptr + cache_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def checked_cache_scales(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         k_scale: torch.Tensor | None, v_scale: torch.Tensor | None):
+    """Check a layer's cache pair; returns (is_int8, k_scale, v_scale), the scales replaced by
+    a placeholder tensor (never read) when the cache is not int8."""
+    assert v_cache.stride() == k_cache.stride(), "k_cache and v_cache must share a layout"
+    if k_cache.dtype != torch.int8:
+        return False, k_cache, k_cache
+    assert k_scale is not None and v_scale is not None, "int8 caches need k_scale/v_scale"
+    assert v_scale.stride() == k_scale.stride()
+    return True, k_scale, v_scale
+
+
 def store_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -90,13 +102,7 @@ def store_kv_cache(
     if num_tokens == 0:
         return
     assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1
-    assert v_cache.stride() == k_cache.stride(), "k_cache and v_cache must share a layout"
-    is_int8 = k_cache.dtype == torch.int8
-    if is_int8:
-        assert k_scale is not None and v_scale is not None, "int8 caches need k_scale/v_scale"
-        assert v_scale.stride() == k_scale.stride()
-    else:
-        k_scale = v_scale = k_cache  # unused
+    is_int8, k_scale, v_scale = checked_cache_scales(k_cache, v_cache, k_scale, v_scale)
     heads_pad = triton.next_power_of_2(num_kv_heads)
     _store_kv_cache_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, num_kv_heads, k_cache.shape[1],

@@ -26,6 +26,7 @@ from echo_kernels.attention.common import (
     tile_config,
 )
 from echo_kernels.attention.reduce import merge_splits
+from echo_kernels.cache import checked_cache_scales
 
 
 @triton.jit
@@ -188,13 +189,7 @@ def paged_attention_launch(
     num_seqs = seq_lens.shape[0]
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be contiguous"
-    assert v_cache.stride() == k_cache.stride(), "k_cache and v_cache must share a layout"
-    is_int8 = k_cache.dtype == torch.int8
-    if is_int8:
-        assert k_scale is not None and v_scale is not None, "int8 caches need k_scale/v_scale"
-        assert v_scale.stride() == k_scale.stride()
-    else:
-        k_scale = v_scale = k_cache  # unused
+    is_int8, k_scale, v_scale = checked_cache_scales(k_cache, v_cache, k_scale, v_scale)
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
