@@ -45,7 +45,6 @@ def _paged_attention_kernel(
     num_seqs,
     num_heads,
     num_splits,
-    split_len,  # keys per split, a multiple of BLOCK_N (SPLIT)
     qk_scale,  # softmax_scale * log2(e)
     stride_qt,
     stride_qh,
@@ -96,6 +95,9 @@ def _paged_attention_kernel(
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
 
     if SPLIT:
+        # NOTE: split by this sequence's own context, not the grid's max_seqlen_k bound: a CUDA
+        # graph captured for max_model_len then still spreads a short context over every split
+        split_len = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
         kv_lo = split * split_len
         kv_hi = tl.minimum(ctx_len, kv_lo + split_len)
     else:
@@ -219,7 +221,7 @@ def paged_attention_launch(
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, k_scale, v_scale, block_table, cu_seqlens_q, seq_lens,
         out, part_acc, part_ml,
-        num_seqs, num_heads, num_splits, split_len, softmax_scale * LOG2E,
+        num_seqs, num_heads, num_splits, softmax_scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), block_table.stride(0),

@@ -35,6 +35,14 @@ def test_decode_forced_splits(paged_batch, num_splits):
     assert_close(b.run(num_splits=num_splits), b.reference(), CPU_ATOL[torch.float32])
 
 
+def test_decode_splits_follow_each_context_not_the_bound(paged_batch):
+    # a CUDA graph launches with max_seqlen_k = max_model_len; each sequence spreads its own
+    # context over the splits (a context of 3 over 8 splits leaves 7 empty)
+    b = paged_batch([1, 1, 1], [97, 3, 40], 4, 2, 32, 16, torch.float32)
+    b.max_seqlen_k = 4096
+    assert_close(b.run(num_splits=8), b.reference(), CPU_ATOL[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("heads", [(4, 2), (6, 2), (2, 2)])
 def test_mixed_batch(paged_batch, dtype, heads):
