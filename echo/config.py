@@ -12,7 +12,8 @@ from echo.models.arch import ModelArch, arch_from_hf_config, preset_names, read_
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-KV_CACHE_DTYPES = ("auto", "int8")
+# "auto" and "bf16" store K/V in the model dtype; "int8" adds per-token-head float32 scales
+KV_CACHE_DTYPES = ("auto", "bf16", "int8")
 DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_MODEL_NAMES = (None, "", "default")
@@ -60,10 +61,6 @@ class CacheConfig:
         _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
                "num_gpu_blocks_override", f"must be >= 1, got {self.num_gpu_blocks_override}")
         _check_choice(self.kv_cache_dtype, "kv_cache_dtype", KV_CACHE_DTYPES)
-        # NOTE: the kernels store and read int8 caches already; the model runner does not
-        # allocate them yet, so asking for one must fail rather than silently run in bf16
-        _check(self.kv_cache_dtype != "int8", "kv_cache_dtype",
-               "'int8' is not supported by the model runner yet; use 'auto'")
 
 
 @dataclass(frozen=True)

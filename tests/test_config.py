@@ -41,13 +41,30 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 @pytest.mark.parametrize("field,value", [
     ("block_size", 7), ("gpu_memory_utilization", 1.5), ("max_num_seqs", 0),
-    ("tensor_parallel_size", 3), ("dtype", "int4"), ("kv_cache_dtype", "fp4"),
-    ("kv_cache_dtype", "int8"),
+    ("tensor_parallel_size", 3), ("dtype", "int4"), ("kv_cache_dtype", "fp8"),
     ("load_format", "pickle"), ("num_gpu_blocks_override", 0),
 ])
 def test_bad_values_name_their_field(tiny_llama, field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig.create(str(tiny_llama), device="cpu", **{field: value})
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bf16", "int8"])
+def test_kv_cache_dtypes_are_accepted(tiny_llama, kv_cache_dtype):
+    config = EngineConfig.create(str(tiny_llama), device="cpu", kv_cache_dtype=kv_cache_dtype)
+    assert config.cache.kv_cache_dtype == kv_cache_dtype
+
+
+def test_cli_offers_the_same_kv_cache_dtypes():
+    import argparse
+
+    from echo.entrypoints.cli import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    [action] = [a for a in parser._actions if a.dest == "kv_cache_dtype"]
+    assert action.choices == ["auto", "bf16", "int8"]
+    assert parser.parse_args(["--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
 
 
 def test_unknown_argument_is_rejected(tiny_llama):
@@ -71,3 +88,47 @@ def test_old_and_new_rope_forms_agree():
     new = arch_from_hf_config({**base, "rope_parameters": {"rope_type": "llama3",
                                                            "rope_theta": 5e5, **scaling}})
     assert old == new and old.rope_theta == 5e5
+
+
+def _tp_model(folder, **overrides):
+    """A model folder with just config.json: the config never reads weights."""
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,
+           "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
+           "num_key_value_heads": 2, **overrides}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
+@pytest.mark.parametrize("overrides,tp,model_field", [
+    ({"num_attention_heads": 6, "num_key_value_heads": 6}, 4, "num_attention_heads"),
+    # 3 KV heads on 2 ranks: neither an even split nor a whole number of replicas
+    ({"num_attention_heads": 6, "num_key_value_heads": 3}, 2, "num_key_value_heads"),
+    ({"intermediate_size": 97}, 2, "intermediate_size"),
+])
+def test_tp_that_does_not_fit_the_model_names_both_fields(tmp_path, overrides, tp, model_field):
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size: .*{model_field}"):
+        EngineConfig.create(_tp_model(tmp_path, **overrides), device="cpu",
+                            tensor_parallel_size=tp)
+
+
+@pytest.mark.parametrize("overrides,tp", [
+    ({"num_key_value_heads": 1}, 2),  # one KV head, replicated on both ranks
+    ({}, 4),  # 2 KV heads, each replicated on 2 of the 4 ranks
+    ({"vocab_size": 127}, 2),  # the vocab-parallel embedding pads the last rank's slice
+])
+def test_tp_that_fits_the_model_is_accepted(tmp_path, overrides, tp):
+    config = EngineConfig.create(_tp_model(tmp_path, **overrides), device="cpu",
+                                 tensor_parallel_size=tp)
+    assert config.parallel.tensor_parallel_size == tp
+
+
+def test_tp_larger_than_the_visible_gpus_is_refused_on_cuda_only(tmp_path, monkeypatch):
+    import torch
+
+    folder = _tp_model(tmp_path)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 .*1 CUDA device"):
+        EngineConfig.create(folder, device="cuda", tensor_parallel_size=2)
+    assert EngineConfig.create(folder, device="cuda", tp=1).parallel.tensor_parallel_size == 1
+    # on CPU the ranks are processes sharing the host: no GPU count applies
+    assert EngineConfig.create(folder, device="cpu", tp=2).parallel.tensor_parallel_size == 2

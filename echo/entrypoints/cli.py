@@ -3,6 +3,7 @@
 import argparse
 import sys
 
+from echo.config import KV_CACHE_DTYPES
 from echo.sampling_params import SamplingParams
 
 
@@ -23,7 +24,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None)
     g.add_argument("--tensor-parallel-size", "--tp", type=int, dest="tensor_parallel_size")
-    g.add_argument("--kv-cache-dtype", choices=["auto", "int8"])
+    g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES))
     g.add_argument("--enforce-eager", action="store_true", default=None)
     g.add_argument("--load-format", choices=["auto", "safetensors", "dummy"])
     g.add_argument("--seed", type=int)

@@ -5,6 +5,7 @@ and samples for the requests whose tokens are all computed, without waiting for 
 `collect()` returns the oldest launched step's tokens. `execute_model` is the two in a row.
 """
 
+import sys
 from collections import deque
 
 import numpy as np
@@ -21,6 +22,7 @@ from echo.models.loader import build_model
 from echo.profiling import profiler_window, step_range
 from echo.worker.cuda_graphs import CudaGraphRunner
 from echo.worker.input_batch import InputBatch, StepInputs
+from echo.worker.kv_cache import KVCacheSpec
 from echo.worker.sampler import Sampler, SamplerOutput
 from echo.worker.sampling_inputs import build_sampling_tensors, worst_case_sampling_tensors
 from echo.worker.step_buffers import StepBuffers
@@ -51,9 +53,13 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------
 
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(self.arch.num_layers, self.config.cache.block_size, self.num_kv_heads,
+                           self.head_dim, self.dtype, self.config.cache.kv_cache_dtype)
+
     def kv_bytes_per_block(self) -> int:
-        per_token = 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-        return per_token * self.config.cache.block_size * self.arch.num_layers
+        return self.kv_cache_spec.bytes_per_block()
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -99,14 +105,14 @@ class ModelRunner:
         return peak
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
-        shape = (num_blocks, self.config.cache.block_size, self.num_kv_heads, self.head_dim)
-        return [KVCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                        torch.zeros(shape, dtype=self.dtype, device=self.device))
-                for _ in range(self.arch.num_layers)]
+        return self.kv_cache_spec.allocate(num_blocks, self.device)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache and the step state; capture CUDA graphs where they apply."""
         self.kv_caches = self._allocate_kv_cache(num_blocks)
+        if self.tp.rank == 0:  # every rank holds the same number of blocks
+            print(f"echo: {self.kv_cache_spec.describe(num_blocks, self.tp.size)}",
+                  file=sys.stderr, flush=True)
         sched = self.config.scheduler
         max_blocks = -(-sched.max_model_len // self.config.cache.block_size) + 1
         # +1 token column: a request finishing at max_model_len may still be handed a token
@@ -119,6 +125,20 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_caches, self.buffers,
                                           sched.max_num_seqs, sched.max_model_len)
             self.graphs.capture()
+        if self.device.type == "cuda":
+            self._warm_up_logits(sched.max_num_seqs)
+
+    @torch.inference_mode()
+    def _warm_up_logits(self, max_rows: int) -> None:
+        """Run the LM head once at every row count a step can sample. cuBLAS picks a different
+        kernel for many row counts and loads each on first use; measured on an H200, such a
+        load stalled the host ~8 ms inside the step while the GPU ran dry (4 ms idle gaps every
+        ~10 steps of the offline benchmark). Start-up is the place to pay for it."""
+        hidden = torch.zeros(max_rows, self.arch.hidden_size, dtype=self.dtype,
+                             device=self.device)
+        for rows in range(1, max_rows + 1):
+            self.model.compute_logits(hidden[:rows])
+        torch.cuda.synchronize(self.device)
 
     @property
     def use_cuda_graphs(self) -> bool:

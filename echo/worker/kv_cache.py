@@ -1,0 +1,73 @@
+"""The paged KV cache's memory: what one block costs and how the per-layer tensors are allocated.
+
+Per layer, K and V are `[num_blocks, block_size, num_kv_heads, head_dim]`, in the model dtype
+("auto", "bf16") or in int8 ("int8"). An int8 cache also keeps one float32 scale per token and
+KV head, `k_scale/v_scale [num_blocks, block_size, num_kv_heads]` (symmetric absmax / 127, as
+echo_kernels.cache.store_kv_cache writes them), so a token costs head_dim + 4 bytes per head
+instead of 2 * head_dim in bf16: 1.94x the blocks at head_dim 128.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from echo.attention.backend import KVCache
+
+SCALE_DTYPE = torch.float32
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The shape of one worker's cache (its own share of the KV heads under TP)."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    model_dtype: torch.dtype
+    kv_cache_dtype: str  # "auto", "bf16" or "int8" (CacheConfig.kv_cache_dtype)
+
+    @property
+    def is_int8(self) -> bool:
+        return self.kv_cache_dtype == "int8"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What K and V are stored as."""
+        return torch.int8 if self.is_int8 else self.model_dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def bytes_per_token(self) -> int:
+        """K and V of one token in every layer, scales included."""
+        per_head = self.head_dim * self.dtype.itemsize
+        if self.is_int8:
+            per_head += SCALE_DTYPE.itemsize
+        return 2 * self.num_kv_heads * per_head * self.num_layers
+
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token() * self.block_size
+
+    def allocate(self, num_blocks: int, device: torch.device) -> list[KVCache]:
+        """One zeroed KVCache per layer."""
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+        def zeros(shape, dtype):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        if not self.is_int8:
+            return [KVCache(zeros(shape, self.dtype), zeros(shape, self.dtype))
+                    for _ in range(self.num_layers)]
+        return [KVCache(zeros(shape, torch.int8), zeros(shape, torch.int8),
+                        zeros(shape[:3], SCALE_DTYPE), zeros(shape[:3], SCALE_DTYPE))
+                for _ in range(self.num_layers)]
+
+    def describe(self, num_blocks: int, num_ranks: int = 1) -> str:
+        """e.g. 'KV cache: int8, 12345 blocks of 16 tokens (197,520 tokens, 10.2 GiB)'; under
+        TP every rank holds this many blocks of its own heads, so the size is per GPU."""
+        gib = num_blocks * self.bytes_per_block() / 2**30
+        where = f" on each of {num_ranks} GPUs" if num_ranks > 1 else ""
+        return (f"KV cache: {self.dtype_name}, {num_blocks} blocks of {self.block_size} tokens "
+                f"({num_blocks * self.block_size:,} tokens, {gib:.1f} GiB{where})")
