@@ -107,8 +107,22 @@ class EngineConfig:
     def __post_init__(self):
         arch = self.model.arch
         tp = self.parallel.tensor_parallel_size
+        # each rank holds whole heads and an equal slice of the MLP; names are config.json's
         _check(arch.num_heads % tp == 0, "tensor_parallel_size",
-               f"{tp} does not divide the model's {arch.num_heads} attention heads")
+               f"{tp} does not divide the model's num_attention_heads ({arch.num_heads})")
+        # fewer KV heads than ranks: each KV head is replicated on tp / num_kv_heads ranks
+        _check(arch.num_kv_heads % tp == 0 or tp % arch.num_kv_heads == 0,
+               "tensor_parallel_size", f"{tp} neither divides nor is a multiple of the model's "
+               f"num_key_value_heads ({arch.num_kv_heads})")
+        _check(arch.intermediate_size % tp == 0, "tensor_parallel_size",
+               f"{tp} does not divide the model's intermediate_size ({arch.intermediate_size})")
+        # vocab_size needs no check: the vocab-parallel embedding pads it to a multiple of tp
+        if self.device.device == "cuda":
+            import torch
+
+            visible = torch.cuda.device_count()
+            _check(tp <= visible, "tensor_parallel_size",
+                   f"{tp} ranks need {tp} GPUs, but {visible} CUDA device(s) are visible")
         _check(self.model.max_model_len == self.scheduler.max_model_len, "max_model_len",
                "model and scheduler disagree")
 

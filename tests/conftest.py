@@ -46,3 +46,18 @@ def tiny_chat_model(tmp_path_factory):
     from tests.helpers import write_tiny_chat_model
 
     return write_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"), ensure_default_model())
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_kv1(tmp_path_factory):
+    """Qwen3 with one KV head: at tensor_parallel_size=2 every rank holds a replica of it."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_kv1"), "qwen3", tie=True,
+                            num_kv_heads=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_kv1_odd_vocab(tmp_path_factory):
+    """Llama with one KV head, untied, and a vocabulary (127) that two ranks cannot split
+    evenly: the last rank's slice of the embedding and LM head is padded."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_llama_kv1_odd_vocab"), "llama",
+                            tie=False, num_kv_heads=1, vocab_size=127)

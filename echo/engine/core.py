@@ -18,7 +18,11 @@ from echo.profiling import step_range
 class EngineCore:
     def __init__(self, config: EngineConfig, executor=None):
         self.config = config
-        if executor is None:
+        if executor is None and config.parallel.tensor_parallel_size > 1:
+            from echo.executor.multiproc import MultiprocExecutor
+
+            executor = MultiprocExecutor(config)  # one worker process per rank
+        elif executor is None:
             from echo.executor.uniproc import UniprocExecutor
 
             executor = UniprocExecutor(config)

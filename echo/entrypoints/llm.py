@@ -2,6 +2,7 @@
 
 import itertools
 import time
+import weakref
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -19,7 +20,9 @@ class LLM:
     """`LLM(model, **engine_args).generate(prompts, sampling_params)`, as with vLLM.
 
     model: a local Hugging Face folder, a preset name (with load_format="dummy"), or "default"
-    (the embedded SmolLM2-135M-Instruct). Engine arguments: see EngineConfig.create.
+    (the embedded SmolLM2-135M-Instruct). Engine arguments: see EngineConfig.create. With
+    tensor_parallel_size > 1 the ranks run in worker processes, ended by `shutdown()`, when the
+    LLM is garbage collected, or at exit.
     """
 
     def __init__(self, model: str | None = "default", **engine_args):
@@ -27,7 +30,12 @@ class LLM:
         self.tokenizer = load_tokenizer(self.config.model)
         self.input_processor = InputProcessor(self.config.model, self.tokenizer)
         self.engine = EngineCore(self.config)
+        self._shutdown = weakref.finalize(self, self.engine.shutdown)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine (and its worker processes); safe to call more than once."""
+        self._shutdown()
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -67,6 +67,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  tp: TPGroup = SINGLE):
+        # each part must split evenly on its own: a sum that divides while its parts do not
+        # would make the loader place rows at the wrong offsets
+        for size in output_sizes:
+            _divide(size, tp.size, "output size")
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, tp)
 
@@ -86,9 +90,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp.size, "num_attention_heads")
         if tp.size >= num_kv_heads:
-            self.num_kv_heads, self.kv_replicas = 1, _divide(tp.size, num_kv_heads, "tp size")
+            if tp.size % num_kv_heads:
+                raise ValueError(f"tensor_parallel_size ({tp.size}) is not a multiple of "
+                                 f"num_key_value_heads ({num_kv_heads})")
+            self.num_kv_heads, self.kv_replicas = 1, tp.size // num_kv_heads
         else:
-            self.num_kv_heads, self.kv_replicas = _divide(num_kv_heads, tp.size, "kv heads"), 1
+            kv_per_rank = _divide(num_kv_heads, tp.size, "num_key_value_heads")
+            self.num_kv_heads, self.kv_replicas = kv_per_rank, 1
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.size
         super().__init__(hidden_size, output_size, bias, tp)
 

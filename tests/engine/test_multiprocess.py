@@ -62,12 +62,17 @@ async def final(client, prompt, params):
     return last
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_tp_outputs_equal_in_process_llm(tiny_qwen3, tp):
-    expected = LLM(str(tiny_qwen3), **ARGS).generate(PROMPTS, GREEDY, use_tqdm=False)
+@pytest.mark.parametrize("fixture,tp", [
+    ("tiny_qwen3", 1), ("tiny_qwen3", 2),
+    # one KV head replicated on both ranks, and a vocabulary (127) split unevenly
+    ("tiny_llama_kv1_odd_vocab", 2),
+])
+def test_tp_outputs_equal_in_process_llm(fixture, tp, request):
+    folder = str(request.getfixturevalue(fixture))
+    expected = LLM(folder, **ARGS).generate(PROMPTS, GREEDY, use_tqdm=False)
 
     async def main():
-        async with AsyncClient(str(tiny_qwen3), tensor_parallel_size=tp, **ARGS) as client:
+        async with AsyncClient(folder, tensor_parallel_size=tp, **ARGS) as client:
             return await asyncio.gather(*(final(client, p, GREEDY) for p in PROMPTS))
 
     outs = asyncio.run(main())
@@ -213,12 +218,17 @@ def test_killed_frontend_takes_core_and_workers_down(tiny_llama, tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_worker_process_equals_in_process_llm(tiny_qwen3):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gpu_worker_process_equals_in_process_llm(tiny_qwen3, tp):
+    import torch
+
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")  # make test-gpu on the one-GPU machine
     args = {**ARGS, "device": "cuda", "dtype": "float32"}
     expected = LLM(str(tiny_qwen3), **args).generate(PROMPTS, GREEDY, use_tqdm=False)
 
     async def main():
-        async with AsyncClient(str(tiny_qwen3), **args) as client:
+        async with AsyncClient(str(tiny_qwen3), tensor_parallel_size=tp, **args) as client:
             return await asyncio.gather(*(final(client, p, GREEDY) for p in PROMPTS))
 
     outs = asyncio.run(main())

@@ -158,3 +158,21 @@ def test_min_tokens_holds_back_stop_tokens(tiny_llama):
                        use_tqdm=False)[0].outputs[0]
     assert stop not in out.token_ids[:6]
     assert len(out.token_ids) >= 6
+
+
+def test_tensor_parallel_llm_runs_workers_and_equals_one_rank(tiny_llama):
+    import os
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = make_llm(tiny_llama).generate(PROMPTS, params, use_tqdm=False)
+    llm = make_llm(tiny_llama, tensor_parallel_size=2)
+    pids = llm.engine.executor.worker_pids
+    try:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    assert len(pids) == 2
+    for pid in pids:  # shutdown waited for the workers: none is left running
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
