@@ -43,6 +43,12 @@ def profile_out() -> Path | None:
     return Path(value).expanduser() if value else None
 
 
+def symm_mem_all_reduce() -> bool:
+    """Tensor-parallel all-reduces of small messages on CUDA use a one-shot all-reduce over
+    symmetric memory instead of NCCL (ECHO_SYMM_MEM_ALL_REDUCE=1; off until measured)."""
+    return os.environ.get("ECHO_SYMM_MEM_ALL_REDUCE", "0") == "1"
+
+
 def api_key() -> str | None:
     """The key `echo serve` requires when --api-key is not given (ECHO_API_KEY)."""
     return os.environ.get("ECHO_API_KEY") or None

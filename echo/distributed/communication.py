@@ -7,8 +7,12 @@ from echo.distributed.parallel_state import TPGroup
 
 
 def all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    if tp.size > 1:
-        dist.all_reduce(x, group=tp.group)
+    """The sum over ranks; may return a new tensor rather than reduce x in place."""
+    if tp.size == 1:
+        return x
+    if tp.small_all_reduce is not None and tp.small_all_reduce.fits(x):
+        return tp.small_all_reduce(x)
+    dist.all_reduce(x, group=tp.group)
     return x
 
 

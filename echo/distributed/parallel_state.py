@@ -10,6 +10,8 @@ class TPGroup:
     size: int = 1
     # a torch.distributed ProcessGroup when size > 1
     group: Any = None
+    # small-message all-reduce over symmetric memory (SymmMemAllReduce), when enabled on CUDA
+    small_all_reduce: Any = None
 
     def __post_init__(self):
         if not 0 <= self.rank < self.size:

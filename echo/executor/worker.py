@@ -20,6 +20,7 @@ from multiprocessing import shared_memory
 import msgspec
 import zmq
 
+from echo import envs
 from echo.config import EngineConfig
 from echo.executor.messages import (
     DetermineNumBlocks,
@@ -137,7 +138,13 @@ class Worker:
                                     device_id=device if backend == "nccl" else None)
             self.dist_initialized = True
             group = dist.group.WORLD
-        return ModelRunner(config, TPGroup(self.rank, tp_size, group), device)
+        small_all_reduce = None
+        if group is not None and backend == "nccl" and envs.symm_mem_all_reduce():
+            from echo.distributed.symm_mem_all_reduce import SymmMemAllReduce
+
+            small_all_reduce = SymmMemAllReduce(group, device,
+                                                dtype=getattr(torch, config.model.dtype))
+        return ModelRunner(config, TPGroup(self.rank, tp_size, group, small_all_reduce), device)
 
     def serve(self) -> None:
         decoder = msgspec.msgpack.Decoder(WorkerCommand)
