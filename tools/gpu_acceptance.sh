@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind the open acceptance points, staged so each fits one device call:
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
-# Stages: tests kernels offline profile serving. Logs and JSON go to a scratch folder that is
+# Stages: tests kernels latency offline profile serving. Logs and JSON go to a scratch folder that is
 # packed into $OUT/STAGE.tar.gz (the device tool returns few files), and the key lines are
 # printed. Every process started here is ended here, by PID.
 set -uo pipefail
@@ -24,10 +24,13 @@ run_stage() {
         $PY tools/bench_offline.py $mode --json "$dir/offline${mode// /_}.json" 2>&1 | tail -1
       done
       $PY tools/bench_offline.py --model qwen3-8b --json "$dir/offline_qwen3_8b.json" 2>&1 | tail -1
-      $PY tools/bench_offline.py --model llama-3.1-8b --num-seqs 1 --min-len 256 --max-len 256 \
-        --max-num-seqs 8 --json "$dir/llama_b1.json" 2>&1 | tail -1 ;;
+      ;;
+    latency)
+      for model in llama-3.1-8b qwen3-8b; do
+        $PY tools/bench_latency.py --model $model --json "$dir/latency_$model.json" 2>&1 | tail -1
+      done ;;
     profile)
-      for mode in "" "--no-async"; do
+      for mode in "" "--no-async" "--multiprocess" "--multiprocess --no-async"; do
         # shellcheck disable=SC2086
         PYTHON=$PY tools/nsys_profile.sh --out "$dir/prof${mode// /_}" --steps 200:40 -- \
           $PY tools/bench_offline.py $mode 2>&1 | tail -25
@@ -44,10 +47,10 @@ run_stage() {
         sleep 1
       done
       $PY tools/bench_serving.py --base-url "http://127.0.0.1:$port" --prompt-type tokens \
-        --input-len 128 --output-len 256 --num-prompts 8 --max-concurrency 1 \
+        --extra-body '{"return_token_ids": true}' --input-len 128 --output-len 256 --num-prompts 8 --max-concurrency 1 \
         --result-json "$dir/serving_c1.json" --plot-dir "$dir/plots_c1" 2>&1 | tail -25
       $PY tools/bench_serving.py --base-url "http://127.0.0.1:$port" --prompt-type tokens \
-        --input-len 1024 --output-len 256 --num-prompts 256 --max-concurrency 64 \
+        --extra-body '{"return_token_ids": true}' --input-len 1024 --output-len 256 --num-prompts 256 --max-concurrency 64 \
         --result-json "$dir/serving_c64.json" --plot-dir "$dir/plots_c64" 2>&1 | tail -25
       kill -TERM $pid 2>/dev/null
       wait $pid ;;

@@ -57,7 +57,7 @@ class StreamError(Exception):
 async def send_request(client: httpx.AsyncClient, url: str, payload: dict,
                        headers: dict[str, str], prompt_tokens: int,
                        bench_start: float) -> RequestRecord:
-    """POST a streaming request and time it: TTFT at the first chunk with output text, one
+    """POST a streaming request and time it: TTFT at the first chunk with output, one
     inter-chunk gap for each later one, latency at the end of the response. Token counts come
     from the final usage chunk when the server sends one. Never raises: errors are recorded."""
     record = RequestRecord(prompt_tokens=prompt_tokens)
@@ -100,7 +100,8 @@ def _absorb(data: str, now: float, arrivals: list[float], usage: dict) -> None:
     if chunk.get("error"):
         error = chunk["error"]
         raise StreamError(str(error.get("message", error) if isinstance(error, dict) else error))
-    if chunk_text(chunk):
+    # a token arrives with text, or as ids alone (return_token_ids, a model without a tokenizer)
+    if chunk_text(chunk) or any(c.get("token_ids") for c in chunk.get("choices") or []):
         arrivals.append(now)
     if chunk.get("usage"):  # the last one wins (some servers send running totals)
         usage.update(chunk["usage"])

@@ -112,7 +112,7 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
         prepared = [prepare(p, body, max_tokens, logprobs) for p in prompts]
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        states = [ChoiceState(i * body.n + c, client.tokenizer, chat)
+        states = [ChoiceState(i * body.n + c, client.tokenizer, chat, body.return_token_ids)
                   for i in range(len(prepared)) for c in range(body.n)]
         streams = [stream_outputs(ids, params, f"{request_id}-{i}")
                    for i, (ids, params) in enumerate(prepared)]

@@ -35,6 +35,7 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_token_ids: bool = False  # vLLM's extension: choices carry their output token ids
     stream: bool = False
     stream_options: StreamOptions | None = None
     best_of: int | None = None

@@ -6,9 +6,13 @@ from echo.outputs import CompletionOutput, Logprob
 class ChoiceState:
     """One choice of a response: what has been sent so far and how to format the rest."""
 
-    def __init__(self, index: int, tokenizer, chat: bool):
+    def __init__(self, index: int, tokenizer, chat: bool, return_token_ids: bool = False):
         self.index, self.tokenizer, self.chat = index, tokenizer, chat
+        # vLLM's extension: choices also carry their token ids, so a client can count and time
+        # tokens that have no text (a model without a tokenizer, special tokens)
+        self.return_token_ids = return_token_ids
         self.text = ""
+        self.token_ids: list[int] = []  # whole output when absorbed; unused when streaming
         self.num_tokens = 0
         self.logprobs: list[dict[int, Logprob]] = []
         self.finish_reason: str | None = None
@@ -17,6 +21,7 @@ class ChoiceState:
     def absorb(self, completion: CompletionOutput) -> None:
         """Take a whole (non-streamed) completion."""
         self.text = completion.text
+        self.token_ids = list(completion.token_ids)
         self.num_tokens = len(completion.token_ids)
         self.logprobs = list(completion.logprobs or [])
         self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
@@ -25,14 +30,16 @@ class ChoiceState:
         """The streamed choice for what is new in `completion` (None if nothing is)."""
         new_logprobs = (completion.logprobs or [])[len(self.logprobs):]
         self.logprobs.extend(new_logprobs)
+        new_ids = list(completion.token_ids[self.num_tokens:]) if self.return_token_ids else []
         self.num_tokens = len(completion.token_ids)
         text = completion.delta_text
         self.text += text
         finish = completion.finish_reason
-        if not text and finish is None and not new_logprobs:
+        if not text and finish is None and not new_logprobs and not new_ids:
             return None
         self.finish_reason, self.stop_reason = finish, completion.stop_reason
-        return self._choice(text, new_logprobs, finish, completion.stop_reason, delta=True)
+        return self._choice(text, new_logprobs, finish, completion.stop_reason, delta=True,
+                            token_ids=new_ids)
 
     def role_delta(self) -> dict:
         return {"index": self.index, "delta": {"role": "assistant", "content": ""},
@@ -40,11 +47,14 @@ class ChoiceState:
 
     def final_choice(self) -> dict:
         return self._choice(self.text, self.logprobs, self.finish_reason, self.stop_reason,
-                            delta=False)
+                            delta=False, token_ids=self.token_ids)
 
-    def _choice(self, text, logprobs, finish, stop_reason, delta: bool) -> dict:
+    def _choice(self, text, logprobs, finish, stop_reason, delta: bool,
+                token_ids: list[int]) -> dict:
         choice = {"index": self.index, "logprobs": None, "finish_reason": finish,
                   "stop_reason": stop_reason}
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids
         if self.chat:
             message = {"content": text} if delta else {"role": "assistant", "content": text}
             choice["delta" if delta else "message"] = message

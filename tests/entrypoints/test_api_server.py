@@ -175,3 +175,28 @@ def test_health_is_503_when_the_engine_is_dead(tiny_chat_model):
 
     health, completion = with_server(tiny_chat_model, test)
     assert health.status_code == 503 and completion.status_code == 503
+
+
+def test_return_token_ids_streams_every_token_of_a_model_without_tokenizer(tiny_llama):
+    # no tokenizer: the text stays empty, so ids are the only way to see (and time) tokens
+    prompt = [5, 9, 2, 7]
+    offline = LLM(str(tiny_llama), **ENGINE_ARGS).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    expected = list(offline[0].outputs[0].token_ids)
+    request = {"model": NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+               "ignore_eos": True}
+
+    async def test(http, client):
+        streamed = await http.post("/v1/completions", json={
+            **request, "stream": True, "return_token_ids": True})
+        whole = await http.post("/v1/completions", json={**request, "return_token_ids": True})
+        plain = await http.post("/v1/completions", json=request)
+        return streamed, whole, plain
+
+    streamed, whole, plain = with_server(tiny_llama, test)
+    chunks = [e for e in sse_events(streamed.text) if e != "[DONE]"]
+    ids = [c["choices"][0]["token_ids"] for c in chunks]
+    assert all(ids[:-1])  # every chunk before the finishing one brings a token
+    assert sum(ids, []) == expected
+    assert whole.json()["choices"][0]["token_ids"] == expected
+    assert "token_ids" not in plain.json()["choices"][0]
