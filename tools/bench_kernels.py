@@ -158,16 +158,26 @@ def sdpa_fn(q, k, v, backend, causal: bool, gqa: bool):
 DECODE_SWEEP = {
     DT: [TileConfig(16, 64, 4, 2), TileConfig(16, 64, 4, 3), TileConfig(16, 64, 4, 4),
          TileConfig(16, 32, 4, 3), TileConfig(16, 128, 4, 3), TileConfig(16, 128, 4, 2)],
+    # num_stages=1: no cp.async pipeline, so int8 tiles go to registers and are converted there
+    # instead of being read from shared memory a byte at a time; occupancy hides the latency
     torch.int8: [TileConfig(16, 128, 4, 2), TileConfig(16, 128, 4, 3), TileConfig(16, 64, 4, 3),
-                 TileConfig(16, 64, 4, 2), TileConfig(16, 256, 4, 2)],
+                 TileConfig(16, 64, 4, 2), TileConfig(16, 256, 4, 2), TileConfig(16, 64, 4, 1),
+                 TileConfig(16, 128, 4, 1), TileConfig(16, 128, 8, 1), TileConfig(16, 256, 8, 1)],
 }
 
 
-def bench_decode(rows: Rows, sweep: bool) -> None:
+DECODE_CASES = {(64, 4096): 0.85, (1, 32768): 0.70, (256, 1024): 0.85, (8, 32768): None}
+
+
+def bench_decode(rows: Rows, sweep: bool, only_cases: str | None = None) -> None:
+    """Paged decode (bf16 and int8 caches) against dense SDPA. B=8 x 32768 is the int8 issue's
+    case: int8 must take at most 1/1.7 of the bf16 time."""
     from torch.nn.attention import SDPBackend
 
-    cases = [(64, 4096, 0.85), (1, 32768, 0.70), (256, 1024, 0.85)]
-    for batch, ctx, target in cases:
+    cases = DECODE_CASES
+    if only_cases:
+        cases = {tuple(map(int, c.split(":"))): None for c in only_cases.split(",")}
+    for (batch, ctx), target in cases.items():
         kv_bytes = batch * ctx * 8 * 128 * 2 * 2
         num_rot = max(1, math.ceil(512e6 / kv_bytes))  # inputs in rotation: >= 512 MB in all
         q = torch.randn(batch, 32, 128, device="cuda", dtype=DT)
@@ -334,26 +344,44 @@ def bench_elementwise(rows: Rows) -> None:
                  nbytes=nbytes)
 
 
-def bench_linear(rows: Rows) -> None:
-    """Decode at small batch is a read of every weight: cuBLAS (F.linear) against
-    small_m_linear at Llama-3.1-8B's layer shapes; bytes = the weight."""
+LINEAR_SWEEP = [(bn, bk, 4, st) for bn in (8, 16, 32) for bk in (128, 256, 512)
+                for st in (3, 4)]
+
+
+def bench_linear(rows: Rows, sweep: bool) -> None:
+    """Decode at batch 1-4 is a read of every weight: cuBLAS (F.linear) against small_m_linear
+    at Llama-3.1-8B's layer shapes, in CUDA graphs over weight copies that exceed the L2;
+    bytes = the weight. --sweep also times small_m_linear's tile configs at M=1."""
     shapes = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
               "down": (4096, 14336), "lm_head": (128256, 4096)}
-    for m in (1, 8):
-        for name, (n, k) in shapes.items():
+    for name, (n, k) in shapes.items():
+        nbytes = n * k * 2
+        weights = [torch.randn(n, k, device="cuda", dtype=DT)
+                   for _ in range(max(2, -(-160 * 2**20 // nbytes)))]
+        for m in (1, 2, 4):
             x = torch.randn(m, k, device="cuda", dtype=DT)
-            w = torch.randn(n, k, device="cuda", dtype=DT)
-            nbytes = n * k * 2
             shape = f"M={m} {n}x{k}"
-            rows.add(f"torch linear {name}", shape, bench(lambda: F.linear(x, w)),  # noqa: B023
-                     nbytes=nbytes)
+            rows.add(f"torch linear {name}", shape,
+                     bench_graph([lambda w=w: F.linear(x, w) for w in weights]),  # noqa: B023
+                     nbytes=nbytes, note="cuda graph")
             rows.add(f"small_m_linear {name}", shape,
-                     bench(lambda: small_m_linear(x, w)), nbytes=nbytes)  # noqa: B023
+                     bench_graph([lambda w=w: small_m_linear(x, w)  # noqa: B023
+                                  for w in weights]), nbytes=nbytes, note="cuda graph")
+            if not sweep or m != 1:
+                continue
+            for bn, bk, warps, stages in LINEAR_SWEEP:
+                rows.add(f"small_m_linear {name} sweep", shape, bench_graph(
+                    [lambda w=w: small_m_linear(x, w, bn, bk, warps, stages)  # noqa: B023
+                     for w in weights]), nbytes=nbytes,
+                    note=f"block_n={bn} block_k={bk} warps={warps} stages={stages}")
+        weights = None
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--decode-cases", help="B:L,... instead of every decode case")
     parser.add_argument("--only", default="decode,prefill,mixed,elementwise,linear")
     parser.add_argument("--sweep", action="store_true", help="also sweep attention tile configs")
     args = parser.parse_args()
@@ -366,7 +394,7 @@ def main() -> None:
     rows = Rows(ceilings)
     parts = set(args.only.split(","))
     if "decode" in parts:
-        bench_decode(rows, args.sweep)
+        bench_decode(rows, args.sweep, args.decode_cases)
     if "prefill" in parts:
         bench_prefill(rows, args.sweep)
     if "mixed" in parts:
@@ -374,7 +402,7 @@ def main() -> None:
     if "elementwise" in parts:
         bench_elementwise(rows)
     if "linear" in parts:
-        bench_linear(rows)
+        bench_linear(rows, args.sweep)
     missed = [r["kernel"] for r in rows.rows if r.get("pass") is False]
     print(f"# targets missed: {', '.join(missed) if missed else 'none'}")
     if args.out:
