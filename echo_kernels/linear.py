@@ -15,6 +15,13 @@ MAX_ROWS = 4  # beyond this the accumulator outgrows the registers: cuBLAS is th
 
 
 @triton.jit
+def _weight_tile(w_ptrs, cols, offs_k, k0, N, K, UNMASKED: tl.constexpr):
+    if UNMASKED:
+        return tl.load(w_ptrs + k0)
+    return tl.load(w_ptrs + k0, mask=(cols[:, None] < N) & (k0 + offs_k[None, :] < K), other=0.0)
+
+
+@triton.jit
 def _small_m_linear_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
@@ -29,6 +36,7 @@ def _small_m_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks on the weight
+    PREFETCH: tl.constexpr,  # load the next weight tile before using this one
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, M_PAD)
@@ -36,12 +44,17 @@ def _small_m_linear_kernel(
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # NOTE: Triton's software pipeliner stages loads that feed tl.dot; these feed CUDA-core
+    # math, so PREFETCH double-buffers them in registers by hand to keep two tiles in flight
+    if PREFETCH:
+        w_next = _weight_tile(w_ptrs, cols, offs_k, 0, N, K, EVEN)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN:
-            w = tl.load(w_ptrs + k0)
+        if PREFETCH:
+            w = w_next
+            # past the last tile the mask is all false: no memory is read
+            w_next = _weight_tile(w_ptrs, cols, offs_k, k0 + BLOCK_K, N, K, False)
         else:
-            w = tl.load(w_ptrs + k0, mask=(cols[:, None] < N) & (k0 + offs_k[None, :] < K),
-                        other=0.0)
+            w = _weight_tile(w_ptrs, cols, offs_k, k0, N, K, EVEN)
         x = tl.load(x_ptrs + k0, mask=(rows[:, None] < M) & (k0 + offs_k[None, :] < K),
                     other=0.0)
         acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
@@ -52,7 +65,7 @@ def _small_m_linear_kernel(
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
                    block_k: int | None = None, num_warps: int = 4,
-                   num_stages: int = 3) -> torch.Tensor:
+                   num_stages: int = 3, prefetch: bool = False) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K] -> [M, N] in x's dtype, fp32 accumulation."""
     m, k = x.shape
     n = weight.shape[0]
@@ -71,6 +84,6 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = 
     even = n % block_n == 0 and k % block_k == 0
     _small_m_linear_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even,
+        M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, PREFETCH=prefetch,
         num_warps=num_warps, num_stages=num_stages)
     return out

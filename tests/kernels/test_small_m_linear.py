@@ -10,12 +10,13 @@ from echo_kernels.linear import small_m_linear
 @pytest.mark.parametrize("m,n,k,blocks", [(1, 96, 300, (32, 64)), (3, 130, 512, (16, 64)),
                                           (4, 64, 128, (16, 64)), (2, 48, 64, (None, None))])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_matches_linear(device, m, n, k, blocks, dtype):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_matches_linear(device, m, n, k, blocks, dtype, prefetch):
     # ragged N and K (masked tiles), a padded row count (3 -> 4) and the default tiles
     torch.manual_seed(0)
     x = torch.randn(m, k, device=device).to(dtype)
     w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
-    out = small_m_linear(x, w, *blocks)
+    out = small_m_linear(x, w, *blocks, prefetch=prefetch)
     assert out.shape == (m, n) and out.dtype == dtype
     expected = F.linear(x.float(), w.float())
     torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=2e-3)
@@ -29,8 +30,9 @@ def test_rejects_too_many_rows(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 4])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
-def test_gpu_llama_shapes(m, n, k):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gpu_llama_shapes(m, n, k, prefetch):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-    torch.testing.assert_close(small_m_linear(x, w).float(), F.linear(x.float(), w.float()),
-                               atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(small_m_linear(x, w, prefetch=prefetch).float(),
+                               F.linear(x.float(), w.float()), atol=2e-2, rtol=2e-2)
