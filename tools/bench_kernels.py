@@ -159,10 +159,14 @@ DECODE_SWEEP = {
     DT: [TileConfig(16, 64, 4, 2), TileConfig(16, 64, 4, 3), TileConfig(16, 64, 4, 4),
          TileConfig(16, 32, 4, 3), TileConfig(16, 128, 4, 3), TileConfig(16, 128, 4, 2)],
     # num_stages=1: no cp.async pipeline, so int8 tiles go to registers and are converted there
-    # instead of being read from shared memory a byte at a time; occupancy hides the latency
+    # instead of being read from shared memory a byte at a time; alone that measured slower (the
+    # load latency is exposed), so prefetch_kv keeps the next tile's loads in flight by hand
     torch.int8: [TileConfig(16, 128, 4, 2), TileConfig(16, 128, 4, 3), TileConfig(16, 64, 4, 3),
                  TileConfig(16, 64, 4, 2), TileConfig(16, 256, 4, 2), TileConfig(16, 64, 4, 1),
-                 TileConfig(16, 128, 4, 1), TileConfig(16, 128, 8, 1), TileConfig(16, 256, 8, 1)],
+                 TileConfig(16, 128, 4, 1),
+                 TileConfig(16, 32, 4, 1, True), TileConfig(16, 64, 4, 1, True),
+                 TileConfig(16, 128, 4, 1, True), TileConfig(16, 128, 8, 1, True),
+                 TileConfig(16, 64, 4, 2, True)],
 }
 
 

@@ -32,6 +32,9 @@ class TileConfig:
     block_n: int  # keys per inner-loop step
     num_warps: int
     num_stages: int
+    # paged only: load the next K/V tile into registers before using this one (with
+    # num_stages=1, int8 tiles then skip shared memory on their way to the conversion)
+    prefetch_kv: bool = False
 
 
 def tile_config(rows_per_seq: int, head_dim: int, is_int8: bool = False) -> TileConfig:
@@ -146,6 +149,39 @@ def online_softmax_step(
 
 
 @triton.jit
+def _load_kv_tile(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_off, sc_off, in_range,
+                  offs_d, IS_INT8_KV: tl.constexpr):
+    """One K/V tile (and its int8 scales) with rows outside `in_range` read as zeros."""
+    kv_ptrs = kv_off[:, None] + offs_d[None, :]
+    k = tl.load(k_ptr + kv_ptrs, mask=in_range[:, None], other=0.0)
+    v = tl.load(v_ptr + kv_ptrs, mask=in_range[:, None], other=0.0)
+    if IS_INT8_KV:
+        k_sc = tl.load(k_scale_ptr + sc_off, mask=in_range, other=0.0)
+        v_sc = tl.load(v_scale_ptr + sc_off, mask=in_range, other=0.0)
+    else:
+        k_sc = None
+        v_sc = None
+    return k, v, k_sc, v_sc
+
+
+@triton.jit
+def _scores(q, k, k_sc, pos, in_range, q_pos, qk_scale, MASKED: tl.constexpr,
+            CAUSAL: tl.constexpr, IS_INT8_KV: tl.constexpr):
+    """One tile's scores in log2 units, -inf where a key is past the range or in the future."""
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)))
+    if IS_INT8_KV:
+        qk = qk * (k_sc * qk_scale)[None, :]
+    else:
+        qk = qk * qk_scale
+    if MASKED:
+        visible = in_range[None, :]
+        if CAUSAL:
+            visible = visible & (pos[None, :] <= q_pos[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+    return qk
+
+
+@triton.jit
 def attend_key_range(
     acc,  # [BLOCK_M, HEAD_DIM] float32
     l_i,  # [BLOCK_M] float32
@@ -173,6 +209,7 @@ def attend_key_range(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PREFETCH_KV: tl.constexpr = False,  # PAGED only: K/V of the next tile load a step early
 ):
     """Online softmax over keys [lo, hi), one BLOCK_N tile at a time (the flash inner loop)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -191,48 +228,64 @@ def attend_key_range(
         # wait for every copy each step (no overlap); prefetched, K/V get a full pipeline.
         next_blk = tl.load(block_table_ptr + lo // BLOCK_SIZE + blk_of_row,
                            mask=lo + offs_n < kv_limit, other=0)
+        if PREFETCH_KV:
+            # K/V of tile `lo` now; block ids then run two tiles ahead of the math
+            blk = next_blk.to(tl.int64) if WIDE_OFFSETS else next_blk
+            row = row_in_blk if BLOCK_N >= BLOCK_SIZE else lo % BLOCK_SIZE + row_in_blk
+            k_next, v_next, ks_next, vs_next = _load_kv_tile(
+                k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, blk * stride_kb + row * stride_kt,
+                blk * stride_sb + row * stride_st, lo + offs_n < kv_limit, offs_d, IS_INT8_KV)
+            next_blk = tl.load(block_table_ptr + (lo + BLOCK_N) // BLOCK_SIZE + blk_of_row,
+                               mask=lo + BLOCK_N + offs_n < kv_limit, other=0)
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         in_range = pos < kv_limit
-        if PAGED:
-            blk = next_blk.to(tl.int64) if WIDE_OFFSETS else next_blk
+        if PREFETCH_KV:
+            k, v, k_sc, v_sc = k_next, v_next, ks_next, vs_next
             ahead = start + BLOCK_N
-            next_blk = tl.load(block_table_ptr + ahead // BLOCK_SIZE + blk_of_row,
-                               mask=ahead + offs_n < kv_limit, other=0)
-            if BLOCK_N >= BLOCK_SIZE:
-                row = row_in_blk
+            blk = next_blk.to(tl.int64) if WIDE_OFFSETS else next_blk
+            row = row_in_blk if BLOCK_N >= BLOCK_SIZE else ahead % BLOCK_SIZE + row_in_blk
+            k_next, v_next, ks_next, vs_next = _load_kv_tile(
+                k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, blk * stride_kb + row * stride_kt,
+                blk * stride_sb + row * stride_st, ahead + offs_n < kv_limit, offs_d,
+                IS_INT8_KV)
+            next_blk = tl.load(block_table_ptr + (ahead + BLOCK_N) // BLOCK_SIZE + blk_of_row,
+                               mask=ahead + BLOCK_N + offs_n < kv_limit, other=0)
+            qk = _scores(q, k, k_sc, pos, in_range, q_pos, qk_scale, MASKED, CAUSAL, IS_INT8_KV)
+        else:
+            if PAGED:
+                blk = next_blk.to(tl.int64) if WIDE_OFFSETS else next_blk
+                ahead = start + BLOCK_N
+                next_blk = tl.load(block_table_ptr + ahead // BLOCK_SIZE + blk_of_row,
+                                   mask=ahead + offs_n < kv_limit, other=0)
+                if BLOCK_N >= BLOCK_SIZE:
+                    row = row_in_blk
+                else:
+                    row = start % BLOCK_SIZE + row_in_blk
+                kv_off = blk * stride_kb + row * stride_kt
+                sc_off = blk * stride_sb + row * stride_st
             else:
-                row = start % BLOCK_SIZE + row_in_blk
-            kv_off = blk * stride_kb + row * stride_kt
-            sc_off = blk * stride_sb + row * stride_st
-        else:
-            kv_off = (pos.to(tl.int64) if WIDE_OFFSETS else pos) * stride_kt
-            sc_off = pos
-        kv_ptrs = kv_off[:, None] + offs_d[None, :]
-        if MASKED:
-            k = tl.load(k_ptr + kv_ptrs, mask=in_range[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptr + kv_ptrs)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)))
-        if IS_INT8_KV:
+                kv_off = (pos.to(tl.int64) if WIDE_OFFSETS else pos) * stride_kt
+                sc_off = pos
+            kv_ptrs = kv_off[:, None] + offs_d[None, :]
             if MASKED:
-                k_sc = tl.load(k_scale_ptr + sc_off, mask=in_range, other=0.0)
-                v_sc = tl.load(v_scale_ptr + sc_off, mask=in_range, other=0.0)
+                k = tl.load(k_ptr + kv_ptrs, mask=in_range[:, None], other=0.0)
             else:
-                k_sc = tl.load(k_scale_ptr + sc_off)
-                v_sc = tl.load(v_scale_ptr + sc_off)
-            qk = qk * (k_sc * qk_scale)[None, :]
-        else:
-            v_sc = None
-            qk = qk * qk_scale
-        if MASKED:
-            visible = in_range[None, :]
-            if CAUSAL:
-                visible = visible & (pos[None, :] <= q_pos[:, None])
-            qk = tl.where(visible, qk, float("-inf"))
-        if MASKED:
-            v = tl.load(v_ptr + kv_ptrs, mask=in_range[:, None], other=0.0)
-        else:
-            v = tl.load(v_ptr + kv_ptrs)
+                k = tl.load(k_ptr + kv_ptrs)
+            if IS_INT8_KV:
+                if MASKED:
+                    k_sc = tl.load(k_scale_ptr + sc_off, mask=in_range, other=0.0)
+                    v_sc = tl.load(v_scale_ptr + sc_off, mask=in_range, other=0.0)
+                else:
+                    k_sc = tl.load(k_scale_ptr + sc_off)
+                    v_sc = tl.load(v_scale_ptr + sc_off)
+            else:
+                k_sc = None
+                v_sc = None
+            qk = _scores(q, k, k_sc, pos, in_range, q_pos, qk_scale, MASKED, CAUSAL, IS_INT8_KV)
+            if MASKED:
+                v = tl.load(v_ptr + kv_ptrs, mask=in_range[:, None], other=0.0)
+            else:
+                v = tl.load(v_ptr + kv_ptrs)
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, qk, v.to(q.dtype), v_sc, IS_INT8_KV)
     return acc, l_i, m_i

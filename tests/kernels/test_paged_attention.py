@@ -72,6 +72,21 @@ def test_int8_cache(paged_batch, q_lens, ctx):
     assert_close(b.run(), b.reference(), CPU_ATOL[torch.float16])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.int8])
+@pytest.mark.parametrize("block_size,block_n", [(16, 32), (64, 32)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_prefetched_kv_tiles(paged_batch, kv_dtype, block_size, block_n, num_splits):
+    # K/V loaded a tile ahead: tiles spanning several cache blocks and tiles inside one, the
+    # last prefetch past the context, key splits, a prefill run over a cached prefix (masked)
+    from echo_kernels.attention.common import TileConfig
+
+    b = paged_batch([1, 1, 9, 1], [97, 3, 75, 64], 4, 2, 32, block_size, torch.float16,
+                    kv_dtype=kv_dtype)
+    config = TileConfig(32, block_n, 1, 1, prefetch_kv=True)
+    assert_close(b.run(num_splits=num_splits, config=config), b.reference(),
+                 CPU_ATOL[torch.float16])
+
+
 def test_strided_q_and_default_out(device):
     b = PagedBatch([1, 5], [20, 5], 4, 2, 32, 16, 8, torch.float16, device)
     # q as a view into a fused qkv projection output
@@ -151,3 +166,9 @@ def test_gpu_int8(paged_batch, heads, block_size):
     b = paged_batch([1] * 8, [1, 17, 4000, 1000, 33, 64, 65, 2048], *heads, 128, block_size,
                     torch.bfloat16, kv_dtype=torch.int8, num_blocks=POOL)
     assert_close(b.run(), b.reference(), GPU_ATOL)
+    # the register-prefetch tiles bench_kernels sweeps for int8 decode
+    from echo_kernels.attention.common import TileConfig
+
+    for config in (TileConfig(16, 64, 4, 1, prefetch_kv=True),
+                   TileConfig(16, 128, 4, 1, prefetch_kv=True)):
+        assert_close(b.run(config=config), b.reference(), GPU_ATOL)
