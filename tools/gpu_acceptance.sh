@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements behind the open acceptance points, staged so each fits one device call:
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
-# Stages: tests kernels latency offline profile serving. Logs and JSON go to a scratch folder that is
-# packed into $OUT/STAGE.tar.gz (the device tool returns few files), and the key lines are
-# printed. Every process started here is ended here, by PID.
+# Stages: tests kernels sweeps latency offline profile serving, and tp (needs two GPUs). Logs
+# and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the device tool returns
+# few files), and the key lines are printed. Every process started here is ended here, by PID.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,6 +18,24 @@ run_stage() {
       $PY -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$dir/test_gpu.log" | tail -5 ;;
     kernels)
       $PY tools/bench_kernels.py --out "$dir/kernels.json" 2>&1 | tee "$dir/kernels.log" ;;
+    sweeps)  # tile candidates: int8 decode (the int8 issue's case) and small-M linears
+      $PY tools/bench_kernels.py --only decode --decode-cases 8:32768 --sweep \
+        --out "$dir/decode_sweep.json" > "$dir/decode_sweep.log" 2>&1
+      $PY tools/bench_kernels.py --only linear --sweep --out "$dir/linear_sweep.json" \
+        > "$dir/linear_sweep.log" 2>&1
+      $PY tools/sweep_summary.py "$dir/decode_sweep.json" "$dir/linear_sweep.json" ;;
+    tp)
+      $PY -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_multiprocess.py -k gpu_worker \
+        2>&1 | tail -2
+      for all_reduce in 0 1; do
+        ECHO_SYMM_MEM_ALL_REDUCE=$all_reduce $PY tools/bench_latency.py --model qwen3-8b \
+          --tp 2 --json "$dir/latency_tp2_symm$all_reduce.json" 2>&1 | tail -1
+      done
+      $PY tools/bench_latency.py --model qwen3-8b --json "$dir/latency_tp1.json" 2>&1 | tail -1
+      for tp in 1 2; do
+        $PY tools/bench_offline.py --model qwen3-8b --tp $tp --json "$dir/offline_tp$tp.json" \
+          2>&1 | tail -1
+      done ;;
     offline)
       for mode in "" "--no-async" "--multiprocess" "--multiprocess --no-async"; do
         # shellcheck disable=SC2086
@@ -46,12 +64,20 @@ run_stage() {
         kill -0 $pid 2>/dev/null || break
         sleep 1
       done
-      $PY tools/bench_serving.py --base-url "http://127.0.0.1:$port" --prompt-type tokens \
-        --extra-body '{"return_token_ids": true}' --input-len 128 --output-len 256 --num-prompts 8 --max-concurrency 1 \
-        --result-json "$dir/serving_c1.json" --plot-dir "$dir/plots_c1" 2>&1 | tail -25
-      $PY tools/bench_serving.py --base-url "http://127.0.0.1:$port" --prompt-type tokens \
-        --extra-body '{"return_token_ids": true}' --input-len 1024 --output-len 256 --num-prompts 256 --max-concurrency 64 \
-        --result-json "$dir/serving_c64.json" --plot-dir "$dir/plots_c64" 2>&1 | tail -25
+      local common=(--base-url "http://127.0.0.1:$port" --prompt-type tokens
+                    --extra-body '{"return_token_ids": true}')
+      $PY tools/bench_serving.py "${common[@]}" --input-len 128 --output-len 256 \
+        --num-prompts 8 --max-concurrency 1 --result-json "$dir/serving_c1.json" \
+        --plot-dir "$dir/plots_c1" 2>&1 | tail -25
+      # all 64 at once: the last of the burst waits for 64 x 1024 prompt tokens of prefill
+      $PY tools/bench_serving.py "${common[@]}" --input-len 1024 --output-len 256 \
+        --num-prompts 256 --max-concurrency 64 --result-json "$dir/serving_c64.json" \
+        --plot-dir "$dir/plots_c64" 2>&1 | tail -25
+      # the same cap with Poisson arrivals near the throughput: steady state, no start burst
+      $PY tools/bench_serving.py "${common[@]}" --input-len 1024 --output-len 256 \
+        --num-prompts 256 --max-concurrency 64 --request-rate 10 \
+        --result-json "$dir/serving_c64_rate10.json" --plot-dir "$dir/plots_c64_rate10" \
+        2>&1 | tail -25
       kill -TERM $pid 2>/dev/null
       wait $pid ;;
     *)
