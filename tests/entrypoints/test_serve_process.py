@@ -1,5 +1,6 @@
 """`python -m echo serve` as a real process: the openai client, disconnects, SIGTERM."""
 
+import json
 import os
 import signal
 import socket
@@ -58,6 +59,16 @@ def stats(base: str) -> dict:
     return values
 
 
+def wait_idle(base: str, timeout_s: float = 10.0) -> bool:
+    """Whether /metrics reaches zero running requests (stats arrive with the core's outputs)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if stats(base).get("echo_num_requests_running") == 0:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def test_openai_client_disconnect_and_graceful_sigterm(server):
     from openai import OpenAI
 
@@ -76,11 +87,7 @@ def test_openai_client_disconnect_and_graceful_sigterm(server):
         for i, _ in enumerate(r.iter_lines()):
             if i > 3:
                 break
-    for _ in range(100):
-        if stats(base).get("echo_num_requests_running") == 0:
-            break
-        time.sleep(0.1)
-    assert stats(base)["echo_num_requests_running"] == 0
+    assert wait_idle(base)
 
     # SIGTERM lets an in-flight request finish, then the server exits 0
     with httpx.stream("POST", f"{base}/v1/completions", json={
@@ -92,3 +99,39 @@ def test_openai_client_disconnect_and_graceful_sigterm(server):
         rest = list(lines)
     assert "data: [DONE]" in rest
     assert proc.wait(60) == 0
+
+
+@pytest.fixture
+def tp2_server(tiny_chat_model):
+    yield from start_server(str(tiny_chat_model), "--tp", "2", "--num-gpu-blocks-override", "256")
+
+
+def test_tp2_server_streams_concurrent_requests_like_one_rank(tiny_chat_model, tp2_server):
+    import asyncio
+
+    from echo import LLM, SamplingParams
+
+    prompts = [f"Count to {i}:" for i in range(24)]
+    reference = LLM(str(tiny_chat_model), device="cpu", max_model_len=512,
+                    num_gpu_blocks_override=256).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    _, base = tp2_server
+
+    async def stream(http, prompt) -> str:
+        text = ""
+        async with http.stream("POST", "/v1/completions", json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[len("data: "):])["choices"][0]["text"]
+        return text
+
+    async def main():
+        async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+            return await asyncio.gather(*(stream(http, p) for p in prompts))
+
+    texts = asyncio.run(main())
+    assert texts == [r.outputs[0].text for r in reference]
+    assert wait_idle(base)
