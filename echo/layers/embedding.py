@@ -24,9 +24,11 @@ class VocabParallelEmbedding(nn.Module):
         if loaded.shape[0] != self.num_embeddings or loaded.shape[1] != param.shape[1]:
             raise ValueError(f"embedding shape {tuple(loaded.shape)} does not match "
                              f"({self.num_embeddings}, {param.shape[1]})")
-        shard = loaded[self.vocab_start:self.vocab_start + self.shard_size]
+        # the last rank's slice may run past the vocabulary: its padding rows stay zero
+        rows = max(0, min(self.shard_size, self.num_embeddings - self.vocab_start))
         param.data.zero_()
-        param.data[: shard.shape[0]].copy_(shard)
+        if rows:
+            param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -1,8 +1,9 @@
 """Linear layers that own their tensor-parallel sharding.
 
 Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies this
-rank's slice of a full checkpoint tensor into place; fused layers (QKV, gate/up) take a shard id
-naming which checkpoint tensor the slice came from.
+rank's slice of a full checkpoint tensor into place (reading only that slice when the tensor is
+a lazy CheckpointTensor); fused layers (QKV, gate/up) take a shard id naming which checkpoint
+tensor the slice came from.
 """
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from echo.distributed.communication import all_reduce
 from echo.distributed.parallel_state import SINGLE, TPGroup
+from echo.layers.checkpoint_tensor import whole
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -40,11 +42,12 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+def _copy_checked(dst: torch.Tensor, src) -> None:
+    """src: a tensor or a CheckpointTensor (read here, after the shape check)."""
     if dst.shape != src.shape:
         raise ValueError(f"weight shape {tuple(src.shape)} does not match the layer's "
                          f"{tuple(dst.shape)}")
-    dst.copy_(src)
+    dst.copy_(whole(src))
 
 
 class ReplicatedLinear(LinearBase):

@@ -10,6 +10,7 @@ from torch import nn
 
 from echo.config import ModelConfig
 from echo.distributed.parallel_state import SINGLE, TPGroup
+from echo.layers.checkpoint_tensor import CheckpointTensor, whole
 from echo.models.registry import model_class
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,22 +34,24 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every tensor of the checkpoint, unread: a weight loader reads the part its rank keeps
+    (valid until the next item, while its file is open)."""
     for path in safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, CheckpointTensor(f.get_slice(name))
         except Exception as e:  # safetensors raises its own error types for corrupt files
             if isinstance(e, ValueError) and str(path) in str(e):
                 raise
             raise ValueError(f"{path}: cannot read safetensors file ({e})") from None
 
 
-def _default_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+def _default_loader(param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"shape {tuple(loaded.shape)} does not match {tuple(param.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(whole(loaded))
 
 
 def load_weights(model: nn.Module, folder: Path) -> None:

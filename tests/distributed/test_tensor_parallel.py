@@ -162,3 +162,36 @@ def test_lm_head_pads_the_last_rank_of_an_uneven_vocabulary():
         shards.append(head.weight.detach())
     assert shards[1].shape == (64, 4) and torch.equal(shards[1][-1], torch.zeros(4))
     assert torch.equal(torch.cat(shards)[:127], full)
+
+
+def test_a_rank_reads_only_its_slices_from_the_checkpoint(tiny_llama_kv1_odd_vocab, monkeypatch):
+    """Loading rank 0 of 2 reads about half the checkpoint's elements (norms are whole on every
+    rank), and its weights equal the slices of the fully read tensors."""
+    from echo.config import EngineConfig
+    from echo.layers.checkpoint_tensor import CheckpointTensor
+    from echo.models.loader import build_model
+
+    read = []  # elements of every read from a checkpoint file
+
+    class CountingSlice:
+        def __init__(self, checkpoint_slice):
+            self.inner = checkpoint_slice
+
+        def get_shape(self):
+            return self.inner.get_shape()
+
+        def __getitem__(self, index):
+            out = self.inner[index]
+            read.append(out.numel())
+            return out
+
+    init = CheckpointTensor.__init__
+    monkeypatch.setattr(CheckpointTensor, "__init__",
+                        lambda self, sl: init(self, CountingSlice(sl)))
+    config = EngineConfig.create(str(tiny_llama_kv1_odd_vocab), device="cpu")
+    full = build_model(config.model, torch.device("cpu"))
+    full_elements, read[:] = sum(read), []
+    rank0 = build_model(config.model, torch.device("cpu"), TPGroup(0, 2))
+    assert 0.45 * full_elements < sum(read) < 0.6 * full_elements
+    down = rank0.model.layers[0].mlp.down_proj.weight  # row-parallel: the first half of K
+    assert torch.equal(down, full.model.layers[0].mlp.down_proj.weight[:, : down.shape[1]])
