@@ -49,6 +49,12 @@ def symm_mem_all_reduce() -> bool:
     return os.environ.get("ECHO_SYMM_MEM_ALL_REDUCE", "0") == "1"
 
 
+def tune_small_m() -> bool:
+    """At start-up, time cuBLAS against echo's GEMV for each linear shape at one row and use
+    the faster (ECHO_TUNE_SMALL_M=1; off until measured end to end)."""
+    return os.environ.get("ECHO_TUNE_SMALL_M", "0") == "1"
+
+
 def api_key() -> str | None:
     """The key `echo serve` requires when --api-key is not given (ECHO_API_KEY)."""
     return os.environ.get("ECHO_API_KEY") or None

@@ -43,9 +43,12 @@ run_stage() {
       done
       $PY tools/bench_offline.py --model qwen3-8b --json "$dir/offline_qwen3_8b.json" 2>&1 | tail -1
       ;;
-    latency)
+    latency)  # batch 1, then with the one-row GEMV tuning (worker/linear_tuning.py) on
       for model in llama-3.1-8b qwen3-8b; do
-        $PY tools/bench_latency.py --model $model --json "$dir/latency_$model.json" 2>&1 | tail -1
+        for tune in 0 1; do
+          ECHO_TUNE_SMALL_M=$tune $PY tools/bench_latency.py --model $model \
+            --json "$dir/latency_${model}_tune$tune.json" 2>&1 | grep -E "one-row|decode"
+        done
       done ;;
     profile)
       for mode in "" "--no-async" "--multiprocess" "--multiprocess --no-async"; do

@@ -6,6 +6,8 @@ a lazy CheckpointTensor); fused layers (QKV, gate/up) take a shard id naming whi
 tensor the slice came from.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,12 +36,21 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # row count -> a kernel that beat cuBLAS for this shape (worker/linear_tuning.py)
+        self.small_m_kernels: dict[int, Callable] = {}
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy_checked(param.data, loaded)
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T: cuBLAS, or the kernel start-up tuning picked for this many rows."""
+        kernel = self.small_m_kernels.get(x.shape[0]) if self.small_m_kernels else None
+        return F.linear(x, self.weight) if kernel is None else kernel(x, self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.bias is not None:
+            return F.linear(x, self.weight, self.bias)
+        return self.matmul(x)
 
 
 def _copy_checked(dst: torch.Tensor, src) -> None:
@@ -127,5 +138,5 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param.data, loaded.narrow(1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight), self.tp)
+        y = all_reduce(self.matmul(x), self.tp)
         return y if self.bias is None else y + self.bias

@@ -120,6 +120,8 @@ class ModelRunner:
                                       self.config.cache.block_size, self.config.model.seed)
         self.buffers = StepBuffers(sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks,
                                    self.device)
+        if self.device.type == "cuda" and envs.tune_small_m():
+            self._tune_one_row_linears()  # before capture: the graphs record the choice
         self.graphs = None
         if self.use_cuda_graphs:
             self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_caches, self.buffers,
@@ -127,6 +129,14 @@ class ModelRunner:
             self.graphs.capture()
         if self.device.type == "cuda":
             self._warm_up_logits(sched.max_num_seqs)
+
+    @torch.inference_mode()
+    def _tune_one_row_linears(self) -> None:
+        from echo.worker.linear_tuning import cuda_graph_timer, tune_one_row_linears
+
+        for choice in tune_one_row_linears(self.model, cuda_graph_timer):
+            if self.tp.rank == 0:
+                print(f"echo: one-row linear {choice.describe()}", file=sys.stderr, flush=True)
 
     @torch.inference_mode()
     def _warm_up_logits(self, max_rows: int) -> None:
