@@ -14,9 +14,6 @@ class CheckpointTensor:
         self._slice = checkpoint_slice  # safetensors' PySafeSlice: indexing reads just that
         self.shape = torch.Size(checkpoint_slice.get_shape())
 
-    def dim(self) -> int:
-        return len(self.shape)
-
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         index = [slice(None)] * len(self.shape)
         index[dim] = slice(start, start + length)
