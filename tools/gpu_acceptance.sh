@@ -55,6 +55,12 @@ run_stage() {
         # shellcheck disable=SC2086
         PYTHON=$PY tools/nsys_profile.sh --out "$dir/prof${mode// /_}" --steps 200:40 -- \
           $PY tools/bench_offline.py $mode 2>&1 | tail -25
+      done
+      # the tail: fewer requests left, GPU steps shorter than the host's work per step
+      for mode in "" "--multiprocess"; do
+        # shellcheck disable=SC2086
+        PYTHON=$PY tools/nsys_profile.sh --out "$dir/prof_tail${mode// /_}" --steps 800:40 -- \
+          $PY tools/bench_offline.py $mode 2>&1 | grep -E "GPU busy|gaps|step period|tok/s"
       done ;;
     serving)
       local port=8123 pid
