@@ -1,10 +1,12 @@
 """Offline throughput, nano-vllm's benchmark: 256 sequences, prompt and output lengths uniform in
 [100, 1024], random token ids, ignore_eos, Qwen3-0.6B shapes with dummy weights.
 
-    python tools/bench_offline.py [--model qwen3-8b] [--multiprocess] [--no-async] [--json F]
+    python tools/bench_offline.py [--model qwen3-8b] [--engine-process | --multiprocess]
+        [--no-async] [--json F]
 
-Prints output tokens per second (generated tokens / wall time). In-process runs echo.LLM;
---multiprocess sends the same workload through the AsyncClient (core and worker processes).
+Prints output tokens per second (generated tokens / wall time). By default echo.LLM runs the
+engine in this process; --engine-process runs echo.LLM(engine_process=True) (core and worker
+processes); --multiprocess sends the same workload through the AsyncClient.
 """
 
 import argparse
@@ -34,15 +36,16 @@ def workload(args: argparse.Namespace, vocab: int):
     return prompts, params
 
 
-def run_in_process(args: argparse.Namespace) -> tuple[int, float, dict]:
-    llm = LLM(args.model, **engine_args(args))
+def run_llm(args: argparse.Namespace) -> tuple[int, float, dict]:
+    llm = LLM(args.model, engine_process=args.engine_process, **engine_args(args))
     prompts, params = workload(args, llm.config.model.arch.vocab_size)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return generated, elapsed, {"num_kv_blocks": llm.engine.num_blocks,
+    llm.shutdown()
+    return generated, elapsed, {"num_kv_blocks": llm.num_gpu_blocks,
                                 "prompt_tokens": sum(map(len, prompts))}
 
 
@@ -77,8 +80,11 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--multiprocess", action="store_true",
-                        help="run through AsyncClient (core and worker processes)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--engine-process", action="store_true",
+                      help="echo.LLM with the engine in its own processes")
+    mode.add_argument("--multiprocess", action="store_true",
+                      help="run through AsyncClient (core and worker processes)")
     parser.add_argument("--no-async", action="store_true", help="async_scheduling off")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--json", help="write the result here")
@@ -87,8 +93,9 @@ def main() -> None:
     if args.multiprocess:
         generated, elapsed, info = asyncio.run(run_multiprocess(args))
     else:
-        generated, elapsed, info = run_in_process(args)
-    mode = "multi-process" if args.multiprocess else "in-process"
+        generated, elapsed, info = run_llm(args)
+    mode = ("multi-process" if args.multiprocess
+            else "LLM, engine process" if args.engine_process else "in-process")
     result = {"model": args.model, "mode": mode, "num_seqs": args.num_seqs,
               "output_tokens": generated, "seconds": round(elapsed, 3),
               "output_tok_per_s": round(generated / elapsed, 1),

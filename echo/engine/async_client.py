@@ -11,9 +11,6 @@ loop early (break, cancellation) aborts the request in the core.
 
 import asyncio
 import itertools
-import multiprocessing
-import os
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from echo.config import EngineConfig
+from echo.engine.core_client import CoreProcess, EngineDeadError
 from echo.engine.input_processor import InputProcessor, Prompt, load_tokenizer
 from echo.engine.messages import (
     EngineCoreOutputs,
@@ -34,10 +32,6 @@ from echo.engine.output_processor import OutputProcessor
 from echo.outputs import RequestOutput
 from echo.profiling import step_range
 from echo.sampling_params import SamplingParams
-
-
-class EngineDeadError(RuntimeError):
-    """The EngineCore process (or one of its workers) is gone; pending requests fail."""
 
 
 class AsyncClient:
@@ -54,60 +48,34 @@ class AsyncClient:
         self.latest_stats = SchedulerStats()
         self.engine_info: dict = {}
         self.dead_error: str | None = None
-        self.proc: multiprocessing.Process | None = None
+        self.core: CoreProcess | None = None
         self.ctx: zmq.asyncio.Context | None = None
         self.output_task: asyncio.Task | None = None
         self.encoder = msgspec.msgpack.Encoder()
-        self.ipc_dir: str | None = None
+
+    @property
+    def proc(self):
+        """The EngineCore process (multiprocessing.Process), once started."""
+        return self.core.proc if self.core is not None else None
 
     # ---- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> "AsyncClient":
-        from echo.engine.core_proc import run_engine_core
-
-        self.ipc_dir = tempfile.mkdtemp(prefix="echo-")
-        input_address = f"ipc://{self.ipc_dir}/input"
-        output_address = f"ipc://{self.ipc_dir}/output"
-        mp = multiprocessing.get_context("spawn")
-        reader, writer = mp.Pipe(duplex=False)
-        self.proc = mp.Process(target=run_engine_core, name="EngineCore", daemon=False,
-                               args=(self.config, input_address, output_address, writer))
-        self.proc.start()
-        writer.close()
+        self.core = CoreProcess(self.config)
         loop = asyncio.get_running_loop()
         try:
-            status, info = await loop.run_in_executor(None, self._wait_ready, reader)
+            self.engine_info = await loop.run_in_executor(None, self.core.wait_ready,
+                                                          self.startup_timeout_s)
         except BaseException:
             await self.shutdown()
             raise
-        if status != "ready":
-            await self.shutdown()
-            raise RuntimeError(f"EngineCore failed to start:\n{info}")
-        self.engine_info = info
         self.ctx = zmq.asyncio.Context()
         self.input_socket = self.ctx.socket(zmq.PUSH)
-        self.input_socket.connect(input_address)
+        self.input_socket.connect(self.core.input_address)
         self.output_socket = self.ctx.socket(zmq.PULL)
-        self.output_socket.connect(output_address)
+        self.output_socket.connect(self.core.output_address)
         self.output_task = asyncio.create_task(self._output_loop())
         return self
-
-    def _wait_ready(self, reader) -> tuple[str, object]:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if reader.poll(0.5):
-                try:
-                    return reader.recv()
-                except EOFError:  # the child closed the pipe without a word: it is exiting
-                    self.proc.join(5)
-                    break
-            if not self.proc.is_alive():
-                break
-        if self.proc.is_alive():
-            return "error", f"no ready message within {self.startup_timeout_s:.0f} s"
-        return "error", (f"the process exited with code {self.proc.exitcode} before it was "
-                         "ready (a script starting the engine needs `if __name__ == "
-                         "'__main__':`, since engine processes are spawned)")
 
     async def __aenter__(self) -> "AsyncClient":
         return await self.start()
@@ -127,21 +95,9 @@ class AsyncClient:
             self.output_socket.close(linger=0)
             self.ctx.term()
             self.ctx = None
-        if self.proc is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.proc.join, timeout_s)
-            if self.proc.is_alive():
-                self.proc.kill()  # by its own PID: only the process we started
-                self.proc.join(5)
-            self.proc = None
+        if self.core is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.core.join, timeout_s)
         self._fail_all("the engine was shut down")
-        if self.ipc_dir is not None:
-            for name in ("input", "output"):
-                try:
-                    os.unlink(os.path.join(self.ipc_dir, name))
-                except FileNotFoundError:
-                    pass
-            os.rmdir(self.ipc_dir)
-            self.ipc_dir = None
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -176,3 +176,31 @@ def test_tensor_parallel_llm_runs_workers_and_equals_one_rank(tiny_llama):
     for pid in pids:  # shutdown waited for the workers: none is left running
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_engine_process_gives_the_same_outputs_and_ends_its_process(tiny_llama):
+    import os
+
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
+    expected = make_llm(tiny_llama).generate(PROMPTS, params, use_tqdm=False)
+    llm = make_llm(tiny_llama, engine_process=True)
+    core_pid = llm.client.core.proc.pid
+    try:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        again = llm.generate(PROMPTS[:1], params[0], use_tqdm=False)
+        stats = llm.stats()
+        assert llm.num_gpu_blocks == 128
+    finally:
+        llm.shutdown()
+    assert [[c.token_ids for c in o.outputs] for o in outs] == \
+        [[c.token_ids for c in o.outputs] for o in expected]
+    assert len(outs[1].outputs) == 2
+    got, want = outs[2].outputs[0].logprobs, expected[2].outputs[0].logprobs
+    assert [sorted(e) for e in got] == [sorted(e) for e in want]
+    assert again[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    assert stats.num_running == 0 and stats.kv_cache_usage == 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(core_pid, 0)

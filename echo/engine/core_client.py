@@ -1,0 +1,160 @@
+"""Starting an EngineCore process, and a blocking client of it.
+
+`CoreProcess` is what every frontend shares: it spawns the core (which spawns its workers),
+waits for its ready message or its traceback, and ends it by PID. `SyncCoreClient` is the
+blocking frontend of echo.LLM(engine_process=True), as vLLM's LLM has: the scheduler and
+the workers' host work then run in other processes than the caller's tokenizing and
+detokenizing (through the AsyncClient, that measured 28% more offline throughput than one
+process: docs/benchmarks.md). AsyncClient is the asyncio frontend over the same process and
+sockets.
+"""
+
+import itertools
+import multiprocessing
+import os
+import tempfile
+import time
+
+import msgspec
+import zmq
+
+from echo.config import EngineConfig
+from echo.engine.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    RequestType,
+    UtilityRequest,
+)
+
+
+class EngineDeadError(RuntimeError):
+    """The EngineCore process (or one of its workers) is gone; pending requests fail."""
+
+
+class CoreProcess:
+    """A spawned EngineCore process with its ipc addresses."""
+
+    def __init__(self, config: EngineConfig):
+        from echo.engine.core_proc import run_engine_core
+
+        self.ipc_dir = tempfile.mkdtemp(prefix="echo-")
+        self.input_address = f"ipc://{self.ipc_dir}/input"
+        self.output_address = f"ipc://{self.ipc_dir}/output"
+        mp = multiprocessing.get_context("spawn")
+        self._reader, writer = mp.Pipe(duplex=False)
+        self.proc = mp.Process(target=run_engine_core, name="EngineCore", daemon=False,
+                               args=(config, self.input_address, self.output_address, writer))
+        self.proc.start()
+        writer.close()
+
+    def wait_ready(self, timeout_s: float) -> dict:
+        """The core's start-up info; RuntimeError with the core's own message if it failed."""
+        status, info = self._read_ready(timeout_s)
+        if status != "ready":
+            raise RuntimeError(f"EngineCore failed to start:\n{info}")
+        return info
+
+    def _read_ready(self, timeout_s: float) -> tuple[str, object]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._reader.poll(0.5):
+                try:
+                    return self._reader.recv()
+                except EOFError:  # the child closed the pipe without a word: it is exiting
+                    self.proc.join(5)
+                    break
+            if not self.proc.is_alive():
+                break
+        if self.proc.is_alive():
+            return "error", f"no ready message within {timeout_s:.0f} s"
+        return "error", (f"the process exited with code {self.proc.exitcode} before it was "
+                         "ready (a script starting the engine needs `if __name__ == "
+                         "'__main__':`, since engine processes are spawned)")
+
+    def join(self, timeout_s: float) -> None:
+        """Wait for the core to exit, then kill it (by its own PID) if it did not; remove the
+        ipc files. Idempotent."""
+        if self.proc.pid is not None:
+            self.proc.join(timeout_s)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+        if self.ipc_dir is not None:
+            for name in ("input", "output"):
+                try:
+                    os.unlink(os.path.join(self.ipc_dir, name))
+                except FileNotFoundError:
+                    pass
+            os.rmdir(self.ipc_dir)
+            self.ipc_dir = None
+
+
+class SyncCoreClient:
+    """Blocking sockets to a CoreProcess: send requests, aborts and utility calls, receive the
+    core's outputs one message at a time."""
+
+    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0):
+        self.core = CoreProcess(config)
+        try:
+            self.engine_info = self.core.wait_ready(startup_timeout_s)
+        except BaseException:
+            self.core.join(10)
+            raise
+        self.ctx = zmq.Context()
+        self.input_socket = self.ctx.socket(zmq.PUSH)
+        self.input_socket.connect(self.core.input_address)
+        self.output_socket = self.ctx.socket(zmq.PULL)
+        self.output_socket.connect(self.core.output_address)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self.call_ids = itertools.count()
+        # outputs that arrived while a utility call waited for its result
+        self.pending: list[EngineCoreOutputs] = []
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.input_socket.send_multipart([RequestType.ADD.value, self.encoder.encode(request)])
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.input_socket.send_multipart([RequestType.ABORT.value,
+                                              self.encoder.encode(request_ids)])
+
+    def get_outputs(self) -> EngineCoreOutputs:
+        """The core's next message; EngineDeadError if the core died or failed."""
+        if self.pending:
+            return self.pending.pop(0)
+        while not self.output_socket.poll(1000):
+            if not self.core.proc.is_alive():
+                raise EngineDeadError(f"EngineCore exited with code {self.core.proc.exitcode}")
+        outputs = self.decoder.decode(self.output_socket.recv())
+        if outputs.engine_error:
+            raise EngineDeadError(f"EngineCore failed:\n{outputs.engine_error}")
+        return outputs
+
+    def utility(self, method: str):
+        """Call a core method by name (stats, reset_prefix_cache) and wait for its result."""
+        call_id = next(self.call_ids)
+        self.input_socket.send_multipart(
+            [RequestType.UTILITY.value, self.encoder.encode(UtilityRequest(call_id, method))])
+        held = []
+        try:
+            while True:
+                outputs = self.get_outputs()
+                if outputs.utility is not None and outputs.utility.call_id == call_id:
+                    if outputs.utility.error:
+                        raise RuntimeError(outputs.utility.error)
+                    return outputs.utility.result
+                held.append(outputs)
+        finally:
+            self.pending = held + self.pending
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the core (it stops its workers) and wait for it; idempotent."""
+        if self.ctx is not None:
+            if self.core.proc.is_alive():
+                self.input_socket.send_multipart([RequestType.SHUTDOWN.value, b""])
+            self.input_socket.close(linger=200)
+            self.output_socket.close(linger=0)
+            self.ctx.term()
+            self.ctx = None
+        self.core.join(timeout_s)
