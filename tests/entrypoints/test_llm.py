@@ -204,3 +204,26 @@ def test_engine_process_gives_the_same_outputs_and_ends_its_process(tiny_llama):
     assert stats.num_running == 0 and stats.kv_cache_usage == 0
     with pytest.raises(ProcessLookupError):
         os.kill(core_pid, 0)
+
+
+def test_engine_process_death_fails_generate_promptly(tiny_llama):
+    import os
+    import signal
+    import threading
+    import time
+
+    from echo.engine.core_client import EngineDeadError
+
+    llm = make_llm(tiny_llama, engine_process=True, max_model_len=512)
+    pid = llm.client.core.proc.pid
+    killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
+    params = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+    try:
+        killer.start()
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="exited"):
+            llm.generate(PROMPTS * 2, params, use_tqdm=False)
+        assert time.monotonic() - start < 10
+    finally:
+        killer.cancel()
+        llm.shutdown()
