@@ -4,11 +4,22 @@ token = argmax(logits / temperature + gumbel(seed, step, token id)); temperature
 argmax. The Gumbel noise is a counter-based hash of (seed, output index, token id), computed in
 registers, so the [batch, vocab] noise tensor is never written and the logits are read once.
 The hash is the one in reference.uniform_noise_ref, bit for bit.
+
+A row is one program when the batch fills the GPU. A small batch would leave most SMs idle
+while one program walks a 150k-token vocabulary, so its rows are split into vocabulary chunks
+whose (best score, token) pairs a second launch reduces; ties go to the smallest token id
+either way, as torch.argmax.
 """
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
+
+BLOCK_V = 2048  # tokens per loop step
+MIN_CHUNK = 4 * BLOCK_V  # a chunk is worth a program only if it streams this many tokens
+_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -27,12 +38,17 @@ def _gumbel_argmax_kernel(
     temperature_ptr,  # [batch] float32; 0 = greedy
     seeds_ptr,  # [batch] int64
     steps_ptr,  # [batch] int64
-    out_ptr,  # [batch] int64
+    out_ptr,  # [batch] int64 (not SPLIT)
+    part_score_ptr,  # [batch, num_chunks] float32 (SPLIT)
+    part_token_ptr,  # [batch, num_chunks] int32 (SPLIT)
     vocab,
     stride_b,
+    chunk_len,  # tokens per chunk, a multiple of BLOCK_V (SPLIT)
     BLOCK_V: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
@@ -43,9 +59,15 @@ def _gumbel_argmax_kernel(
     key = _mix32(seed_hi ^ _mix32(seed_lo ^ _mix32(step)))
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK_V], tl.int32)
-    for start in range(0, vocab, BLOCK_V):
+    if SPLIT:
+        lo = chunk * chunk_len
+        hi = tl.minimum(vocab, lo + chunk_len)
+    else:
+        lo = 0
+        hi = vocab
+    for start in range(lo, hi, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < vocab
+        mask = cols < hi
         x = tl.load(logits_ptr + row * stride_b + cols, mask=mask, other=float("-inf"))
         bits = _mix32(key ^ _mix32(cols.to(tl.uint32) * 0x9E3779B1))
         bits = _mix32(bits ^ (key >> 5))
@@ -58,16 +80,68 @@ def _gumbel_argmax_kernel(
     top = tl.max(best, 0)
     # among lanes holding the maximum, the smallest token id
     winner = tl.min(tl.where(best == top, best_idx, 2147483647), 0)
+    if SPLIT:
+        num_chunks = tl.num_programs(1)
+        tl.store(part_score_ptr + row * num_chunks + chunk, top)
+        tl.store(part_token_ptr + row * num_chunks + chunk, winner)
+    else:
+        tl.store(out_ptr + row, winner.to(tl.int64))
+
+
+@triton.jit
+def _best_chunk_kernel(
+    part_score_ptr,  # [batch, num_chunks] float32
+    part_token_ptr,  # [batch, num_chunks] int32
+    out_ptr,  # [batch] int64
+    num_chunks,
+    BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_C)
+    mask = offs < num_chunks
+    score = tl.load(part_score_ptr + row * num_chunks + offs, mask=mask, other=float("-inf"))
+    token = tl.load(part_token_ptr + row * num_chunks + offs, mask=mask, other=2147483647)
+    top = tl.max(score, 0)
+    # the smallest id among the chunks' maxima, as within a chunk (a row of only -inf: 0)
+    winner = tl.min(tl.where((score == top) & mask, token, 2147483647), 0)
     tl.store(out_ptr + row, winner.to(tl.int64))
 
 
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: small enough that tiny test batches split
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_vocab_chunks(batch: int, vocab: int, device: torch.device) -> int:
+    """Chunks per row: enough programs for every SM when the batch alone is not."""
+    target = _PROGRAMS_PER_SM * _sm_count(device)
+    return max(1, min(triton.cdiv(target, batch), triton.cdiv(vocab, MIN_CHUNK)))
+
+
 def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                  steps: torch.Tensor) -> torch.Tensor:
+                  steps: torch.Tensor, num_chunks: int | None = None) -> torch.Tensor:
     """logits [B, V] (excluded tokens at -inf), temperature/seeds/steps [B] -> tokens [B]."""
     assert logits.stride(-1) == 1
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    if batch:
-        _gumbel_argmax_kernel[(batch,)](logits, temperature, seeds, steps, out, vocab,
-                                        logits.stride(0), BLOCK_V=2048, num_warps=8)
+    if not batch:
+        return out
+    if num_chunks is None:
+        num_chunks = num_vocab_chunks(batch, vocab, logits.device)
+    chunk_len = triton.cdiv(triton.cdiv(vocab, num_chunks), BLOCK_V) * BLOCK_V
+    num_chunks = triton.cdiv(vocab, chunk_len)
+    split = num_chunks > 1
+    if split:
+        part_score = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
+        part_token = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
+    else:
+        part_score = part_token = out  # unused
+    _gumbel_argmax_kernel[(batch, num_chunks)](
+        logits, temperature, seeds, steps, out, part_score, part_token, vocab,
+        logits.stride(0), chunk_len, BLOCK_V=BLOCK_V, SPLIT=split, num_warps=8)
+    if split:
+        _best_chunk_kernel[(batch,)](part_score, part_token, out, num_chunks,
+                                     BLOCK_C=triton.next_power_of_2(num_chunks))
     return out

@@ -95,8 +95,12 @@ class Sampler:
             logits = apply_penalties(logits.float(), t)
         if t.banned is not None:
             logits = logits.masked_fill(t.banned, float("-inf"))
-        if t.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+        if t.all_greedy and not logits.is_cuda:
+            token_ids = logits.argmax(dim=-1)  # the twin would draw noise nobody uses
+        elif t.all_greedy:
+            # the kernel's argmax spreads a small batch's rows over the SMs; torch's took
+            # 35 µs for one 128k-token row on an H200 (a Llama-3.1-8B decode step is 4.5 ms)
+            token_ids = gumbel_sample(logits, t.temperature, t.seeds, t.steps)
         elif t.need_top_k or t.need_top_p or t.need_min_p:
             # the filters act on the temperature-scaled distribution
             is_greedy = t.temperature == 0

@@ -26,6 +26,27 @@ def test_kernel_matches_reference(device):
     assert torch.equal(got[::4], args[0][::4].argmax(-1))  # temperature 0: greedy
 
 
+@pytest.mark.parametrize("num_chunks", [2, 3])
+def test_vocabulary_chunks_match_reference_and_break_ties_low(device, num_chunks):
+    # 5000 tokens in chunks of 2048 (the last one ragged), reduced by a second launch
+    logits, temperature, seeds, steps = inputs(6, 5000, device)
+    logits[0, 4500] = logits[0, 4100] = 50.0  # a tie inside the last chunk
+    logits[4, 4999] = logits[4, 2100] = logits[4, 2500] = 60.0  # ties across chunks
+    logits[2, :] = float("-inf")  # nothing allowed: token 0, as torch.argmax
+    got = gumbel_sample(logits, temperature, seeds, steps, num_chunks=num_chunks)
+    assert torch.equal(got, gumbel_sample_ref(logits, temperature, seeds, steps))
+    assert got[0] == 4100 and got[4] == 2100 and got[2] == 0
+
+
+def test_small_batches_split_the_vocabulary(device):
+    from echo_kernels.sampling import MIN_CHUNK, num_vocab_chunks
+
+    # the interpreter counts 4 SMs: 8 programs wanted
+    assert num_vocab_chunks(1, 20 * MIN_CHUNK, torch.device("cpu")) == 8
+    assert num_vocab_chunks(1, MIN_CHUNK + 1, torch.device("cpu")) == 2
+    assert num_vocab_chunks(16, 20 * MIN_CHUNK, torch.device("cpu")) == 1
+
+
 @pytest.mark.gpu
 def test_gpu_kernel_matches_reference_and_softmax():
     logits, temperature, seeds, steps = inputs(256, 151936, "cuda", torch.bfloat16)
@@ -33,6 +54,10 @@ def test_gpu_kernel_matches_reference_and_softmax():
         gumbel_sample_ref(logits, temperature, seeds, steps)
     # the device's log may differ from torch's in the last bit: a near-tie can flip, rarely
     assert (got == expected).float().mean().item() > 0.98
+    # one row, as at batch 1: the vocabulary is split over the SMs, the draw is the same
+    one = [t[:4] for t in (logits, temperature, seeds, steps)]
+    assert torch.equal(torch.cat([gumbel_sample(*(t[i:i + 1] for t in one)) for i in range(4)]),
+                       got[:4])
     # frequencies over many seeds follow softmax(logits / T)
     row = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0], device="cuda")
     n = 200_000
