@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements behind the open acceptance points, staged so each fits one device call:
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
-# Stages: tests kernels sweeps latency offline profile serving, and tp (needs two GPUs). Logs
+# Stages: tests kernels sweeps latency offline profile profile-tail serving, and tp (two GPUs).
+# Rough minutes on an H200: tests 4, kernels 2, sweeps 3, latency 4, offline 5, profile 5,
+# profile-tail 2, serving 4, tp 6 (plus start-up): pick what fits the device budget. Logs
 # and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the device tool returns
 # few files), and the key lines are printed. Every process started here is ended here, by PID.
 set -uo pipefail
@@ -56,8 +58,8 @@ run_stage() {
         # shellcheck disable=SC2086
         PYTHON=$PY tools/nsys_profile.sh --out "$dir/prof${mode// /_}" --steps 200:40 -- \
           $PY tools/bench_offline.py $mode 2>&1 | tail -25
-      done
-      # the tail: fewer requests left, GPU steps shorter than the host's work per step
+      done ;;
+    profile-tail)  # fewer requests left: GPU steps shorter than the host's work per step
       for mode in "" "--multiprocess"; do
         # shellcheck disable=SC2086
         PYTHON=$PY tools/nsys_profile.sh --out "$dir/prof_tail${mode// /_}" --steps 800:40 -- \
