@@ -166,7 +166,11 @@ DECODE_SWEEP = {
                  TileConfig(16, 128, 4, 1),
                  TileConfig(16, 32, 4, 1, True), TileConfig(16, 64, 4, 1, True),
                  TileConfig(16, 128, 4, 1, True), TileConfig(16, 128, 8, 1, True),
-                 TileConfig(16, 64, 4, 2, True)],
+                 TileConfig(16, 64, 4, 2, True),
+                 # CUDA-core products over 4-row tiles (the 32/8 GQA group), int8 converted
+                 # in registers; no tensor cores, no padding rows
+                 TileConfig(4, 16, 2, 1, True, False), TileConfig(4, 16, 4, 1, True, False),
+                 TileConfig(4, 32, 4, 1, True, False), TileConfig(4, 32, 8, 1, True, False)],
 }
 
 

@@ -35,6 +35,9 @@ class TileConfig:
     # paged only: load the next K/V tile into registers before using this one (with
     # num_stages=1, int8 tiles then skip shared memory on their way to the conversion)
     prefetch_kv: bool = False
+    # paged only: False multiplies on the CUDA cores in float32 instead of tl.dot, which lets
+    # block_m be the GQA group (no padding to 16 rows) and int8 K/V be converted in registers
+    use_dot: bool = True
 
 
 def tile_config(rows_per_seq: int, head_dim: int, is_int8: bool = False) -> TileConfig:
@@ -136,6 +139,7 @@ def online_softmax_step(
     v,  # [BLOCK_N, HEAD_DIM] values in the dot dtype
     v_scale,  # [BLOCK_N] float32 per-key dequant scale (HAS_V_SCALE)
     HAS_V_SCALE: tl.constexpr,
+    USE_DOT: tl.constexpr = True,  # False: v in any dtype, products summed on the CUDA cores
 ):
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     p = tl.math.exp2(qk - m_new[:, None])
@@ -144,7 +148,10 @@ def online_softmax_step(
     acc = acc * alpha[:, None]
     if HAS_V_SCALE:
         p = p * v_scale[None, :]
-    acc = tl.dot(p.to(v.dtype), v, acc)
+    if USE_DOT:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    else:
+        acc += tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
     return acc, l_i, m_new
 
 
@@ -166,9 +173,12 @@ def _load_kv_tile(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, kv_off, sc_off, in_ran
 
 @triton.jit
 def _scores(q, k, k_sc, pos, in_range, q_pos, qk_scale, MASKED: tl.constexpr,
-            CAUSAL: tl.constexpr, IS_INT8_KV: tl.constexpr):
+            CAUSAL: tl.constexpr, IS_INT8_KV: tl.constexpr, USE_DOT: tl.constexpr):
     """One tile's scores in log2 units, -inf where a key is past the range or in the future."""
-    qk = tl.dot(q, tl.trans(k.to(q.dtype)))
+    if USE_DOT:
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)))
+    else:
+        qk = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
     if IS_INT8_KV:
         qk = qk * (k_sc * qk_scale)[None, :]
     else:
@@ -210,6 +220,7 @@ def attend_key_range(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PREFETCH_KV: tl.constexpr = False,  # PAGED only: K/V of the next tile load a step early
+    USE_DOT: tl.constexpr = True,  # False: CUDA-core products (TileConfig.use_dot)
 ):
     """Online softmax over keys [lo, hi), one BLOCK_N tile at a time (the flash inner loop)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -251,7 +262,8 @@ def attend_key_range(
                 IS_INT8_KV)
             next_blk = tl.load(block_table_ptr + (ahead + BLOCK_N) // BLOCK_SIZE + blk_of_row,
                                mask=ahead + BLOCK_N + offs_n < kv_limit, other=0)
-            qk = _scores(q, k, k_sc, pos, in_range, q_pos, qk_scale, MASKED, CAUSAL, IS_INT8_KV)
+            qk = _scores(q, k, k_sc, pos, in_range, q_pos, qk_scale, MASKED, CAUSAL, IS_INT8_KV,
+                         USE_DOT)
         else:
             if PAGED:
                 blk = next_blk.to(tl.int64) if WIDE_OFFSETS else next_blk
@@ -282,10 +294,13 @@ def attend_key_range(
             else:
                 k_sc = None
                 v_sc = None
-            qk = _scores(q, k, k_sc, pos, in_range, q_pos, qk_scale, MASKED, CAUSAL, IS_INT8_KV)
+            qk = _scores(q, k, k_sc, pos, in_range, q_pos, qk_scale, MASKED, CAUSAL, IS_INT8_KV,
+                         USE_DOT)
             if MASKED:
                 v = tl.load(v_ptr + kv_ptrs, mask=in_range[:, None], other=0.0)
             else:
                 v = tl.load(v_ptr + kv_ptrs)
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, qk, v.to(q.dtype), v_sc, IS_INT8_KV)
+        if USE_DOT:
+            v = v.to(q.dtype)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, qk, v, v_sc, IS_INT8_KV, USE_DOT)
     return acc, l_i, m_i

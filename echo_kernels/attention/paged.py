@@ -67,8 +67,10 @@ def _paged_attention_kernel(
     IS_INT8_KV: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,  # the cache has 2^31 elements or more
     PREFETCH_KV: tl.constexpr,  # K/V tiles load one step ahead into registers
+    USE_DOT: tl.constexpr,  # False: products on the CUDA cores, BLOCK_M may be below 16
 ):
-    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
+    tl.static_assert(BLOCK_N >= 16 and HEAD_DIM >= 16)
+    tl.static_assert(BLOCK_M >= 16 or not USE_DOT, "tl.dot needs 16 query rows or more")
     tl.static_assert((HEAD_DIM & (HEAD_DIM - 1)) == 0, "HEAD_DIM must be a power of two")
     tl.static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0, "block size must be a power of two")
     kv_head = tl.program_id(0)
@@ -120,11 +122,13 @@ def _paged_attention_kernel(
         acc, l_i, m_i, q, q_pos, kv_lo, full_hi, kv_hi, k_base, v_base, ks_base, vs_base, bt_row,
         stride_kb, stride_kt, stride_sb, stride_st, qk_scale,
         False, True, True, IS_INT8_KV, WIDE_OFFSETS, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREFETCH_KV,
+        USE_DOT,
     )
     acc, l_i, m_i = attend_key_range(
         acc, l_i, m_i, q, q_pos, full_hi, masked_hi, kv_hi, k_base, v_base, ks_base, vs_base,
         bt_row, stride_kb, stride_kt, stride_sb, stride_st, qk_scale,
         True, True, True, IS_INT8_KV, WIDE_OFFSETS, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREFETCH_KV,
+        USE_DOT,
     )
 
     if SPLIT:
@@ -229,7 +233,7 @@ def paged_attention_launch(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, ONE_TILE_PER_SEQ=one_tile,
         SPLIT=split, IS_INT8_KV=is_int8, WIDE_OFFSETS=k_cache.numel() >= 2**31,
-        PREFETCH_KV=config.prefetch_kv,
+        PREFETCH_KV=config.prefetch_kv, USE_DOT=config.use_dot,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+import triton
 from kernel_utils import PagedBatch, assert_close
 
 from echo_kernels import paged_attention
@@ -85,6 +86,21 @@ def test_prefetched_kv_tiles(paged_batch, kv_dtype, block_size, block_n, num_spl
     config = TileConfig(32, block_n, 1, 1, prefetch_kv=True)
     assert_close(b.run(num_splits=num_splits, config=config), b.reference(),
                  CPU_ATOL[torch.float16])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.int8])
+@pytest.mark.parametrize("block_m,prefetch", [(4, False), (4, True), (8, True)])
+def test_cuda_core_products(paged_batch, kv_dtype, block_m, prefetch):
+    # use_dot=False: query tiles of the GQA group's size (4 rows for 8/2 heads), products
+    # summed in float32; decode with splits, a prefill run over a cached prefix (several
+    # 4-row tiles, causal masking), a context of 1
+    from echo_kernels.attention.common import TileConfig
+
+    b = paged_batch([1, 5, 1, 1], [97, 40, 1, 33], 8, 2, 32, 16, torch.float16,
+                    kv_dtype=kv_dtype)
+    config = TileConfig(block_m, 16, 1, 1, prefetch_kv=prefetch, use_dot=False)
+    assert_close(b.run(num_splits=3, config=config), b.reference(), CPU_ATOL[torch.float16])
+    assert_close(b.run(num_splits=1, config=config), b.reference(), CPU_ATOL[torch.float16])
 
 
 def test_strided_q_and_default_out(device):
@@ -170,5 +186,7 @@ def test_gpu_int8(paged_batch, heads, block_size):
     from echo_kernels.attention.common import TileConfig
 
     for config in (TileConfig(16, 64, 4, 1, prefetch_kv=True),
-                   TileConfig(16, 128, 4, 1, prefetch_kv=True)):
+                   TileConfig(16, 128, 4, 1, prefetch_kv=True),
+                   TileConfig(max(4, triton.next_power_of_2(heads[0] // heads[1])), 16, 4, 1,
+                              prefetch_kv=True, use_dot=False)):
         assert_close(b.run(config=config), b.reference(), GPU_ATOL)
