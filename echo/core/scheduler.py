@@ -142,10 +142,13 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             # len()s rather than the num_tokens property: this runs per request per step
-            num_new = (len(request.prompt_token_ids) + len(request.output_token_ids)
-                       + request.num_output_placeholders - request.num_computed_tokens)
-            if num_new <= 0 or (request.num_output_placeholders and self._at_limit(request)):
-                i += 1  # nothing to compute until an in-flight token comes back
+            in_flight = request.num_output_placeholders
+            total = len(request.prompt_token_ids) + len(request.output_token_ids) + in_flight
+            num_new = total - request.num_computed_tokens
+            # nothing to compute until an in-flight token comes back, or, once the tokens in
+            # flight reach max_tokens / max_model_len, nothing but a token to throw away
+            if num_new <= 0 or (in_flight and total >= request.token_limit):
+                i += 1
                 continue
             limit = budget - (len(running) - i - 1)
             if num_new > 1:
@@ -284,12 +287,6 @@ class Scheduler:
         if computed == (len(request.prompt_token_ids) + len(request.output_token_ids)
                         + request.num_output_placeholders):
             request.num_output_placeholders += 1  # this step samples a token
-
-    def _at_limit(self, request: Request) -> bool:
-        """Whether the tokens in flight already reach max_tokens / max_model_len, so another
-        step could only produce a token to throw away."""
-        return (len(request.prompt_token_ids) + len(request.output_token_ids)
-                + request.num_output_placeholders >= request.token_limit)
 
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and requeue it at the front, to be recomputed (its

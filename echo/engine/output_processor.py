@@ -56,7 +56,10 @@ class _Parent:
 
     @property
     def finished(self) -> bool:
-        return all(c.completion.finished for c in self.children)
+        children = self.children
+        if len(children) == 1:  # the usual case, without a generator: this runs per step
+            return children[0].completion.finish_reason is not None
+        return all(c.completion.finished for c in children)
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
