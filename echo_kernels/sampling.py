@@ -11,11 +11,11 @@ whose (best score, token) pairs a second launch reduces; ties go to the smallest
 either way, as torch.argmax.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from echo_kernels.device import sm_count
 
 BLOCK_V = 2048  # tokens per loop step
 MIN_CHUNK = 4 * BLOCK_V  # a chunk is worth a program only if it streams this many tokens
@@ -107,16 +107,9 @@ def _best_chunk_kernel(
     tl.store(out_ptr + row, winner.to(tl.int64))
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: small enough that tiny test batches split
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def num_vocab_chunks(batch: int, vocab: int, device: torch.device) -> int:
     """Chunks per row: enough programs for every SM when the batch alone is not."""
-    target = _PROGRAMS_PER_SM * _sm_count(device)
+    target = _PROGRAMS_PER_SM * sm_count(device, without_gpu=4)
     return max(1, min(triton.cdiv(target, batch), triton.cdiv(vocab, MIN_CHUNK)))
 
 

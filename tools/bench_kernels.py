@@ -30,7 +30,7 @@ from echo_kernels import (  # noqa: E402
     silu_and_mul,
     store_kv_cache,
 )
-from echo_kernels.attention import flash_attn_varlen_launch, paged_attention_launch  # noqa: E402
+from echo_kernels.attention import flash_attn_varlen, paged_attention  # noqa: E402
 from echo_kernels.attention.common import TileConfig  # noqa: E402
 from echo_kernels.linear import small_m_linear  # noqa: E402
 
@@ -105,7 +105,7 @@ def paged_decode_inputs(batch: int, ctx: int, heads=(32, 8), head_dim=128, block
 
 
 def run_paged(inp, q, cu_q, max_q, max_k, out, **kw):
-    return paged_attention_launch(q, inp["k_cache"], inp["v_cache"], inp["block_table"], cu_q,
+    return paged_attention(q, inp["k_cache"], inp["v_cache"], inp["block_table"], cu_q,
                                   inp["seq_lens"], max_q, max_k, q.shape[-1] ** -0.5,
                                   inp["k_scale"], inp["v_scale"], out=out, **kw)
 
@@ -241,7 +241,7 @@ def bench_prefill(rows: Rows, sweep: bool) -> None:
     out = torch.empty_like(q)
 
     def varlen(cfg=None):
-        return flash_attn_varlen_launch(q, k, v, cu, cu, seq, seq, d**-0.5, True, out=out,
+        return flash_attn_varlen(q, k, v, cu, cu, seq, seq, d**-0.5, True, out=out,
                                         config=cfg)
 
     rows.add("flash_attn_varlen causal", f"S={seq} {h}/{hkv} d{d}", bench(varlen), flops=flops,

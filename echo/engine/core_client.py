@@ -74,11 +74,10 @@ class CoreProcess:
     def join(self, timeout_s: float) -> None:
         """Wait for the core to exit, then kill it (by its own PID) if it did not; remove the
         ipc files. Idempotent."""
-        if self.proc.pid is not None:
-            self.proc.join(timeout_s)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(5)
+        self.proc.join(timeout_s)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
         if self.ipc_dir is not None:
             for name in ("input", "output"):
                 try:

@@ -4,7 +4,7 @@ with the engine in its own processes (engine_process=True)."""
 import itertools
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 from tqdm.auto import tqdm
@@ -44,10 +44,17 @@ class LLM:
         self.client: SyncCoreClient | None = None
         if engine_process:
             self.client = SyncCoreClient(self.config)
-            self._shutdown = weakref.finalize(self, self.client.shutdown)
+            core = self.client
+            # the core process keeps its own two steps in flight
+            self._next_outputs: Callable[[], EngineCoreOutputs | None] = core.get_outputs
         else:
-            self.engine = EngineCore(self.config)
-            self._shutdown = weakref.finalize(self, self.engine.shutdown)
+            self.engine = core = EngineCore(self.config)
+            # two steps in flight: the next is scheduled while the device runs this one
+            self._next_outputs = core.step_overlapped
+        # both take the same requests and aborts
+        self._add: Callable[[EngineCoreRequest], None] = core.add_request
+        self._abort: Callable[[list[str]], object] = core.abort_requests
+        self._shutdown = weakref.finalize(self, core.shutdown)
         self._ids = itertools.count()
 
     @property
@@ -131,23 +138,3 @@ class LLM:
         if self.engine is not None:
             return self.engine.scheduler.make_stats()
         return msgspec.convert(self.client.utility("stats"), SchedulerStats)
-
-    # ---- the engine, here or in its process ----------------------------------------------
-
-    def _add(self, request: EngineCoreRequest) -> None:
-        if self.engine is not None:
-            self.engine.add_request(request)
-        else:
-            self.client.add_request(request)
-
-    def _next_outputs(self) -> EngineCoreOutputs | None:
-        if self.engine is not None:
-            # two steps in flight: the next is scheduled while the device runs this one
-            return self.engine.step_overlapped()
-        return self.client.get_outputs()  # the core process keeps its own two in flight
-
-    def _abort(self, request_ids: list[str]) -> None:
-        if self.engine is not None:
-            self.engine.abort_requests(request_ids)
-        else:
-            self.client.abort_requests(request_ids)

@@ -39,6 +39,9 @@ class ModelRunner:
         self.model = build_model(config.model, self.device, tp)
         attn = self.model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.kv_cache_spec = KVCacheSpec(self.arch.num_layers, config.cache.block_size,
+                                         self.num_kv_heads, self.head_dim, self.dtype,
+                                         config.cache.kv_cache_dtype)
         self.backend = make_backend(config.device.attention_backend, attn.num_heads,
                                     self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self.sampler = Sampler()
@@ -52,11 +55,6 @@ class ModelRunner:
         self.profile_window = profiler_window(f"rank{tp.rank}")  # ECHO_PROFILE_STEPS
 
     # ---- KV cache -------------------------------------------------------------------------
-
-    @property
-    def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(self.arch.num_layers, self.config.cache.block_size, self.num_kv_heads,
-                           self.head_dim, self.dtype, self.config.cache.kv_cache_dtype)
 
     def kv_bytes_per_block(self) -> int:
         return self.kv_cache_spec.bytes_per_block()

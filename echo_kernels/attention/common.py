@@ -64,6 +64,14 @@ def tile_config(rows_per_seq: int, head_dim: int, is_int8: bool = False) -> Tile
     return TileConfig(128, 64 if head_dim > 64 else 128, 8, 3)
 
 
+def batch_tile_config(max_seqlen_q: int, num_tokens: int, num_seqs: int, group: int,
+                      head_dim: int, is_int8: bool = False) -> TileConfig:
+    """tile_config for a batch: its query runs are about the mean run length (at most the
+    longest), each token bringing its GQA group's rows."""
+    rows_per_seq = min(max_seqlen_q, triton.cdiv(num_tokens, num_seqs)) * group
+    return tile_config(rows_per_seq, head_dim, is_int8)
+
+
 @triton.jit
 def find_seq(
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32

@@ -8,8 +8,6 @@ tiles alone cannot fill the GPU (decode, short chunks over long contexts), the k
 reduce.merge_splits combines them.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -19,14 +17,15 @@ from echo_kernels.attention.common import (
     M_FLOOR,
     TileConfig,
     attend_key_range,
+    batch_tile_config,
     causal_bounds,
     find_seq,
     interpreting,
     query_rows,
-    tile_config,
 )
 from echo_kernels.attention.reduce import merge_splits
 from echo_kernels.cache import checked_cache_scales
+from echo_kernels.device import sm_count
 
 
 @triton.jit
@@ -153,20 +152,13 @@ _MIN_SPLIT_LEN = 256
 _MAX_SPLITS = 128
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # interpreter: small enough that tiny test batches split
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def choose_num_splits(num_programs: int, max_seqlen_k: int, block_n: int,
                       device: torch.device) -> int:
     """Key splits so that (query tiles x KV heads x splits) gives every SM a couple of programs.
 
     Host-side and sync-free: it sees only the grid size and the max_seqlen_k bound, so a CUDA
     graph captured with a max_seqlen_k stays valid for every shorter context it replays."""
-    target = _PROGRAMS_PER_SM * _sm_count(device)
+    target = _PROGRAMS_PER_SM * sm_count(device, without_gpu=8)
     if num_programs >= target:
         return 1
     min_len = block_n if interpreting() else _MIN_SPLIT_LEN
@@ -174,7 +166,7 @@ def choose_num_splits(num_programs: int, max_seqlen_k: int, block_n: int,
                       _MAX_SPLITS))
 
 
-def paged_attention_launch(
+def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -187,10 +179,20 @@ def paged_attention_launch(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    *,
     num_splits: int | None = None,
     config: TileConfig | None = None,
 ) -> torch.Tensor:
-    """paged_attention with the split count and tile config open to tests and benchmarks."""
+    """Causal attention of each sequence's query run over its paged context.
+
+    q [num_tokens, num_heads, head_dim]; k_cache/v_cache [num_blocks, block_size, num_kv_heads,
+    head_dim] (int8 with k_scale/v_scale [num_blocks, block_size, num_kv_heads]); block_table
+    [num_seqs, max_blocks] int32; cu_seqlens_q [num_seqs + 1] int32; seq_lens [num_seqs] int32,
+    each context including its run, whose K/V are already in the cache. The run of sequence s is
+    its last q_len tokens; query i sees keys 0 .. seq_len - q_len + i. max_seqlen_q/max_seqlen_k
+    are host ints (upper bounds are fine) used only to size the grid. num_splits and config
+    override the split count and tiles the shapes would get (tests, benchmarks).
+    """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -204,8 +206,7 @@ def paged_attention_launch(
         return out
 
     if config is None:
-        rows_per_seq = min(max_seqlen_q, triton.cdiv(num_tokens, num_seqs)) * group
-        config = tile_config(rows_per_seq, head_dim, is_int8)
+        config = batch_tile_config(max_seqlen_q, num_tokens, num_seqs, group, head_dim, is_int8)
     one_tile = max_seqlen_q * group <= config.block_m
     num_tiles = num_seqs if one_tile else num_tokens * group // config.block_m + num_seqs
     if num_splits is None:
@@ -239,30 +240,3 @@ def paged_attention_launch(
     if split:
         merge_splits(part_acc, part_ml, out)
     return out
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention of each sequence's query run over its paged context.
-
-    q [num_tokens, num_heads, head_dim]; k_cache/v_cache [num_blocks, block_size, num_kv_heads,
-    head_dim] (int8 with k_scale/v_scale [num_blocks, block_size, num_kv_heads]); block_table
-    [num_seqs, max_blocks] int32; cu_seqlens_q [num_seqs + 1] int32; seq_lens [num_seqs] int32,
-    each context including its run, whose K/V are already in the cache. The run of sequence s is
-    its last q_len tokens; query i sees keys 0 .. seq_len - q_len + i. max_seqlen_q/max_seqlen_k
-    are host ints (upper bounds are fine) used only to size the grid.
-    """
-    return paged_attention_launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens,
-                                  max_seqlen_q, max_seqlen_k, softmax_scale, k_scale, v_scale, out)

@@ -15,10 +15,10 @@ from echo_kernels.attention.common import (
     M_FLOOR,
     TileConfig,
     attend_key_range,
+    batch_tile_config,
     causal_bounds,
     find_seq,
     query_rows,
-    tile_config,
 )
 
 
@@ -86,7 +86,7 @@ def _varlen_attention_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def flash_attn_varlen_launch(
+def flash_attn_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -97,9 +97,13 @@ def flash_attn_varlen_launch(
     softmax_scale: float,
     causal: bool = True,
     out: torch.Tensor | None = None,
+    *,
     config: TileConfig | None = None,
 ) -> torch.Tensor:
-    """flash_attn_varlen with the tile config open to tests and benchmarks."""
+    """Attention over packed sequences: q [total_q, num_heads, head_dim], k/v [total_k,
+    num_kv_heads, head_dim], cu_seqlens_q/cu_seqlens_k [num_seqs + 1] int32. Returns
+    [total_q, num_heads, head_dim]. max_seqlen_q/max_seqlen_k are host ints for grid sizing;
+    config overrides the tiles the shapes would get (tests, benchmarks)."""
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     num_seqs = cu_seqlens_q.shape[0] - 1
@@ -112,8 +116,7 @@ def flash_attn_varlen_launch(
     if total_q == 0:
         return out
     if config is None:
-        rows_per_seq = min(max_seqlen_q, triton.cdiv(total_q, num_seqs)) * group
-        config = tile_config(rows_per_seq, head_dim)
+        config = batch_tile_config(max_seqlen_q, total_q, num_seqs, group, head_dim)
     num_tiles = total_q * group // config.block_m + num_seqs
     _varlen_attention_kernel[(num_kv_heads, num_tiles)](
         q, k, v, cu_seqlens_q, cu_seqlens_k, out, num_seqs, softmax_scale * LOG2E,
@@ -123,21 +126,3 @@ def flash_attn_varlen_launch(
         num_stages=config.num_stages,
     )
     return out
-
-
-def flash_attn_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool = True,
-) -> torch.Tensor:
-    """Attention over packed sequences: q [total_q, num_heads, head_dim], k/v [total_k,
-    num_kv_heads, head_dim], cu_seqlens_q/cu_seqlens_k [num_seqs + 1] int32. Returns
-    [total_q, num_heads, head_dim]. max_seqlen_q/max_seqlen_k are host ints for grid sizing."""
-    return flash_attn_varlen_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, softmax_scale, causal)

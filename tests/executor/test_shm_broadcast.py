@@ -88,16 +88,22 @@ def subscribe_in_this_thread(writer: ShmRingWriter, reader: ShmRingReader) -> No
     assert writer.all_readers_subscribed()
 
 
-def test_messages_arrive_in_order_over_many_laps(make_writer):
-    writer = make_writer(num_chunks=4)
-    capacity = CHUNK - 8
-    messages = [bytes([i % 251]) * (i % (capacity + 1)) for i in range(2000)]
+def send_to_one_reader(writer, messages: list[bytes]) -> list[bytes]:
+    """Enqueue every message while a reader thread takes them; what the reader received."""
     received, errors = [], []
     thread = start_reader_thread(writer.handle, 0, len(messages), received, errors)
     for message in messages:
         writer.enqueue(message, timeout=10)
     thread.join(timeout=30)
     assert not errors
+    return received
+
+
+def test_messages_arrive_in_order_over_many_laps(make_writer):
+    writer = make_writer(num_chunks=4)
+    capacity = CHUNK - 8
+    messages = [bytes([i % 251]) * (i % (capacity + 1)) for i in range(2000)]
+    received = send_to_one_reader(writer, messages)
     assert received == messages
 
 
@@ -106,12 +112,7 @@ def test_oversize_messages_travel_on_the_socket_and_keep_their_place(make_writer
     capacity = CHUNK - 8
     sizes = [capacity, capacity + 1, 0, 100_000, 5, 3 * 2**20, capacity] + [10_000] * 20
     messages = [os.urandom(size) for size in sizes]
-    received, errors = [], []
-    thread = start_reader_thread(writer.handle, 0, len(messages), received, errors)
-    for message in messages:
-        writer.enqueue(message, timeout=10)
-    thread.join(timeout=30)
-    assert not errors
+    received = send_to_one_reader(writer, messages)
     assert [len(m) for m in received] == sizes
     assert received == messages
 

@@ -68,10 +68,10 @@ class PagedBatch:
         self.scale = head_dim**-0.5
 
     def run(self, **kwargs) -> torch.Tensor:
-        from echo_kernels.attention import paged_attention_launch
+        from echo_kernels.attention import paged_attention
 
         out = torch.full_like(self.q, float("nan"))
-        res = paged_attention_launch(
+        res = paged_attention(
             self.q, self.k_cache, self.v_cache, self.block_table, self.cu_seqlens_q,
             self.seq_lens, self.max_seqlen_q, self.max_seqlen_k, self.scale,
             self.k_scale, self.v_scale, out=out, **kwargs)
