@@ -158,19 +158,9 @@ def sdpa_fn(q, k, v, backend, causal: bool, gqa: bool):
 DECODE_SWEEP = {
     DT: [TileConfig(16, 64, 4, 2), TileConfig(16, 64, 4, 3), TileConfig(16, 64, 4, 4),
          TileConfig(16, 32, 4, 3), TileConfig(16, 128, 4, 3), TileConfig(16, 128, 4, 2)],
-    # num_stages=1: no cp.async pipeline, so int8 tiles go to registers and are converted there
-    # instead of being read from shared memory a byte at a time; alone that measured slower (the
-    # load latency is exposed), so prefetch_kv keeps the next tile's loads in flight by hand
     torch.int8: [TileConfig(16, 128, 4, 2), TileConfig(16, 128, 4, 3), TileConfig(16, 64, 4, 3),
-                 TileConfig(16, 64, 4, 2), TileConfig(16, 256, 4, 2), TileConfig(16, 64, 4, 1),
-                 TileConfig(16, 128, 4, 1),
-                 TileConfig(16, 32, 4, 1, True), TileConfig(16, 64, 4, 1, True),
-                 TileConfig(16, 128, 4, 1, True), TileConfig(16, 128, 8, 1, True),
-                 TileConfig(16, 64, 4, 2, True),
-                 # CUDA-core products over 4-row tiles (the 32/8 GQA group), int8 converted
-                 # in registers; no tensor cores, no padding rows
-                 TileConfig(4, 16, 2, 1, True, False), TileConfig(4, 16, 4, 1, True, False),
-                 TileConfig(4, 32, 4, 1, True, False), TileConfig(4, 32, 8, 1, True, False)],
+                 TileConfig(16, 64, 4, 2), TileConfig(16, 256, 4, 2), TileConfig(16, 64, 4, 4),
+                 TileConfig(16, 32, 4, 3), TileConfig(16, 128, 8, 3)],
 }
 
 

@@ -65,11 +65,8 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     IS_INT8_KV: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,  # the cache has 2^31 elements or more
-    PREFETCH_KV: tl.constexpr,  # K/V tiles load one step ahead into registers
-    USE_DOT: tl.constexpr,  # False: products on the CUDA cores, BLOCK_M may be below 16
 ):
-    tl.static_assert(BLOCK_N >= 16 and HEAD_DIM >= 16)
-    tl.static_assert(BLOCK_M >= 16 or not USE_DOT, "tl.dot needs 16 query rows or more")
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
     tl.static_assert((HEAD_DIM & (HEAD_DIM - 1)) == 0, "HEAD_DIM must be a power of two")
     tl.static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0, "block size must be a power of two")
     kv_head = tl.program_id(0)
@@ -95,6 +92,10 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     q_ptrs = q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    if IS_INT8_KV:
+        # int8 K/V become exact float16 (common.int8_to_fp16), so the products run in float16.
+        # NOTE: a query element past float16's 65504 would overflow; real q/k stay far below.
+        q = q.to(tl.float16)
 
     if SPLIT:
         # NOTE: split by this sequence's own context, not the grid's max_seqlen_k bound: a CUDA
@@ -120,14 +121,12 @@ def _paged_attention_kernel(
     acc, l_i, m_i = attend_key_range(
         acc, l_i, m_i, q, q_pos, kv_lo, full_hi, kv_hi, k_base, v_base, ks_base, vs_base, bt_row,
         stride_kb, stride_kt, stride_sb, stride_st, qk_scale,
-        False, True, True, IS_INT8_KV, WIDE_OFFSETS, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREFETCH_KV,
-        USE_DOT,
+        False, True, True, IS_INT8_KV, WIDE_OFFSETS, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
     )
     acc, l_i, m_i = attend_key_range(
         acc, l_i, m_i, q, q_pos, full_hi, masked_hi, kv_hi, k_base, v_base, ks_base, vs_base,
         bt_row, stride_kb, stride_kt, stride_sb, stride_st, qk_scale,
-        True, True, True, IS_INT8_KV, WIDE_OFFSETS, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREFETCH_KV,
-        USE_DOT,
+        True, True, True, IS_INT8_KV, WIDE_OFFSETS, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
     )
 
     if SPLIT:
@@ -146,7 +145,9 @@ def _paged_attention_kernel(
 # Splits aim at this many programs per SM, and give each split at least MIN_SPLIT_LEN keys so
 # the partials' write and merge stay small next to the K/V reads. NOTE: measured on an H200,
 # splitting batches that already have 2 programs per SM only added work (B=64 x 4096: 512
-# programs unsplit ran at 99-105% of copy bandwidth); B=1 x 32K runs 8 x 32 programs.
+# programs unsplit ran at 99-105% of copy bandwidth); B=1 x 32K runs 8 x 33 programs. The
+# split count rounds down, never past the target: at B=8 x 32K, 5 splits (320 programs) left a
+# second partial wave of int8 programs, 289 us against 200 us for 4 splits (256 programs).
 _PROGRAMS_PER_SM = 2
 _MIN_SPLIT_LEN = 256
 _MAX_SPLITS = 128
@@ -162,7 +163,7 @@ def choose_num_splits(num_programs: int, max_seqlen_k: int, block_n: int,
     if num_programs >= target:
         return 1
     min_len = block_n if interpreting() else _MIN_SPLIT_LEN
-    return max(1, min(triton.cdiv(target, num_programs), triton.cdiv(max_seqlen_k, min_len),
+    return max(1, min(target // num_programs, triton.cdiv(max_seqlen_k, min_len),
                       _MAX_SPLITS))
 
 
@@ -234,7 +235,6 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, ONE_TILE_PER_SEQ=one_tile,
         SPLIT=split, IS_INT8_KV=is_int8, WIDE_OFFSETS=k_cache.numel() >= 2**31,
-        PREFETCH_KV=config.prefetch_kv, USE_DOT=config.use_dot,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:

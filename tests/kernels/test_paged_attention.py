@@ -9,7 +9,6 @@ import random
 
 import pytest
 import torch
-import triton
 from kernel_utils import PagedBatch, assert_close
 
 from echo_kernels import paged_attention
@@ -71,36 +70,6 @@ def test_int8_cache(paged_batch, q_lens, ctx):
     b = paged_batch(q_lens, ctx, 4, 2, 32, 16, torch.float16, kv_dtype=torch.int8)
     assert b.k_cache.dtype == torch.int8
     assert_close(b.run(), b.reference(), CPU_ATOL[torch.float16])
-
-
-@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.int8])
-@pytest.mark.parametrize("block_size,block_n", [(16, 32), (64, 32)])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_prefetched_kv_tiles(paged_batch, kv_dtype, block_size, block_n, num_splits):
-    # K/V loaded a tile ahead: tiles spanning several cache blocks and tiles inside one, the
-    # last prefetch past the context, key splits, a prefill run over a cached prefix (masked)
-    from echo_kernels.attention.common import TileConfig
-
-    b = paged_batch([1, 1, 9, 1], [97, 3, 75, 64], 4, 2, 32, block_size, torch.float16,
-                    kv_dtype=kv_dtype)
-    config = TileConfig(32, block_n, 1, 1, prefetch_kv=True)
-    assert_close(b.run(num_splits=num_splits, config=config), b.reference(),
-                 CPU_ATOL[torch.float16])
-
-
-@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.int8])
-@pytest.mark.parametrize("block_m,prefetch", [(4, False), (4, True), (8, True)])
-def test_cuda_core_products(paged_batch, kv_dtype, block_m, prefetch):
-    # use_dot=False: query tiles of the GQA group's size (4 rows for 8/2 heads), products
-    # summed in float32; decode with splits, a prefill run over a cached prefix (several
-    # 4-row tiles, causal masking), a context of 1
-    from echo_kernels.attention.common import TileConfig
-
-    b = paged_batch([1, 5, 1, 1], [97, 40, 1, 33], 8, 2, 32, 16, torch.float16,
-                    kv_dtype=kv_dtype)
-    config = TileConfig(block_m, 16, 1, 1, prefetch_kv=prefetch, use_dot=False)
-    assert_close(b.run(num_splits=3, config=config), b.reference(), CPU_ATOL[torch.float16])
-    assert_close(b.run(num_splits=1, config=config), b.reference(), CPU_ATOL[torch.float16])
 
 
 def test_strided_q_and_default_out(device):
@@ -182,11 +151,3 @@ def test_gpu_int8(paged_batch, heads, block_size):
     b = paged_batch([1] * 8, [1, 17, 4000, 1000, 33, 64, 65, 2048], *heads, 128, block_size,
                     torch.bfloat16, kv_dtype=torch.int8, num_blocks=POOL)
     assert_close(b.run(), b.reference(), GPU_ATOL)
-    # the register-prefetch tiles bench_kernels sweeps for int8 decode
-    from echo_kernels.attention.common import TileConfig
-
-    for config in (TileConfig(16, 64, 4, 1, prefetch_kv=True),
-                   TileConfig(16, 128, 4, 1, prefetch_kv=True),
-                   TileConfig(max(4, triton.next_power_of_2(heads[0] // heads[1])), 16, 4, 1,
-                              prefetch_kv=True, use_dot=False)):
-        assert_close(b.run(config=config), b.reference(), GPU_ATOL)
