@@ -10,11 +10,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _quantize_rows(
-    x,  # [HEADS_PAD, HEAD_DIM] float32
+def quantize_rows(
+    x,  # [HEADS_PAD, HEAD_DIM] float32 (or part of each row)
+    absmax,  # [HEADS_PAD] float32, max |x| over each whole row
 ):
     """Symmetric int8 per row: (values, scale)."""
-    absmax = tl.max(tl.abs(x), 1)
     inv = tl.where(absmax > 0.0, 127.0 / absmax, 0.0)
     y = x * inv[:, None]
     # NOTE: round half away from zero; floor/ceil keep this portable to the interpreter.
@@ -63,8 +63,10 @@ def _store_kv_cache_kernel(
     cache_off = block * stride_cb + offset * stride_ct + heads[:, None] * stride_ch
     cache_off = cache_off + offs_d[None, :]
     if IS_INT8_KV:
-        k_q, k_sc = _quantize_rows(k.to(tl.float32))
-        v_q, v_sc = _quantize_rows(v.to(tl.float32))
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        k_q, k_sc = quantize_rows(k, tl.max(tl.abs(k), 1))
+        v_q, v_sc = quantize_rows(v, tl.max(tl.abs(v), 1))
         tl.store(k_cache_ptr + cache_off, k_q, mask=mask)
         tl.store(v_cache_ptr + cache_off, v_q, mask=mask)
         scale_off = block * stride_sb + offset * stride_st + heads * stride_sh

@@ -32,6 +32,18 @@ class AttentionMetadata:
 
 
 @dataclass(frozen=True)
+class RopeInputs:
+    """Rotary embedding (after Qwen3's per-head q/k RMSNorm when its weights are given) that the
+    backend applies to q/k before storing K/V, so a backend can fuse rotation and cache write."""
+
+    positions: torch.Tensor  # [num_tokens]
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim] float32: cos, then sin (neox style)
+    q_norm_weight: torch.Tensor | None = None  # [head_dim]
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
+@dataclass(frozen=True)
 class KVCache:
     k: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     v: torch.Tensor
@@ -48,9 +60,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q [tokens, heads, d], k/v [tokens, kv_heads, d] -> [tokens, heads, d].
-        Stores k/v into the cache at meta.slot_mapping first."""
+                meta: AttentionMetadata, rope: RopeInputs | None = None) -> torch.Tensor:
+        """q [tokens, heads, d], k/v [tokens, kv_heads, d] -> [tokens, heads, d]. Rotates q/k
+        by `rope` (in place or not) and stores k/v into the cache at meta.slot_mapping first."""
 
 
 def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,

@@ -6,7 +6,8 @@ quantized with the Triton kernel's rounding and dequantized one sequence's block
 
 import torch
 
-from echo.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from echo.attention.backend import AttentionBackend, AttentionMetadata, KVCache, RopeInputs
+from echo.layers.rotary import rope_reference
 from echo_kernels.reference import gather_kv, store_kv_cache_ref
 
 
@@ -14,7 +15,9 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, rope: RopeInputs | None = None) -> torch.Tensor:
+        if rope is not None:
+            q, k = rope_reference(rope, q, k)
         store_kv_cache_ref(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale,
                            cache.v_scale)
         out = torch.empty_like(q)

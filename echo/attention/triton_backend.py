@@ -1,19 +1,28 @@
-"""Attention with echo_kernels on CUDA: store the step's K/V, then one paged-attention launch
-for the whole mixed batch (pure prefills with no cached prefix read K/V contiguously instead)."""
+"""Attention with echo_kernels on CUDA: rotate q/k and store the step's K/V in one launch, then one
+paged-attention launch for the whole mixed batch (pure prefills with no cached prefix read K/V
+contiguously instead)."""
 
 import torch
 
-from echo.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from echo.attention.backend import AttentionBackend, AttentionMetadata, KVCache, RopeInputs
 
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        from echo_kernels import flash_attn_varlen, paged_attention, store_kv_cache
+                meta: AttentionMetadata, rope: RopeInputs | None = None) -> torch.Tensor:
+        from echo_kernels import (flash_attn_varlen, paged_attention, rotary_embedding,
+                                  store_kv_cache)
 
-        store_kv_cache(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+        if rope is None:
+            store_kv_cache(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale,
+                           cache.v_scale)
+        else:
+            rotary_embedding(rope.positions, q, k, rope.cos_sin_cache, True, rope.q_norm_weight,
+                             rope.k_norm_weight, rope.eps, v=v, k_cache=cache.k, v_cache=cache.v,
+                             slot_mapping=meta.slot_mapping, k_scale=cache.k_scale,
+                             v_scale=cache.v_scale)
         if meta.no_cached_prefix:
             return flash_attn_varlen(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q,
                                      meta.max_seqlen_q, meta.max_seqlen_q, self.scale,

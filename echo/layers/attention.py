@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from echo.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from echo.attention.backend import AttentionBackend, AttentionMetadata, KVCache, RopeInputs
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.layer_idx = layer_idx
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        """q [tokens, heads, d], k/v [tokens, kv_heads, d] -> [tokens, heads * d]."""
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
+                rope: RopeInputs | None = None) -> torch.Tensor:
+        """q [tokens, heads, d], k/v [tokens, kv_heads, d] -> [tokens, heads * d]; q/k are
+        rotated by `rope` first (by the backend, fused with the KV-cache write)."""
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta, rope)
         return out.view(-1, self.num_heads * self.head_dim)

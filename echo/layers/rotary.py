@@ -5,6 +5,7 @@ import math
 import torch
 from torch import nn
 
+from echo.attention.backend import RopeInputs
 from echo.models.arch import RopeScaling
 
 
@@ -42,21 +43,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), -1),
                              persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                q_norm_weight: torch.Tensor | None = None,
-                k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
-        """q [tokens, heads, d], k [tokens, kv_heads, d]; Qwen3's per-head q/k RMSNorm first
-        when its weights are given. Returns the rotated (q, k)."""
-        if q.is_cuda:
-            from echo_kernels import rotary_embedding
+    def inputs(self, positions: torch.Tensor, q_norm_weight: torch.Tensor | None = None,
+               k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> RopeInputs:
+        """What the attention backend needs to rotate a step's q/k (Qwen3's per-head q/k
+        RMSNorm first when its weights are given)."""
+        return RopeInputs(positions, self.cos_sin_cache, q_norm_weight, k_norm_weight, eps)
 
-            rotary_embedding(positions, q, k, self.cos_sin_cache, True, q_norm_weight,
-                             k_norm_weight, eps)
-            return q, k
-        if q_norm_weight is not None:
-            from echo.layers.layernorm import rms_norm_reference
 
-            q = rms_norm_reference(q, q_norm_weight, eps)
-            k = rms_norm_reference(k, k_norm_weight, eps)
-        return (rotary_reference(positions, q, self.cos_sin_cache),
-                rotary_reference(positions, k, self.cos_sin_cache))
+def rope_reference(rope: RopeInputs, q: torch.Tensor, k: torch.Tensor):
+    """Rotated copies of q [tokens, heads, d] and k [tokens, kv_heads, d], as Hugging Face's
+    modules compute them."""
+    if rope.q_norm_weight is not None:
+        from echo.layers.layernorm import rms_norm_reference
+
+        q = rms_norm_reference(q, rope.q_norm_weight, rope.eps)
+        k = rms_norm_reference(k, rope.k_norm_weight, rope.eps)
+    return (rotary_reference(rope.positions, q, rope.cos_sin_cache),
+            rotary_reference(rope.positions, k, rope.cos_sin_cache))

@@ -7,6 +7,7 @@ attention block here.
 import torch
 from torch import nn
 
+from echo.attention.backend import RopeInputs
 from echo.distributed.parallel_state import SINGLE, TPGroup
 from echo.layers.activation import SiluAndMul
 from echo.layers.attention import Attention, ForwardContext
@@ -36,14 +37,14 @@ class LlamaAttention(nn.Module):
                 k.reshape(-1, self.num_kv_heads, self.head_dim),
                 v.reshape(-1, self.num_kv_heads, self.head_dim))
 
-    def rotate(self, positions, q, k):
-        return self.rope(positions, q, k)
+    def rope_inputs(self, positions: torch.Tensor) -> RopeInputs:
+        return self.rope.inputs(positions)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self.split_qkv(hidden)
-        q, k = self.rotate(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        # the backend rotates q/k, fused with the KV-cache write on GPU
+        return self.o_proj(self.attn(q, k, v, ctx, self.rope_inputs(positions)))
 
 
 class LlamaMLP(nn.Module):

@@ -13,10 +13,10 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
 
-    def rotate(self, positions, q, k):
+    def rope_inputs(self, positions):
         # the norm is fused into the rotary kernel on GPU
-        return self.rope(positions, q, k, self.q_norm.weight, self.k_norm.weight,
-                         self.q_norm.eps)
+        return self.rope.inputs(positions, self.q_norm.weight, self.k_norm.weight,
+                                self.q_norm.eps)
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
