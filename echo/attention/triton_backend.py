@@ -12,8 +12,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, rope: RopeInputs | None = None) -> torch.Tensor:
-        from echo_kernels import (flash_attn_varlen, paged_attention, rotary_embedding,
-                                  store_kv_cache)
+        from echo_kernels import (
+            flash_attn_varlen,
+            paged_attention,
+            rotary_embedding,
+            store_kv_cache,
+        )
 
         if rope is None:
             store_kv_cache(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale,

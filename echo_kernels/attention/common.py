@@ -35,6 +35,10 @@ class TileConfig:
     block_n: int  # keys per inner-loop step
     num_warps: int
     num_stages: int
+    # paged int8 only: load V as even and odd rows and join them after the float16 conversion,
+    # so the MMA's token pairs come from registers instead of byte loads from shared memory
+    # (compiled for sm_90: no byte loads left, but V no longer goes through cp.async); unmeasured
+    paired_v: bool = False
 
 
 def tile_config(rows_per_seq: int, head_dim: int, is_int8: bool = False) -> TileConfig:
@@ -188,6 +192,25 @@ def to_dot_dtype(x, dot_dtype: tl.constexpr, IS_INT8_KV: tl.constexpr):
 
 
 @triton.jit
+def _paired_int8_tile(v_ptr, kv_off, in_range, offs_d, MASKED: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """int8 V tile [BLOCK_N, HEAD_DIM] as float16, loaded as even and odd rows and joined
+    (TileConfig.paired_v)."""
+    off_even, off_odd = tl.split(tl.reshape(kv_off, [BLOCK_N // 2, 2]))
+    ok_even, ok_odd = tl.split(tl.reshape(in_range, [BLOCK_N // 2, 2]))
+    if MASKED:
+        v_even = tl.load(v_ptr + off_even[:, None] + offs_d[None, :], mask=ok_even[:, None],
+                         other=0)
+        v_odd = tl.load(v_ptr + off_odd[:, None] + offs_d[None, :], mask=ok_odd[:, None],
+                        other=0)
+    else:
+        v_even = tl.load(v_ptr + off_even[:, None] + offs_d[None, :])
+        v_odd = tl.load(v_ptr + off_odd[:, None] + offs_d[None, :])
+    pairs = tl.join(int8_to_fp16(v_even), int8_to_fp16(v_odd))  # [BLOCK_N // 2, HEAD_DIM, 2]
+    return tl.reshape(tl.permute(pairs, (0, 2, 1)), [BLOCK_N, offs_d.shape[0]])
+
+
+@triton.jit
 def _scores(q, k, k_sc, pos, in_range, q_pos, qk_scale, MASKED: tl.constexpr,
             CAUSAL: tl.constexpr, IS_INT8_KV: tl.constexpr):
     """One tile's scores in log2 units, -inf where a key is past the range or in the future."""
@@ -232,6 +255,7 @@ def attend_key_range(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PAIRED_V: tl.constexpr = False,  # PAGED int8 only (TileConfig.paired_v)
 ):
     """Online softmax over keys [lo, hi), one BLOCK_N tile at a time (the flash inner loop)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -283,10 +307,13 @@ def attend_key_range(
             k_sc = None
             v_sc = None
         qk = _scores(q, k, k_sc, pos, in_range, q_pos, qk_scale, MASKED, CAUSAL, IS_INT8_KV)
-        if MASKED:
-            v = tl.load(v_ptr + kv_ptrs, mask=in_range[:, None], other=0.0)
+        if IS_INT8_KV and PAIRED_V:
+            v = _paired_int8_tile(v_ptr, kv_off, in_range, offs_d, MASKED, BLOCK_N)
         else:
-            v = tl.load(v_ptr + kv_ptrs)
-        v = to_dot_dtype(v, q.dtype, IS_INT8_KV)
+            if MASKED:
+                v = tl.load(v_ptr + kv_ptrs, mask=in_range[:, None], other=0.0)
+            else:
+                v = tl.load(v_ptr + kv_ptrs)
+            v = to_dot_dtype(v, q.dtype, IS_INT8_KV)
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, qk, v, v_sc, IS_INT8_KV)
     return acc, l_i, m_i
