@@ -88,7 +88,7 @@ def _gumbel_argmax_kernel(
         tl.store(out_ptr + row, winner.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])  # changes with the batch size
 def _best_chunk_kernel(
     part_score_ptr,  # [batch, num_chunks] float32
     part_token_ptr,  # [batch, num_chunks] int32

@@ -22,6 +22,7 @@ from echo.models.loader import build_model
 from echo.profiling import profiler_window, step_range
 from echo.worker.cuda_graphs import CudaGraphRunner
 from echo.worker.input_batch import InputBatch, StepInputs
+from echo.worker.kernel_warmup import warmup_batches, warmup_metadata, warmup_positions
 from echo.worker.kv_cache import KVCacheSpec
 from echo.worker.sampler import Sampler, SamplerOutput
 from echo.worker.sampling_inputs import build_sampling_tensors, worst_case_sampling_tensors
@@ -126,6 +127,8 @@ class ModelRunner:
                                           sched.max_num_seqs, sched.max_model_len)
             self.graphs.capture()
         if self.device.type == "cuda":
+            if self.backend.name == "triton":
+                self.warm_up_step_shapes()
             self._warm_up_logits(sched.max_num_seqs)
 
     @torch.inference_mode()
@@ -135,6 +138,24 @@ class ModelRunner:
         for choice in tune_one_row_linears(self.model, cuda_graph_timer):
             if self.tp.rank == 0:
                 print(f"echo: one-row linear {choice.describe()}", file=sys.stderr, flush=True)
+
+    @torch.inference_mode()
+    def warm_up_step_shapes(self) -> list[torch.Tensor]:
+        """Run the eager step shapes of kernel_warmup once, so their kernels compile now; returns
+        each batch's logits at its sequences' last tokens. Stores nothing in the cache."""
+        sched = self.config.scheduler
+        all_logits = []
+        for batch in warmup_batches(sched.max_model_len, sched.max_num_batched_tokens,
+                                    sched.max_num_seqs):
+            meta = warmup_metadata(batch, self.config.cache.block_size, self.device)
+            positions = warmup_positions(batch, self.device)
+            hidden = self.model(torch.zeros_like(positions), positions,
+                                ForwardContext(self.backend, meta, self.kv_caches))
+            logits = self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
+            self.sampler(logits, worst_case_sampling_tensors(len(batch.query_lens),
+                                                             self.vocab_size, self.device))
+            all_logits.append(logits)
+        return all_logits
 
     @torch.inference_mode()
     def _warm_up_logits(self, max_rows: int) -> None:

@@ -28,7 +28,9 @@ from echo_kernels.cache import checked_cache_scales
 from echo_kernels.device import sm_count
 
 
-@triton.jit
+# NOTE: ints that change from step to step are not specialised (Triton would otherwise compile
+# separate variants for 1, multiples of 16 and the rest); worker/kernel_warmup.py compiles the rest
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, HEAD_DIM]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # changes from step to step
 def _merge_splits_kernel(
     part_acc_ptr,  # [num_tokens, num_heads, num_splits, HEAD_DIM] float32
     part_ml_ptr,  # [num_tokens, num_heads, num_splits, 2] float32

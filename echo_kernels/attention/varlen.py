@@ -22,7 +22,7 @@ from echo_kernels.attention.common import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # changes from step to step
 def _varlen_attention_kernel(
     q_ptr,  # [total_q, num_heads, HEAD_DIM]
     k_ptr,  # [total_k, num_kv_heads, HEAD_DIM]
