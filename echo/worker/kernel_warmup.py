@@ -4,8 +4,8 @@ variants before the first request rather than inside it.
 Triton compiles a kernel once per combination of its compile-time parameters. Decode batches
 are compiled while their CUDA graphs are captured; prefills, prefill chunks mixed with decodes
 and eager decodes pick among a handful of attention tile classes, with and without key splits,
-which on a fresh machine cost ~1 s of compilation each at their first appearance. Measured on an
-H200 serving Qwen3-8B: inter-token gaps of up to 1.3 s in the first minute of a run.
+each compiled at its first appearance. A serving run on a freshly started H200 (Qwen3-8B,
+docs/benchmarks.md) showed inter-token gaps of up to 1.3 s, the size of such compilations.
 """
 
 from dataclasses import dataclass
