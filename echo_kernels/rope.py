@@ -18,6 +18,15 @@ from echo_kernels.norm import apply_rms
 
 
 @triton.jit
+def _rotated_pairs(HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """Offsets within a head of the two elements each rotation pairs: halves, or neighbours."""
+    offs = tl.arange(0, HALF)
+    if IS_NEOX:
+        return offs, offs + HALF
+    return 2 * offs, 2 * offs + 1
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr,  # [num_tokens, num_heads, 2 * HALF], rotated in place
     token,
@@ -36,15 +45,9 @@ def _rotate_heads(
 ):
     """Rotate one token's heads of a chunk in place; returns the rotated halves (x's dtype)."""
     heads = head0 + tl.arange(0, HEADS)
-    offs = tl.arange(0, HALF)
     mask = (heads < num_heads)[:, None]
     base = x_ptr + token * stride_t + heads[:, None] * stride_h
-    if IS_NEOX:
-        idx1 = offs
-        idx2 = offs + HALF
-    else:
-        idx1 = 2 * offs
-        idx2 = 2 * offs + 1
+    idx1, idx2 = _rotated_pairs(HALF, IS_NEOX)
     x1 = tl.load(base + idx1[None, :], mask=mask, other=0.0)
     x2 = tl.load(base + idx2[None, :], mask=mask, other=0.0)
     dtype = x1.dtype
@@ -146,12 +149,7 @@ def _rotary_embedding_kernel(
         if slot >= 0:
             heads = chunk * K_BLOCK + tl.arange(0, K_BLOCK)
             head_ok = heads < num_kv_heads
-            if IS_NEOX:
-                idx1 = offs
-                idx2 = offs + HALF
-            else:
-                idx1 = 2 * offs
-                idx2 = 2 * offs + 1
+            idx1, idx2 = _rotated_pairs(HALF, IS_NEOX)
             block = slot // block_size
             offset = slot % block_size
             row = block * stride_cb + offset * stride_ct + heads * stride_ch
