@@ -1,4 +1,8 @@
-"""Every environment variable echo reads, typed, in one place (all start with ECHO_)."""
+"""Every environment variable echo reads, typed, in one place (all start with ECHO_).
+
+The kernel package reads one of its own: ECHO_PDL=1 launches echo_kernels with programmatic
+dependent launch on Hopper and newer (echo_kernels/pdl.py; off until measured end to end).
+"""
 
 import os
 from pathlib import Path

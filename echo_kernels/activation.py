@@ -4,6 +4,8 @@ import torch
 import triton
 import triton.language as tl
 
+from echo_kernels.pdl import use_pdl, wait_for_inputs
+
 
 @triton.jit
 def _silu_and_mul_kernel(
@@ -13,7 +15,9 @@ def _silu_and_mul_kernel(
     stride_x,
     stride_o,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -35,7 +39,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(d))
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out.view(-1, d), d, x2.stride(0), d, BLOCK=block,
-            num_warps=max(1, min(4, block // 256)),
+            x2, out.view(-1, d), d, x2.stride(0), d, BLOCK=block, USE_PDL=use_pdl(x.device),
+            num_warps=max(1, min(4, block // 256)), launch_pdl=use_pdl(x.device),
         )
     return out

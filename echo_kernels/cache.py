@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from echo_kernels.pdl import use_pdl, wait_for_inputs
+
 
 @triton.jit
 def quantize_rows(
@@ -47,7 +49,9 @@ def _store_kv_cache_kernel(
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     IS_INT8_KV: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -111,6 +115,6 @@ def store_kv_cache(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
-        HEAD_DIM=head_dim, HEADS_PAD=heads_pad, IS_INT8_KV=is_int8,
-        num_warps=4 if heads_pad * head_dim >= 1024 else 2,
+        HEAD_DIM=head_dim, HEADS_PAD=heads_pad, IS_INT8_KV=is_int8, USE_PDL=use_pdl(k.device),
+        num_warps=4 if heads_pad * head_dim >= 1024 else 2, launch_pdl=use_pdl(k.device),
     )

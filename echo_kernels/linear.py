@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from echo_kernels.pdl import use_pdl, wait_for_inputs
+
 MAX_ROWS = 4  # beyond this the accumulator outgrows the registers: cuBLAS is the better choice
 
 
@@ -37,6 +39,7 @@ def _small_m_linear_kernel(
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks on the weight
     PREFETCH: tl.constexpr,  # load the next weight tile before using this one
+    USE_PDL: tl.constexpr,  # echo_kernels.pdl: the first weight tile loads before the wait
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, M_PAD)
@@ -47,7 +50,9 @@ def _small_m_linear_kernel(
     # NOTE: Triton's software pipeliner stages loads that feed tl.dot; these feed CUDA-core
     # math, so PREFETCH double-buffers them in registers by hand to keep two tiles in flight
     if PREFETCH:
+        # the weight is never written by a kernel: its first tile may load before the wait
         w_next = _weight_tile(w_ptrs, cols, offs_k, 0, N, K, EVEN)
+    wait_for_inputs(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
         if PREFETCH:
             w = w_next
@@ -85,5 +90,6 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = 
     _small_m_linear_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, PREFETCH=prefetch,
-        num_warps=num_warps, num_stages=num_stages)
+        USE_PDL=use_pdl(x.device), num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=use_pdl(x.device))
     return out

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from echo_kernels.pdl import use_pdl, wait_for_inputs
+
 
 @triton.jit
 def apply_rms(
@@ -32,7 +34,9 @@ def _rms_norm_kernel(
     stride_x,
     stride_o,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -53,7 +57,9 @@ def _fused_add_rms_norm_kernel(
     stride_x,
     stride_r,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -86,7 +92,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, out.view(-1, n_cols), n_cols, eps,
                                          x2.stride(0), n_cols, BLOCK=block,
-                                         num_warps=_num_warps(block))
+                                         USE_PDL=use_pdl(x.device), num_warps=_num_warps(block),
+                                         launch_pdl=use_pdl(x.device))
     return out
 
 
@@ -104,5 +111,7 @@ def fused_add_rms_norm(
     if x2.shape[0]:
         _fused_add_rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, n_cols, eps, x2.stride(0),
                                                    r2.stride(0), BLOCK=block,
-                                                   num_warps=_num_warps(block))
+                                                   USE_PDL=use_pdl(x.device),
+                                                   num_warps=_num_warps(block),
+                                                   launch_pdl=use_pdl(x.device))
     return x, residual

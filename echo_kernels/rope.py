@@ -15,6 +15,7 @@ import triton.language as tl
 
 from echo_kernels.cache import checked_cache_scales, quantize_rows
 from echo_kernels.norm import apply_rms
+from echo_kernels.pdl import use_pdl, wait_for_inputs
 
 
 @triton.jit
@@ -132,7 +133,9 @@ def _rotary_embedding_kernel(
     HAS_NORM: tl.constexpr,
     STORE_KV: tl.constexpr,
     IS_INT8_KV: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -218,6 +221,7 @@ def rotary_embedding(
         cos_sin_cache.stride(0), *(k_cache.stride()[:3] if store_kv else (0, 0, 0)),
         *(k_scale.stride() if is_int8 else (0, 0, 0)),
         HEAD_DIM=head_dim, Q_BLOCK=q_block, K_BLOCK=k_block, IS_NEOX=is_neox,
-        HAS_NORM=has_norm, STORE_KV=store_kv, IS_INT8_KV=is_int8,
+        HAS_NORM=has_norm, STORE_KV=store_kv, IS_INT8_KV=is_int8, USE_PDL=use_pdl(q.device),
         num_warps=2 if has_norm else max(1, min(8, q_block * head_dim // 256)),
+        launch_pdl=use_pdl(q.device),
     )

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from echo_kernels.device import sm_count
+from echo_kernels.pdl import use_pdl, wait_for_inputs
 
 BLOCK_V = 2048  # tokens per loop step
 MIN_CHUNK = 4 * BLOCK_V  # a chunk is worth a program only if it streams this many tokens
@@ -46,7 +47,9 @@ def _gumbel_argmax_kernel(
     chunk_len,  # tokens per chunk, a multiple of BLOCK_V (SPLIT)
     BLOCK_V: tl.constexpr,
     SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
@@ -95,7 +98,9 @@ def _best_chunk_kernel(
     out_ptr,  # [batch] int64
     num_chunks,
     BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
     mask = offs < num_chunks
@@ -131,10 +136,13 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
         part_token = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
     else:
         part_score = part_token = out  # unused
+    pdl = use_pdl(logits.device)
     _gumbel_argmax_kernel[(batch, num_chunks)](
         logits, temperature, seeds, steps, out, part_score, part_token, vocab,
-        logits.stride(0), chunk_len, BLOCK_V=BLOCK_V, SPLIT=split, num_warps=8)
+        logits.stride(0), chunk_len, BLOCK_V=BLOCK_V, SPLIT=split, USE_PDL=pdl, num_warps=8,
+        launch_pdl=pdl)
     if split:
         _best_chunk_kernel[(batch,)](part_score, part_token, out, num_chunks,
-                                     BLOCK_C=triton.next_power_of_2(num_chunks))
+                                     BLOCK_C=triton.next_power_of_2(num_chunks), USE_PDL=pdl,
+                                     launch_pdl=pdl)
     return out

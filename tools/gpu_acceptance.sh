@@ -2,7 +2,7 @@
 # The GPU measurements behind the open acceptance points, staged so each fits one device call:
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
 # Stages: tests kernels sweeps latency offline profile profile-tail serving, and tp (two GPUs).
-# Rough minutes on an H200: tests 4, kernels 2, sweeps 3, latency 4, offline 5, profile 5,
+# Rough minutes on an H200: tests 4, kernels 2, sweeps 5, latency 3, offline 5, profile 5,
 # profile-tail 2, serving 4, tp 6 (plus start-up): pick what fits the device budget. Logs
 # and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the device tool returns
 # few files), and the key lines are printed. Every process started here is ended here, by PID.
@@ -46,11 +46,14 @@ run_stage() {
       done
       $PY tools/bench_offline.py --model qwen3-8b --json "$dir/offline_qwen3_8b.json" 2>&1 | tail -1
       ;;
-    latency)  # batch 1, then with the one-row GEMV tuning (worker/linear_tuning.py) on
+    latency)  # batch 1, with the one-row GEMV tuning (worker/linear_tuning.py) and PDL
       for model in llama-3.1-8b qwen3-8b; do
         for tune in 0 1; do
-          ECHO_TUNE_SMALL_M=$tune $PY tools/bench_latency.py --model $model \
-            --json "$dir/latency_${model}_tune$tune.json" 2>&1 | grep -E "one-row|decode"
+          for pdl in 0 1; do
+            echo "ECHO_TUNE_SMALL_M=$tune ECHO_PDL=$pdl"
+            ECHO_TUNE_SMALL_M=$tune ECHO_PDL=$pdl $PY tools/bench_latency.py --model $model \
+              --json "$dir/latency_${model}_tune${tune}_pdl$pdl.json" 2>&1 | grep -E "decode"
+          done
         done
       done ;;
     profile)

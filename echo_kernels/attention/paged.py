@@ -26,6 +26,7 @@ from echo_kernels.attention.common import (
 from echo_kernels.attention.reduce import merge_splits
 from echo_kernels.cache import checked_cache_scales
 from echo_kernels.device import sm_count
+from echo_kernels.pdl import use_pdl, wait_for_inputs
 
 
 # NOTE: ints that change from step to step are not specialised (Triton would otherwise compile
@@ -68,7 +69,9 @@ def _paged_attention_kernel(
     IS_INT8_KV: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,  # the cache has 2^31 elements or more
     PAIRED_V: tl.constexpr,  # TileConfig.paired_v
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
     tl.static_assert((HEAD_DIM & (HEAD_DIM - 1)) == 0, "HEAD_DIM must be a power of two")
     tl.static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0, "block size must be a power of two")
@@ -238,8 +241,8 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, ONE_TILE_PER_SEQ=one_tile,
         SPLIT=split, IS_INT8_KV=is_int8, WIDE_OFFSETS=k_cache.numel() >= 2**31,
-        PAIRED_V=config.paired_v,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        PAIRED_V=config.paired_v, USE_PDL=use_pdl(q.device),
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl(q.device),
     )
     if split:
         merge_splits(part_acc, part_ml, out)

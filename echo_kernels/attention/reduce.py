@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from echo_kernels.pdl import use_pdl, wait_for_inputs
+
 
 @triton.jit(do_not_specialize=["num_splits"])  # changes from step to step
 def _merge_splits_kernel(
@@ -21,7 +23,9 @@ def _merge_splits_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -45,6 +49,6 @@ def merge_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tenso
     splits_pad = triton.next_power_of_2(num_splits)
     _merge_splits_kernel[(num_tokens, num_heads)](
         part_acc, part_ml, out, num_heads, num_splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, SPLITS_PAD=splits_pad,
-        num_warps=4 if splits_pad * head_dim >= 4096 else 2,
+        HEAD_DIM=head_dim, SPLITS_PAD=splits_pad, USE_PDL=use_pdl(out.device),
+        num_warps=4 if splits_pad * head_dim >= 4096 else 2, launch_pdl=use_pdl(out.device),
     )

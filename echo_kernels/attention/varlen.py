@@ -20,6 +20,7 @@ from echo_kernels.attention.common import (
     find_seq,
     query_rows,
 )
+from echo_kernels.pdl import use_pdl, wait_for_inputs
 
 
 @triton.jit(do_not_specialize=["num_seqs"])  # changes from step to step
@@ -44,7 +45,9 @@ def _varlen_attention_kernel(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,  # k/v have 2^31 elements or more
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
     tl.static_assert((HEAD_DIM & (HEAD_DIM - 1)) == 0, "HEAD_DIM must be a power of two")
     kv_head = tl.program_id(0)
@@ -122,7 +125,7 @@ def flash_attn_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, out, num_seqs, softmax_scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        CAUSAL=causal, WIDE_OFFSETS=k.numel() >= 2**31, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        CAUSAL=causal, WIDE_OFFSETS=k.numel() >= 2**31, USE_PDL=use_pdl(q.device),
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl(q.device),
     )
     return out

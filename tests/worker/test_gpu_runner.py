@@ -63,3 +63,21 @@ def test_bf16_dummy_qwen3_runs_mixed_batches_with_graphs():
                                                 ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
     assert llm.stats().num_running == 0
+
+
+def test_pdl_gives_the_same_tokens(tiny_qwen3, monkeypatch):
+    # ECHO_PDL=1: echo's kernels start while the previous one finishes, inside and outside
+    # CUDA graphs; a missing wait would let a kernel read a stale input
+    from echo_kernels.pdl import use_pdl
+
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = gpu_llm(tiny_qwen3).generate(PROMPTS, params, use_tqdm=False)
+    monkeypatch.setenv("ECHO_PDL", "1")
+    use_pdl.cache_clear()
+    try:
+        assert use_pdl(torch.device("cuda"))
+        pdl = gpu_llm(tiny_qwen3).generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        monkeypatch.delenv("ECHO_PDL")
+        use_pdl.cache_clear()
+    assert [o.outputs[0].token_ids for o in pdl] == [o.outputs[0].token_ids for o in plain]
