@@ -36,8 +36,9 @@ class TileConfig:
     num_warps: int
     num_stages: int
     # paged int8 only: load V as even and odd rows and join them after the float16 conversion,
-    # so the MMA's token pairs come from registers instead of byte loads from shared memory
-    # (compiled for sm_90: no byte loads left, but V no longer goes through cp.async); unmeasured
+    # so the MMA's token pairs come from registers instead of byte loads from shared memory.
+    # Compiled for sm_90: V in 16-byte loads and no byte loads left, but V no longer goes
+    # through cp.async, and 128-key tiles with 3 stages spill registers. Not yet timed.
     paired_v: bool = False
 
 
@@ -192,20 +193,22 @@ def to_dot_dtype(x, dot_dtype: tl.constexpr, IS_INT8_KV: tl.constexpr):
 
 
 @triton.jit
-def _paired_int8_tile(v_ptr, kv_off, in_range, offs_d, MASKED: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
-    """int8 V tile [BLOCK_N, HEAD_DIM] as float16, loaded as even and odd rows and joined
-    (TileConfig.paired_v)."""
-    off_even, off_odd = tl.split(tl.reshape(kv_off, [BLOCK_N // 2, 2]))
-    ok_even, ok_odd = tl.split(tl.reshape(in_range, [BLOCK_N // 2, 2]))
+def _paired_int8_tile(v_ptr, blk, start, kv_limit, offs_d, stride_kb, stride_kt,
+                      MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int8 V tile [BLOCK_N, HEAD_DIM] of keys start.. as float16, loaded as even and odd rows
+    and joined (TileConfig.paired_v). blk [BLOCK_N] holds each row's cache block; a row pair
+    shares its block (block sizes are even). Offsets are computed, not split out of the tile's,
+    so the compiler still sees their 16-byte alignment and loads whole vectors."""
+    blk_even, _ = tl.split(tl.reshape(blk, [BLOCK_N // 2, 2]))
+    pos_even = start + 2 * tl.arange(0, BLOCK_N // 2)
+    off_even = blk_even * stride_kb + (pos_even % BLOCK_SIZE) * stride_kt
+    ptrs_even = v_ptr + off_even[:, None] + offs_d[None, :]
     if MASKED:
-        v_even = tl.load(v_ptr + off_even[:, None] + offs_d[None, :], mask=ok_even[:, None],
-                         other=0)
-        v_odd = tl.load(v_ptr + off_odd[:, None] + offs_d[None, :], mask=ok_odd[:, None],
-                        other=0)
+        v_even = tl.load(ptrs_even, mask=(pos_even < kv_limit)[:, None], other=0)
+        v_odd = tl.load(ptrs_even + stride_kt, mask=(pos_even + 1 < kv_limit)[:, None], other=0)
     else:
-        v_even = tl.load(v_ptr + off_even[:, None] + offs_d[None, :])
-        v_odd = tl.load(v_ptr + off_odd[:, None] + offs_d[None, :])
+        v_even = tl.load(ptrs_even)
+        v_odd = tl.load(ptrs_even + stride_kt)
     pairs = tl.join(int8_to_fp16(v_even), int8_to_fp16(v_odd))  # [BLOCK_N // 2, HEAD_DIM, 2]
     return tl.reshape(tl.permute(pairs, (0, 2, 1)), [BLOCK_N, offs_d.shape[0]])
 
@@ -307,8 +310,9 @@ def attend_key_range(
             k_sc = None
             v_sc = None
         qk = _scores(q, k, k_sc, pos, in_range, q_pos, qk_scale, MASKED, CAUSAL, IS_INT8_KV)
-        if IS_INT8_KV and PAIRED_V:
-            v = _paired_int8_tile(v_ptr, kv_off, in_range, offs_d, MASKED, BLOCK_N)
+        if IS_INT8_KV and PAIRED_V and PAGED:
+            v = _paired_int8_tile(v_ptr, blk, start, kv_limit, offs_d, stride_kb, stride_kt,
+                                  MASKED, BLOCK_SIZE, BLOCK_N)
         else:
             if MASKED:
                 v = tl.load(v_ptr + kv_ptrs, mask=in_range[:, None], other=0.0)
