@@ -39,8 +39,8 @@ run_stage() {
           2>&1 | tail -1
       done ;;
     offline)
-      for mode in "" "--no-async" "--multiprocess" "--multiprocess --no-async" \
-                  "--engine-process"; do
+      for mode in "" "--multiprocess" "--engine-process" "--kv-cache-dtype int8" \
+                  "--multiprocess --kv-cache-dtype int8"; do
         # shellcheck disable=SC2086
         $PY tools/bench_offline.py $mode --json "$dir/offline${mode// /_}.json" 2>&1 | tail -1
       done
