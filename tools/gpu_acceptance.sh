@@ -29,9 +29,12 @@ run_stage() {
     tp)
       $PY -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_multiprocess.py -k gpu_worker \
         2>&1 | tail -2
-      for all_reduce in 0 1; do
-        ECHO_SYMM_MEM_ALL_REDUCE=$all_reduce $PY tools/bench_latency.py --model qwen3-8b \
-          --tp 2 --json "$dir/latency_tp2_symm$all_reduce.json" 2>&1 | tail -1
+      for flags in "ECHO_SYMM_MEM_ALL_REDUCE=0" "ECHO_SYMM_MEM_ALL_REDUCE=1" \
+                   "ECHO_SYMM_MEM_ALL_REDUCE=1 ECHO_PDL=1 ECHO_TUNE_SMALL_M=1"; do
+        echo "$flags"
+        # shellcheck disable=SC2086
+        env $flags $PY tools/bench_latency.py --model qwen3-8b --tp 2 \
+          --json "$dir/latency_tp2_${flags// /_}.json" 2>&1 | tail -1
       done
       $PY tools/bench_latency.py --model qwen3-8b --json "$dir/latency_tp1.json" 2>&1 | tail -1
       for tp in 1 2; do
