@@ -3,7 +3,7 @@
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
 # Stages: tests kernels sweeps latency offline profile profile-tail serving, and tp (two GPUs).
 # Rough minutes on an H200: tests 4, kernels 2, sweeps 5, latency 3, offline 5, profile 5,
-# profile-tail 2, serving 4, tp 6 (plus start-up): pick what fits the device budget. Logs
+# profile-tail 2, serving 4, tp 8 (plus start-up): pick what fits the device budget. Logs
 # and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the device tool returns
 # few files), and the key lines are printed. Every process started here is ended here, by PID.
 set -uo pipefail
@@ -38,8 +38,11 @@ run_stage() {
       done
       $PY tools/bench_latency.py --model qwen3-8b --json "$dir/latency_tp1.json" 2>&1 | tail -1
       for tp in 1 2; do
-        $PY tools/bench_offline.py --model qwen3-8b --tp $tp --json "$dir/offline_tp$tp.json" \
-          2>&1 | tail -1
+        for mode in "" "--multiprocess"; do
+          # shellcheck disable=SC2086
+          $PY tools/bench_offline.py --model qwen3-8b --tp $tp $mode \
+            --json "$dir/offline_tp$tp${mode// /_}.json" 2>&1 | tail -1
+        done
       done ;;
     offline)
       for mode in "" "--multiprocess" "--engine-process" "--kv-cache-dtype int8" \
