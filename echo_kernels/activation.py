@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from echo_kernels.pdl import use_pdl, wait_for_inputs
+from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(d))
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out.view(-1, d), d, x2.stride(0), d, BLOCK=block, USE_PDL=use_pdl(x.device),
-            num_warps=max(1, min(4, block // 256)), launch_pdl=use_pdl(x.device),
+            x2, out.view(-1, d), d, x2.stride(0), d, BLOCK=block, **pdl_options(x.device),
+            num_warps=max(1, min(4, block // 256)),
         )
     return out

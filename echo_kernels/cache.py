@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from echo_kernels.pdl import use_pdl, wait_for_inputs
+from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 
 @triton.jit
@@ -115,6 +115,6 @@ def store_kv_cache(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
-        HEAD_DIM=head_dim, HEADS_PAD=heads_pad, IS_INT8_KV=is_int8, USE_PDL=use_pdl(k.device),
-        num_warps=4 if heads_pad * head_dim >= 1024 else 2, launch_pdl=use_pdl(k.device),
+        HEAD_DIM=head_dim, HEADS_PAD=heads_pad, IS_INT8_KV=is_int8, **pdl_options(k.device),
+        num_warps=4 if heads_pad * head_dim >= 1024 else 2,
     )

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from echo_kernels.pdl import use_pdl, wait_for_inputs
+from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 MAX_ROWS = 4  # beyond this the accumulator outgrows the registers: cuBLAS is the better choice
 
@@ -90,6 +90,5 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = 
     _small_m_linear_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, PREFETCH=prefetch,
-        USE_PDL=use_pdl(x.device), num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=use_pdl(x.device))
+        **pdl_options(x.device), num_warps=num_warps, num_stages=num_stages)
     return out

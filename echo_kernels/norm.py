@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from echo_kernels.pdl import use_pdl, wait_for_inputs
+from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 
 @triton.jit
@@ -92,8 +92,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, out.view(-1, n_cols), n_cols, eps,
                                          x2.stride(0), n_cols, BLOCK=block,
-                                         USE_PDL=use_pdl(x.device), num_warps=_num_warps(block),
-                                         launch_pdl=use_pdl(x.device))
+                                         **pdl_options(x.device), num_warps=_num_warps(block))
     return out
 
 
@@ -111,7 +110,6 @@ def fused_add_rms_norm(
     if x2.shape[0]:
         _fused_add_rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, n_cols, eps, x2.stride(0),
                                                    r2.stride(0), BLOCK=block,
-                                                   USE_PDL=use_pdl(x.device),
-                                                   num_warps=_num_warps(block),
-                                                   launch_pdl=use_pdl(x.device))
+                                                   **pdl_options(x.device),
+                                                   num_warps=_num_warps(block))
     return x, residual

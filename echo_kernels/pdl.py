@@ -25,6 +25,13 @@ def use_pdl(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
+def pdl_options(device: torch.device) -> dict:
+    """The launch keywords of an echo kernel: its USE_PDL flag and Triton's launch_pdl, set
+    together (a kernel launched with PDL must wait in wait_for_inputs)."""
+    on = use_pdl(device)
+    return {"USE_PDL": on, "launch_pdl": on}
+
+
 @triton.jit
 def wait_for_inputs(USE_PDL: tl.constexpr):
     """Under PDL: wait for the previous kernel's writes, then allow the next kernel to launch."""

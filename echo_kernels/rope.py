@@ -15,7 +15,7 @@ import triton.language as tl
 
 from echo_kernels.cache import checked_cache_scales, quantize_rows
 from echo_kernels.norm import apply_rms
-from echo_kernels.pdl import use_pdl, wait_for_inputs
+from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 
 @triton.jit
@@ -221,7 +221,6 @@ def rotary_embedding(
         cos_sin_cache.stride(0), *(k_cache.stride()[:3] if store_kv else (0, 0, 0)),
         *(k_scale.stride() if is_int8 else (0, 0, 0)),
         HEAD_DIM=head_dim, Q_BLOCK=q_block, K_BLOCK=k_block, IS_NEOX=is_neox,
-        HAS_NORM=has_norm, STORE_KV=store_kv, IS_INT8_KV=is_int8, USE_PDL=use_pdl(q.device),
+        HAS_NORM=has_norm, STORE_KV=store_kv, IS_INT8_KV=is_int8, **pdl_options(q.device),
         num_warps=2 if has_norm else max(1, min(8, q_block * head_dim // 256)),
-        launch_pdl=use_pdl(q.device),
     )

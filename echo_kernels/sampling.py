@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from echo_kernels.device import sm_count
-from echo_kernels.pdl import use_pdl, wait_for_inputs
+from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 BLOCK_V = 2048  # tokens per loop step
 MIN_CHUNK = 4 * BLOCK_V  # a chunk is worth a program only if it streams this many tokens
@@ -136,13 +136,11 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
         part_token = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
     else:
         part_score = part_token = out  # unused
-    pdl = use_pdl(logits.device)
+    pdl = pdl_options(logits.device)
     _gumbel_argmax_kernel[(batch, num_chunks)](
         logits, temperature, seeds, steps, out, part_score, part_token, vocab,
-        logits.stride(0), chunk_len, BLOCK_V=BLOCK_V, SPLIT=split, USE_PDL=pdl, num_warps=8,
-        launch_pdl=pdl)
+        logits.stride(0), chunk_len, BLOCK_V=BLOCK_V, SPLIT=split, num_warps=8, **pdl)
     if split:
         _best_chunk_kernel[(batch,)](part_score, part_token, out, num_chunks,
-                                     BLOCK_C=triton.next_power_of_2(num_chunks), USE_PDL=pdl,
-                                     launch_pdl=pdl)
+                                     BLOCK_C=triton.next_power_of_2(num_chunks), **pdl)
     return out

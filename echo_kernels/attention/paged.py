@@ -26,7 +26,7 @@ from echo_kernels.attention.common import (
 from echo_kernels.attention.reduce import merge_splits
 from echo_kernels.cache import checked_cache_scales
 from echo_kernels.device import sm_count
-from echo_kernels.pdl import use_pdl, wait_for_inputs
+from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 
 # NOTE: ints that change from step to step are not specialised (Triton would otherwise compile
@@ -241,8 +241,8 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, ONE_TILE_PER_SEQ=one_tile,
         SPLIT=split, IS_INT8_KV=is_int8, WIDE_OFFSETS=k_cache.numel() >= 2**31,
-        PAIRED_V=config.paired_v, USE_PDL=use_pdl(q.device),
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl(q.device),
+        PAIRED_V=config.paired_v, **pdl_options(q.device),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
         merge_splits(part_acc, part_ml, out)

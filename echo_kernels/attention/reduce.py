@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from echo_kernels.pdl import use_pdl, wait_for_inputs
+from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # changes from step to step
@@ -49,6 +49,6 @@ def merge_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tenso
     splits_pad = triton.next_power_of_2(num_splits)
     _merge_splits_kernel[(num_tokens, num_heads)](
         part_acc, part_ml, out, num_heads, num_splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, SPLITS_PAD=splits_pad, USE_PDL=use_pdl(out.device),
-        num_warps=4 if splits_pad * head_dim >= 4096 else 2, launch_pdl=use_pdl(out.device),
+        HEAD_DIM=head_dim, SPLITS_PAD=splits_pad, **pdl_options(out.device),
+        num_warps=4 if splits_pad * head_dim >= 4096 else 2,
     )

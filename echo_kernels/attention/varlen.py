@@ -20,7 +20,7 @@ from echo_kernels.attention.common import (
     find_seq,
     query_rows,
 )
-from echo_kernels.pdl import use_pdl, wait_for_inputs
+from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 
 @triton.jit(do_not_specialize=["num_seqs"])  # changes from step to step
@@ -125,7 +125,7 @@ def flash_attn_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, out, num_seqs, softmax_scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        CAUSAL=causal, WIDE_OFFSETS=k.numel() >= 2**31, USE_PDL=use_pdl(q.device),
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl(q.device),
+        CAUSAL=causal, WIDE_OFFSETS=k.numel() >= 2**31, **pdl_options(q.device),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
