@@ -1,7 +1,7 @@
 """Every environment variable echo reads, typed, in one place (all start with ECHO_).
 
-The kernel package reads one of its own: ECHO_PDL=1 launches echo_kernels with programmatic
-dependent launch on Hopper and newer (echo_kernels/pdl.py; off until measured end to end).
+The kernel package reads one of its own: ECHO_PDL (default 1) launches echo_kernels with
+programmatic dependent launch on Hopper and newer (echo_kernels/pdl.py); ECHO_PDL=0 turns it off.
 """
 
 import os
@@ -55,8 +55,8 @@ def symm_mem_all_reduce() -> bool:
 
 def tune_small_m() -> bool:
     """At start-up, time cuBLAS against echo's GEMV for each linear shape at one row and use
-    the faster (ECHO_TUNE_SMALL_M=1; off until measured end to end)."""
-    return os.environ.get("ECHO_TUNE_SMALL_M", "0") == "1"
+    the faster (ECHO_TUNE_SMALL_M, default 1; 0 keeps cuBLAS everywhere)."""
+    return os.environ.get("ECHO_TUNE_SMALL_M", "1") == "1"
 
 
 def api_key() -> str | None:

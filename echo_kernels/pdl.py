@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (Hopper and newer), opt-in with ECHO_PDL=1.
+"""Programmatic dependent launch (Hopper and newer), on unless ECHO_PDL=0.
 
 Launched with PDL, a kernel may start while the kernel before it in the stream is finishing:
 its programs get resident early and run up to `wait_for_inputs`, which blocks until that kernel
@@ -20,8 +20,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 @functools.lru_cache(maxsize=8)
 def use_pdl(device: torch.device) -> bool:
-    """ECHO_PDL=1 on a CUDA device of compute capability 9.0 or newer."""
-    return (os.environ.get("ECHO_PDL", "0") == "1" and device.type == "cuda"
+    """A CUDA device of compute capability 9.0 or newer, unless ECHO_PDL=0."""
+    return (os.environ.get("ECHO_PDL", "1") == "1" and device.type == "cuda"
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 

@@ -160,11 +160,7 @@ DECODE_SWEEP = {
          TileConfig(16, 32, 4, 3), TileConfig(16, 128, 4, 3), TileConfig(16, 128, 4, 2)],
     torch.int8: [TileConfig(16, 128, 4, 2), TileConfig(16, 128, 4, 3), TileConfig(16, 64, 4, 3),
                  TileConfig(16, 64, 4, 2), TileConfig(16, 256, 4, 2), TileConfig(16, 64, 4, 4),
-                 TileConfig(16, 32, 4, 3), TileConfig(16, 128, 8, 3),
-                 # V as even/odd rows joined in registers (no byte loads from shared memory)
-                 TileConfig(16, 128, 4, 3, True), TileConfig(16, 128, 4, 2, True),
-                 TileConfig(16, 64, 4, 3, True), TileConfig(16, 64, 4, 2, True),
-                 TileConfig(16, 128, 8, 2, True), TileConfig(16, 256, 8, 2, True)],
+                 TileConfig(16, 32, 4, 3), TileConfig(16, 128, 8, 3)],
 }
 
 

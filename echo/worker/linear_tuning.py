@@ -5,9 +5,10 @@ at 60-75% of the H200's bandwidth (docs/benchmarks.md). `small_m_linear` beats i
 shapes and loses on others, by amounts that depend on the card and the shape, so the runner
 measures instead of guessing: for each distinct (N, K) it times F.linear and a few GEMV tiles
 over all the layers of that shape (the weights a decode step really streams, past the L2) and
-gives those layers the GEMV only where it is faster by a margin. Opt-in (ECHO_TUNE_SMALL_M=1)
-until measured end to end; the choice is per machine, so logits may differ in the last bits
-between machines, as they do between cuBLAS versions.
+gives those layers the GEMV only where it is faster by a margin. On by default on CUDA
+(ECHO_TUNE_SMALL_M=0 turns it off): with PDL it took a batch-1 Llama-3.1-8B step from 4.43 to
+4.28 ms on an H200. The choice is per machine, so logits may differ in the last bits between
+machines, as they do between cuBLAS versions.
 """
 
 import functools

@@ -35,11 +35,6 @@ class TileConfig:
     block_n: int  # keys per inner-loop step
     num_warps: int
     num_stages: int
-    # paged int8 only: load V as even and odd rows and join them after the float16 conversion,
-    # so the MMA's token pairs come from registers instead of byte loads from shared memory.
-    # Compiled for sm_90: V in 16-byte loads and no byte loads left, but V no longer goes
-    # through cp.async, and 128-key tiles with 3 stages spill registers. Not yet timed.
-    paired_v: bool = False
 
 
 def tile_config(rows_per_seq: int, head_dim: int, is_int8: bool = False) -> TileConfig:
@@ -54,10 +49,11 @@ def tile_config(rows_per_seq: int, head_dim: int, is_int8: bool = False) -> Tile
     # --sweep); d=64 keeps the same bytes per K/V tile, unmeasured.
     if rows_per_seq <= 16:
         # decode, memory bound: 98-105% of copy bandwidth at B=64/256, 81% at B=1 x 32K (split).
-        # Small bf16 tiles keep ~6 programs per SM in flight. int8 tiles are converted to bf16
-        # through byte-wise shared-memory reads in Triton 3.6; long tiles, 2 stages measured best.
+        # Small bf16 tiles keep ~6 programs per SM in flight. int8 V reaches the MMA through
+        # byte-wise shared-memory reads in Triton 3.6; long tiles with 3 stages measured best
+        # (190.9 us at B=8 x 32K, 211.2 at B=256 x 1K; 2 stages 204.1 / 217.1).
         if is_int8:
-            return TileConfig(16, 128, 4, 2)
+            return TileConfig(16, 128, 4, 3)
         return TileConfig(16, 32 if head_dim > 64 else 64, 4, 3)
     if rows_per_seq <= 256:
         # short runs, or decode-heavy mixes where 128-row tiles would mostly hold padding
@@ -193,27 +189,6 @@ def to_dot_dtype(x, dot_dtype: tl.constexpr, IS_INT8_KV: tl.constexpr):
 
 
 @triton.jit
-def _paired_int8_tile(v_ptr, blk, start, kv_limit, offs_d, stride_kb, stride_kt,
-                      MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """int8 V tile [BLOCK_N, HEAD_DIM] of keys start.. as float16, loaded as even and odd rows
-    and joined (TileConfig.paired_v). blk [BLOCK_N] holds each row's cache block; a row pair
-    shares its block (block sizes are even). Offsets are computed, not split out of the tile's,
-    so the compiler still sees their 16-byte alignment and loads whole vectors."""
-    blk_even, _ = tl.split(tl.reshape(blk, [BLOCK_N // 2, 2]))
-    pos_even = start + 2 * tl.arange(0, BLOCK_N // 2)
-    off_even = blk_even * stride_kb + (pos_even % BLOCK_SIZE) * stride_kt
-    ptrs_even = v_ptr + off_even[:, None] + offs_d[None, :]
-    if MASKED:
-        v_even = tl.load(ptrs_even, mask=(pos_even < kv_limit)[:, None], other=0)
-        v_odd = tl.load(ptrs_even + stride_kt, mask=(pos_even + 1 < kv_limit)[:, None], other=0)
-    else:
-        v_even = tl.load(ptrs_even)
-        v_odd = tl.load(ptrs_even + stride_kt)
-    pairs = tl.join(int8_to_fp16(v_even), int8_to_fp16(v_odd))  # [BLOCK_N // 2, HEAD_DIM, 2]
-    return tl.reshape(tl.permute(pairs, (0, 2, 1)), [BLOCK_N, offs_d.shape[0]])
-
-
-@triton.jit
 def _scores(q, k, k_sc, pos, in_range, q_pos, qk_scale, MASKED: tl.constexpr,
             CAUSAL: tl.constexpr, IS_INT8_KV: tl.constexpr):
     """One tile's scores in log2 units, -inf where a key is past the range or in the future."""
@@ -258,7 +233,6 @@ def attend_key_range(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    PAIRED_V: tl.constexpr = False,  # PAGED int8 only (TileConfig.paired_v)
 ):
     """Online softmax over keys [lo, hi), one BLOCK_N tile at a time (the flash inner loop)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -310,14 +284,10 @@ def attend_key_range(
             k_sc = None
             v_sc = None
         qk = _scores(q, k, k_sc, pos, in_range, q_pos, qk_scale, MASKED, CAUSAL, IS_INT8_KV)
-        if IS_INT8_KV and PAIRED_V and PAGED:
-            v = _paired_int8_tile(v_ptr, blk, start, kv_limit, offs_d, stride_kb, stride_kt,
-                                  MASKED, BLOCK_SIZE, BLOCK_N)
+        if MASKED:
+            v = tl.load(v_ptr + kv_ptrs, mask=in_range[:, None], other=0.0)
         else:
-            if MASKED:
-                v = tl.load(v_ptr + kv_ptrs, mask=in_range[:, None], other=0.0)
-            else:
-                v = tl.load(v_ptr + kv_ptrs)
-            v = to_dot_dtype(v, q.dtype, IS_INT8_KV)
+            v = tl.load(v_ptr + kv_ptrs)
+        v = to_dot_dtype(v, q.dtype, IS_INT8_KV)
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, qk, v, v_sc, IS_INT8_KV)
     return acc, l_i, m_i

@@ -68,7 +68,6 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     IS_INT8_KV: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,  # the cache has 2^31 elements or more
-    PAIRED_V: tl.constexpr,  # TileConfig.paired_v
     USE_PDL: tl.constexpr,
 ):
     wait_for_inputs(USE_PDL)
@@ -127,12 +126,12 @@ def _paged_attention_kernel(
     acc, l_i, m_i = attend_key_range(
         acc, l_i, m_i, q, q_pos, kv_lo, full_hi, kv_hi, k_base, v_base, ks_base, vs_base, bt_row,
         stride_kb, stride_kt, stride_sb, stride_st, qk_scale,
-        False, True, True, IS_INT8_KV, WIDE_OFFSETS, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PAIRED_V,
+        False, True, True, IS_INT8_KV, WIDE_OFFSETS, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
     )
     acc, l_i, m_i = attend_key_range(
         acc, l_i, m_i, q, q_pos, full_hi, masked_hi, kv_hi, k_base, v_base, ks_base, vs_base,
         bt_row, stride_kb, stride_kt, stride_sb, stride_st, qk_scale,
-        True, True, True, IS_INT8_KV, WIDE_OFFSETS, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PAIRED_V,
+        True, True, True, IS_INT8_KV, WIDE_OFFSETS, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
     )
 
     if SPLIT:
@@ -241,7 +240,7 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, ONE_TILE_PER_SEQ=one_tile,
         SPLIT=split, IS_INT8_KV=is_int8, WIDE_OFFSETS=k_cache.numel() >= 2**31,
-        PAIRED_V=config.paired_v, **pdl_options(q.device),
+        **pdl_options(q.device),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:

@@ -12,7 +12,6 @@ import torch
 from kernel_utils import PagedBatch, assert_close
 
 from echo_kernels import paged_attention
-from echo_kernels.attention.common import TileConfig
 from echo_kernels.reference import paged_attention_ref
 
 # (num_heads, num_kv_heads): groups 2, 4, 1 and a non-power-of-two 3
@@ -71,18 +70,6 @@ def test_int8_cache(paged_batch, q_lens, ctx):
     b = paged_batch(q_lens, ctx, 4, 2, 32, 16, torch.float16, kv_dtype=torch.int8)
     assert b.k_cache.dtype == torch.int8
     assert_close(b.run(), b.reference(), CPU_ATOL[torch.float16])
-
-
-@pytest.mark.parametrize("block_size", [16, 64])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_int8_paired_v(paged_batch, block_size, num_splits):
-    # TileConfig.paired_v: V read as even and odd rows, joined after the conversion; decode,
-    # a context of 3 (mostly masked tile), a prefill run over a cached prefix
-    b = paged_batch([1, 1, 9, 1], [97, 3, 75, 64], 4, 2, 32, block_size, torch.float16,
-                    kv_dtype=torch.int8)
-    config = TileConfig(32, 32, 1, 1, paired_v=True)
-    assert_close(b.run(num_splits=num_splits, config=config), b.reference(),
-                 CPU_ATOL[torch.float16])
 
 
 def test_strided_q_and_default_out(device):
@@ -161,10 +148,6 @@ def test_gpu_int8(paged_batch, heads, block_size):
     b = paged_batch(q_lens, ctx, *heads, 128, block_size, torch.bfloat16,
                     kv_dtype=torch.int8, num_blocks=POOL, seed=rng.randint(0, 1000))
     assert_close(b.run(), b.reference(), GPU_ATOL)
-    assert_close(b.run(config=TileConfig(64, 64, 4, 3, paired_v=True)), b.reference(), GPU_ATOL)
     b = paged_batch([1] * 8, [1, 17, 4000, 1000, 33, 64, 65, 2048], *heads, 128, block_size,
                     torch.bfloat16, kv_dtype=torch.int8, num_blocks=POOL)
     assert_close(b.run(), b.reference(), GPU_ATOL)
-    for config in (TileConfig(16, 128, 4, 3, paired_v=True),
-                   TileConfig(16, 64, 4, 2, paired_v=True)):
-        assert_close(b.run(config=config), b.reference(), GPU_ATOL)

@@ -66,18 +66,20 @@ def test_bf16_dummy_qwen3_runs_mixed_batches_with_graphs():
 
 
 def test_pdl_gives_the_same_tokens(tiny_qwen3, monkeypatch):
-    # ECHO_PDL=1: echo's kernels start while the previous one finishes, inside and outside
-    # CUDA graphs; a missing wait would let a kernel read a stale input
+    # PDL (on by default): echo's kernels start while the previous one finishes, inside and
+    # outside CUDA graphs; a missing wait would let a kernel read a stale input
     from echo_kernels.pdl import use_pdl
 
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    plain = gpu_llm(tiny_qwen3).generate(PROMPTS, params, use_tqdm=False)
-    monkeypatch.setenv("ECHO_PDL", "1")
-    use_pdl.cache_clear()
-    try:
-        assert use_pdl(torch.device("cuda"))
-        pdl = gpu_llm(tiny_qwen3).generate(PROMPTS, params, use_tqdm=False)
-    finally:
-        monkeypatch.delenv("ECHO_PDL")
+    def generate(pdl: str):
+        monkeypatch.setenv("ECHO_PDL", pdl)
         use_pdl.cache_clear()
+        try:
+            assert use_pdl(torch.device("cuda")) == (pdl == "1")
+            return gpu_llm(tiny_qwen3).generate(PROMPTS, params, use_tqdm=False)
+        finally:
+            use_pdl.cache_clear()
+
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = generate("0")
+    pdl = generate("1")
     assert [o.outputs[0].token_ids for o in pdl] == [o.outputs[0].token_ids for o in plain]

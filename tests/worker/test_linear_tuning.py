@@ -87,6 +87,7 @@ def test_gpu_tuning_with_real_timings_keeps_outputs(monkeypatch, tiny_llama):
     def greedy(llm: LLM):
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
+    monkeypatch.setenv("ECHO_TUNE_SMALL_M", "0")
     expected = greedy(gpu_llm(tiny_llama))
     monkeypatch.setenv("ECHO_TUNE_SMALL_M", "1")
     assert greedy(gpu_llm(tiny_llama)) == expected
