@@ -197,7 +197,7 @@ def bench_decode(rows: Rows, sweep: bool, only_cases: str | None = None) -> None
             rows.add(name + " (eager)", f"B={batch} L={ctx} 32/8 d128 bs16",
                      bench(calls()[0]), nbytes=nbytes, note="do_bench, launch overhead incl.")
             if sweep:
-                for splits in (1, 2, 4, 16, 32, 64):
+                for splits in (1, 2, 4, 8, 16, 32, 64):
                     if batch * 8 * splits > 8 * 132 * 8:
                         continue
                     for cfg in DECODE_SWEEP[kv_dtype]:

@@ -1,0 +1,129 @@
+"""Probe for the int8 issue: where does int8 decode attention lose its bandwidth?
+
+    python tools/int8_v_layout_probe.py   (on a GPU)
+
+A stripped decode kernel (no masks, no int8 scales, no split merge; 32/8 heads, d=128, block
+16, random block tables) times int8 K/V with V stored token-major, as echo's cache does, against
+V stored head-dim-major ([blocks, heads, d, block], tokens contiguous), which lets V reach the
+MMA through ldmatrix instead of one shared-memory byte load per element (sm_90 SASS). Prints
+microseconds per call (CUDA graph over 4 caches in rotation) for several tiles and split counts.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from echo_kernels.attention.common import int8_to_fp16
+
+BS, D, KV_HEADS, GROUP = 16, 128, 8, 4
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, tiles_per_prog, max_blocks,
+                   skb, skt, skh, svb, svh, svd, svt,
+                   HEAD_DIM_MAJOR_V: tl.constexpr, IS_INT8: tl.constexpr, SPLITS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                   GROUP: tl.constexpr):
+    pid = tl.program_id(0)
+    split = pid % SPLITS
+    kvh = (pid // SPLITS) % 8
+    seq = pid // (SPLITS * 8)
+    offs_m = tl.arange(0, 16)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + (seq * 32 + kvh * GROUP + offs_m[:, None]) * D + offs_d[None, :],
+                mask=(offs_m < GROUP)[:, None], other=0.0).to(tl.float16)
+    acc = tl.zeros([16, D], tl.float32)
+    m_i = tl.full([16], -1e30, tl.float32)
+    l_i = tl.zeros([16], tl.float32)
+    bt = bt_ptr + seq * max_blocks
+    lo = split * tiles_per_prog * BLOCK_N
+    next_blk = tl.load(bt + lo // BS + offs_n // BS)  # block ids one tile ahead, as echo does
+    for t in range(tiles_per_prog):
+        start = lo + t * BLOCK_N
+        blk = next_blk
+        next_blk = tl.load(bt + (start + BLOCK_N) // BS + offs_n // BS)
+        row = offs_n % BS
+        k = tl.load(k_ptr + blk[:, None] * skb + row[:, None] * skt + kvh * skh + offs_d[None, :])
+        if IS_INT8:
+            k = int8_to_fp16(k)
+        qk = tl.dot(q, tl.trans(k.to(tl.float16)))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+        if HEAD_DIM_MAJOR_V:
+            v_t = tl.load(v_ptr + blk[None, :] * svb + kvh * svh + offs_d[:, None] * svd
+                          + row[None, :])
+            acc = tl.dot(p.to(tl.float16), tl.trans(int8_to_fp16(v_t)), acc)
+        else:
+            v = tl.load(v_ptr + blk[:, None] * svb + row[:, None] * svt + kvh * svh
+                        + offs_d[None, :])
+            if IS_INT8:
+                v = int8_to_fp16(v)
+            acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc)
+    acc = acc / l_i[:, None]
+    tl.store(out_ptr + (pid * 16 + offs_m[:, None]) * D + offs_d[None, :], acc)
+
+
+def time_decode(batch: int, ctx: int, head_dim_major_v: bool, is_int8: bool, splits: int,
+                block_n: int, stages: int, rotation: int = 4) -> float:
+    """Microseconds per decode call, CUDA graph over `rotation` caches (past the L2)."""
+    blocks_per_seq = ctx // BS
+    num_blocks = batch * blocks_per_seq + 64
+    token_major = (num_blocks, BS, KV_HEADS, D)
+
+    def cache(shape):
+        if is_int8:
+            return torch.randint(-127, 127, shape, dtype=torch.int8, device="cuda")
+        return torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+
+    caches = []
+    for _ in range(rotation):
+        k = cache(token_major)
+        v = cache((num_blocks, KV_HEADS, D, BS) if head_dim_major_v else token_major)
+        ids = torch.randperm(num_blocks - 64, device="cuda", dtype=torch.int32)
+        table = torch.zeros(batch, blocks_per_seq + 64, dtype=torch.int32, device="cuda")
+        table[:, :blocks_per_seq] = ids[: batch * blocks_per_seq].view(batch, blocks_per_seq)
+        caches.append((k, v, table))
+    q = torch.randn(batch, 32, D, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(batch * KV_HEADS * splits * 16, D, device="cuda", dtype=torch.float32)
+    grid = (batch * KV_HEADS * splits,)
+
+    def call(k, v, table):
+        if head_dim_major_v:
+            svb, svh, svd, svt = *v.stride()[:3], 1
+        else:
+            svb, svt, svh, svd = *v.stride()[:3], 1
+        _decode_kernel[grid](q, k, v, table, out, ctx // block_n // splits, table.shape[1],
+                             *k.stride()[:3], svb, svh, svd, svt,
+                             HEAD_DIM_MAJOR_V=head_dim_major_v, IS_INT8=is_int8,
+                             SPLITS=splits, BLOCK_N=block_n, BS=BS, D=D, GROUP=GROUP,
+                             num_warps=4, num_stages=stages)
+
+    for c in caches:
+        call(*c)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in caches:
+            call(*c)
+    return triton.testing.do_bench(graph.replay, warmup=20, rep=200) * 1e3 / rotation
+
+
+def main() -> None:
+    for batch, ctx, split_counts in ((8, 32768, (4, 8)), (256, 1024, (1,))):
+        for splits in split_counts:
+            bf16 = time_decode(batch, ctx, False, False, splits, 64, 3)
+            print(f"B={batch} L={ctx} splits={splits} bf16 (64x3): {bf16:.1f} us", flush=True)
+            for block_n, stages in ((128, 3), (128, 2), (64, 3), (128, 4), (256, 2)):
+                token = time_decode(batch, ctx, False, True, splits, block_n, stages)
+                dim = time_decode(batch, ctx, True, True, splits, block_n, stages)
+                print(f"  int8 {block_n}x{stages}: token-major {token:.1f} us, "
+                      f"head-dim-major V {dim:.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
