@@ -3,7 +3,7 @@
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
 # Stages: tests kernels sweeps latency offline profile profile-tail serving, and tp (two GPUs).
 # Rough minutes on an H200: tests 4, kernels 2, sweeps 5, latency 3, offline 5, profile 5,
-# profile-tail 2, serving 4, tp 8 (plus start-up): pick what fits the device budget. Logs
+# profile-tail 2, serving 4, tp 6 (plus start-up): pick what fits the device budget. Logs
 # and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the device tool returns
 # few files), and the key lines are printed. Every process started here is ended here, by PID.
 set -uo pipefail
@@ -26,23 +26,18 @@ run_stage() {
       $PY tools/bench_kernels.py --only linear --sweep --out "$dir/linear_sweep.json" \
         > "$dir/linear_sweep.log" 2>&1
       $PY tools/sweep_summary.py "$dir/decode_sweep.json" "$dir/linear_sweep.json" ;;
-    tp)
+    tp)  # PDL and the one-row GEMV tuning are on by default
       $PY -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_multiprocess.py -k gpu_worker \
         2>&1 | tail -2
-      for flags in "ECHO_SYMM_MEM_ALL_REDUCE=0" "ECHO_SYMM_MEM_ALL_REDUCE=1" \
-                   "ECHO_SYMM_MEM_ALL_REDUCE=1 ECHO_PDL=1 ECHO_TUNE_SMALL_M=1"; do
-        echo "$flags"
-        # shellcheck disable=SC2086
-        env $flags $PY tools/bench_latency.py --model qwen3-8b --tp 2 \
-          --json "$dir/latency_tp2_${flags// /_}.json" 2>&1 | tail -1
+      for symm in 0 1; do
+        echo "ECHO_SYMM_MEM_ALL_REDUCE=$symm"
+        ECHO_SYMM_MEM_ALL_REDUCE=$symm $PY tools/bench_latency.py --model qwen3-8b --tp 2 \
+          --json "$dir/latency_tp2_symm$symm.json" 2>&1 | tail -1
       done
-      $PY tools/bench_latency.py --model qwen3-8b --json "$dir/latency_tp1.json" 2>&1 | tail -1
-      for tp in 1 2; do
-        for mode in "" "--multiprocess"; do
-          # shellcheck disable=SC2086
-          $PY tools/bench_offline.py --model qwen3-8b --tp $tp $mode \
-            --json "$dir/offline_tp$tp${mode// /_}.json" 2>&1 | tail -1
-        done
+      for run in "1" "2" "2 --multiprocess"; do
+        # shellcheck disable=SC2086
+        $PY tools/bench_offline.py --model qwen3-8b --tp $run \
+          --json "$dir/offline_tp${run// /_}.json" 2>&1 | tail -1
       done ;;
     offline)
       for mode in "" "--multiprocess" "--engine-process" "--kv-cache-dtype int8" \
