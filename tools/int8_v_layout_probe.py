@@ -5,8 +5,11 @@
 A stripped decode kernel (no masks, no int8 scales, no split merge; 32/8 heads, d=128, block
 16, random block tables) times int8 K/V with V stored token-major, as echo's cache does, against
 V stored head-dim-major ([blocks, heads, d, block], tokens contiguous), which lets V reach the
-MMA through ldmatrix instead of one shared-memory byte load per element (sm_90 SASS). Prints
-microseconds per call (CUDA graph over 4 caches in rotation) for several tiles and split counts.
+MMA through ldmatrix instead of one shared-memory byte load per element (sm_90 SASS), and
+integer MMAs (q quantised per row; p per row and tile, V head-dim-major) against float16
+products.
+Prints microseconds per call (CUDA graph over 4 caches in rotation) for several tiles and
+split counts. Speed only: the integer products' accuracy is not checked here.
 """
 
 import torch
@@ -23,7 +26,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, tiles_per_prog, max_blo
                    skb, skt, skh, svb, svh, svd, svt,
                    HEAD_DIM_MAJOR_V: tl.constexpr, IS_INT8: tl.constexpr, SPLITS: tl.constexpr,
                    BLOCK_N: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                   GROUP: tl.constexpr):
+                   GROUP: tl.constexpr, INT8_QK: tl.constexpr, INT8_PV: tl.constexpr):
     pid = tl.program_id(0)
     split = pid % SPLITS
     kvh = (pid // SPLITS) % 8
@@ -33,6 +36,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, tiles_per_prog, max_blo
     offs_n = tl.arange(0, BLOCK_N)
     q = tl.load(q_ptr + (seq * 32 + kvh * GROUP + offs_m[:, None]) * D + offs_d[None, :],
                 mask=(offs_m < GROUP)[:, None], other=0.0).to(tl.float16)
+    if INT8_QK:  # q quantised per row once; the scores come from integer MMAs on int8 K
+        q_scale = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), 1e-6) / 127
+        q8 = tl.extra.cuda.libdevice.rint(q.to(tl.float32) / q_scale[:, None]).to(tl.int8)
     acc = tl.zeros([16, D], tl.float32)
     m_i = tl.full([16], -1e30, tl.float32)
     l_i = tl.zeros([16], tl.float32)
@@ -45,9 +51,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, tiles_per_prog, max_blo
         next_blk = tl.load(bt + (start + BLOCK_N) // BS + offs_n // BS)
         row = offs_n % BS
         k = tl.load(k_ptr + blk[:, None] * skb + row[:, None] * skt + kvh * skh + offs_d[None, :])
-        if IS_INT8:
-            k = int8_to_fp16(k)
-        qk = tl.dot(q, tl.trans(k.to(tl.float16)))
+        if INT8_QK:
+            qk = tl.dot(q8, tl.trans(k)).to(tl.float32) * q_scale[:, None]
+        else:
+            if IS_INT8:
+                k = int8_to_fp16(k)
+            qk = tl.dot(q, tl.trans(k.to(tl.float16)))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
@@ -57,7 +66,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, tiles_per_prog, max_blo
         if HEAD_DIM_MAJOR_V:
             v_t = tl.load(v_ptr + blk[None, :] * svb + kvh * svh + offs_d[:, None] * svd
                           + row[None, :])
-            acc = tl.dot(p.to(tl.float16), tl.trans(int8_to_fp16(v_t)), acc)
+            if INT8_PV:  # p quantised per row and tile; integer MMAs on int8 V
+                p_scale = tl.maximum(tl.max(p, 1), 1e-30) / 127
+                p8 = (p / p_scale[:, None] + 0.5).to(tl.int8)
+                acc += tl.dot(p8, tl.trans(v_t)).to(tl.float32) * p_scale[:, None]
+            else:
+                acc = tl.dot(p.to(tl.float16), tl.trans(int8_to_fp16(v_t)), acc)
         else:
             v = tl.load(v_ptr + blk[:, None] * svb + row[:, None] * svt + kvh * svh
                         + offs_d[None, :])
@@ -69,7 +83,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, tiles_per_prog, max_blo
 
 
 def time_decode(batch: int, ctx: int, head_dim_major_v: bool, is_int8: bool, splits: int,
-                block_n: int, stages: int, rotation: int = 4) -> float:
+                block_n: int, stages: int, int8_qk: bool = False, int8_pv: bool = False,
+                rotation: int = 4) -> float:
     """Microseconds per decode call, CUDA graph over `rotation` caches (past the L2)."""
     blocks_per_seq = ctx // BS
     num_blocks = batch * blocks_per_seq + 64
@@ -101,7 +116,7 @@ def time_decode(batch: int, ctx: int, head_dim_major_v: bool, is_int8: bool, spl
                              *k.stride()[:3], svb, svh, svd, svt,
                              HEAD_DIM_MAJOR_V=head_dim_major_v, IS_INT8=is_int8,
                              SPLITS=splits, BLOCK_N=block_n, BS=BS, D=D, GROUP=GROUP,
-                             num_warps=4, num_stages=stages)
+                             INT8_QK=int8_qk, INT8_PV=int8_pv, num_warps=4, num_stages=stages)
 
     for c in caches:
         call(*c)
@@ -114,15 +129,24 @@ def time_decode(batch: int, ctx: int, head_dim_major_v: bool, is_int8: bool, spl
 
 
 def main() -> None:
+    tiles = ((128, 3), (128, 2), (64, 3), (256, 2))
     for batch, ctx, split_counts in ((8, 32768, (4, 8)), (256, 1024, (1,))):
         for splits in split_counts:
             bf16 = time_decode(batch, ctx, False, False, splits, 64, 3)
             print(f"B={batch} L={ctx} splits={splits} bf16 (64x3): {bf16:.1f} us", flush=True)
-            for block_n, stages in ((128, 3), (128, 2), (64, 3), (128, 4), (256, 2)):
-                token = time_decode(batch, ctx, False, True, splits, block_n, stages)
-                dim = time_decode(batch, ctx, True, True, splits, block_n, stages)
-                print(f"  int8 {block_n}x{stages}: token-major {token:.1f} us, "
-                      f"head-dim-major V {dim:.1f} us", flush=True)
+            for block_n, stages in tiles:
+                times = {
+                    "token-major V": time_decode(batch, ctx, False, True, splits, block_n, stages),
+                    "head-dim-major V": time_decode(batch, ctx, True, True, splits, block_n,
+                                                    stages),
+                    "int8 QK products": time_decode(batch, ctx, False, True, splits, block_n,
+                                                    stages, int8_qk=True),
+                    "int8 QK+PV products, head-dim-major V": time_decode(
+                        batch, ctx, True, True, splits, block_n, stages, int8_qk=True,
+                        int8_pv=True),
+                }
+                print(f"  int8 {block_n}x{stages}: "
+                      + ", ".join(f"{k} {v:.1f} us" for k, v in times.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -138,6 +138,9 @@ class ModelRunner:
         for choice in tune_one_row_linears(self.model, cuda_graph_timer):
             if self.tp.rank == 0:
                 print(f"echo: one-row linear {choice.describe()}", file=sys.stderr, flush=True)
+        # the timing graphs' private pools stay cached after the graphs are gone; with the KV
+        # cache already allocated, eager steps would have to free them first
+        torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def warm_up_step_shapes(self) -> list[torch.Tensor]:
