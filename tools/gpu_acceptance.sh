@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements behind the open acceptance points, staged so each fits one device call:
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
-# Stages: tests kernels sweeps latency offline profile profile-tail serving, and tp (two GPUs).
+# Stages: tests kernels sweeps latency offline profile profile-tail serving, and tp and
+# profile-tp (two GPUs).
 # Rough minutes on an H200: tests 4, kernels 2, sweeps 5, latency 3, offline 5, profile 5,
 # profile-tail 2, serving 4, tp 6 (plus start-up): pick what fits the device budget. Logs
 # and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the device tool returns
@@ -45,6 +46,8 @@ run_stage() {
         # shellcheck disable=SC2086
         $PY tools/bench_offline.py $mode --json "$dir/offline${mode// /_}.json" 2>&1 | tail -1
       done
+      # PDL slowed back-to-back decode launches at B=64 x 4K in bench_kernels: does it cost here?
+      ECHO_PDL=0 $PY tools/bench_offline.py --json "$dir/offline_pdl0.json" 2>&1 | tail -1
       $PY tools/bench_offline.py --model qwen3-8b --json "$dir/offline_qwen3_8b.json" 2>&1 | tail -1
       ;;
     latency)  # batch 1, with the one-row GEMV tuning (worker/linear_tuning.py) and PDL
@@ -63,6 +66,9 @@ run_stage() {
         PYTHON=$PY tools/nsys_profile.sh --out "$dir/prof${mode// /_}" --steps 200:40 -- \
           $PY tools/bench_offline.py $mode 2>&1 | tail -25
       done ;;
+    profile-tp)  # two GPUs: where a TP=2 batch-1 step spends its time, per rank
+      PYTHON=$PY tools/nsys_profile.sh --out "$dir/prof_tp2" --steps 100:40 -- \
+        $PY tools/bench_latency.py --model qwen3-8b --tp 2 --iters 1 2>&1 | tail -40 ;;
     profile-tail)  # fewer requests left: GPU steps shorter than the host's work per step
       for mode in "" "--multiprocess"; do
         # shellcheck disable=SC2086
