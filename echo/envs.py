@@ -53,6 +53,13 @@ def symm_mem_all_reduce() -> bool:
     return os.environ.get("ECHO_SYMM_MEM_ALL_REDUCE", "0") == "1"
 
 
+def fused_norm_all_reduce() -> bool:
+    """Tensor-parallel all-reduces before an RMSNorm run fused with the residual add and the
+    norm, as one-shot reads of peer-mapped buffers (ECHO_FUSED_NORM_ALL_REDUCE=1, CUDA; off
+    until measured on two GPUs)."""
+    return os.environ.get("ECHO_FUSED_NORM_ALL_REDUCE", "0") == "1"
+
+
 def tune_small_m() -> bool:
     """At start-up, time cuBLAS against echo's GEMV for each linear shape at one row and use
     the faster (ECHO_TUNE_SMALL_M, default 1; 0 keeps cuBLAS everywhere)."""

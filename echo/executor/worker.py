@@ -144,7 +144,15 @@ class Worker:
 
             small_all_reduce = SymmMemAllReduce(group, device,
                                                 dtype=getattr(torch, config.model.dtype))
-        return ModelRunner(config, TPGroup(self.rank, tp_size, group, small_all_reduce), device)
+        norm_all_reduce = None
+        if group is not None and backend == "nccl" and envs.fused_norm_all_reduce():
+            from echo.distributed.norm_all_reduce import NormAllReduce
+
+            norm_all_reduce = NormAllReduce(group, device, config.model.arch.hidden_size,
+                                            getattr(torch, config.model.dtype))
+        tp = TPGroup(self.rank, tp_size, group, small_all_reduce,
+                     reduce_in_norm=norm_all_reduce is not None, norm_all_reduce=norm_all_reduce)
+        return ModelRunner(config, tp, device)
 
     def serve(self) -> None:
         decoder = msgspec.msgpack.Decoder(WorkerCommand)

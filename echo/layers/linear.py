@@ -125,10 +125,16 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial results are summed with an all-reduce."""
+    """Input features split across ranks; partial results are summed with an all-reduce, here
+    or (reduce_results=False) by whoever consumes them."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = SINGLE):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = SINGLE,
+                 reduce_results: bool = True):
         super().__init__(_divide(input_size, tp.size, "input size"), output_size, bias, tp)
+        if bias and not reduce_results:
+            raise ValueError("a row-parallel bias is added after the all-reduce: "
+                             "reduce_results=False needs bias=False")
+        self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.dim() == 1:  # bias: not sharded, added once after the reduce
@@ -138,5 +144,8 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param.data, loaded.narrow(1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(self.matmul(x), self.tp)
+        y = self.matmul(x)
+        if not self.reduce_results:
+            return y
+        y = all_reduce(y, self.tp)
         return y if self.bias is None else y + self.bias

@@ -18,6 +18,13 @@ from echo.layers.rotary import RotaryEmbedding
 from echo.models.arch import ModelArch
 
 
+def norm_reduces(arch: ModelArch, tp: TPGroup) -> bool:
+    """Whether the RMSNorm after o_proj and down_proj does their all-reduce (TPGroup.
+    reduce_in_norm), so the two leave their partial sums unreduced. Not with biases: a
+    row-parallel bias is added after the reduce."""
+    return tp.size > 1 and tp.reduce_in_norm and not (arch.attention_bias or arch.mlp_bias)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, arch: ModelArch, layer_idx: int, rope: RotaryEmbedding, tp: TPGroup):
         super().__init__()
@@ -26,7 +33,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = arch.head_dim
         self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size,
-                                        arch.attention_bias, tp)
+                                        arch.attention_bias, tp,
+                                        reduce_results=not norm_reduces(arch, tp))
         self.rope = rope
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
 
@@ -53,7 +61,8 @@ class LlamaMLP(nn.Module):
         size = arch.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size],
                                                        arch.mlp_bias, tp)
-        self.down_proj = RowParallelLinear(size, arch.hidden_size, arch.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(size, arch.hidden_size, arch.mlp_bias, tp,
+                                           reduce_results=not norm_reduces(arch, tp))
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,8 +76,11 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self.attention_cls(arch, layer_idx, rope, tp)
         self.mlp = LlamaMLP(arch, tp)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # each reduces the partial sums of the row-parallel layer before it (the first layer's
+        # input norm gets the embedding, already whole, and no residual: it reduces nothing)
+        reduce_tp = tp if norm_reduces(arch, tp) else None
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, reduce_tp)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, reduce_tp)
 
     def forward(self, positions, hidden, residual, ctx: ForwardContext):
         if residual is None:
@@ -91,7 +103,8 @@ class LlamaModel(nn.Module):
         rope = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling)
         self.layers = nn.ModuleList(
             self.layer_cls(arch, i, rope, tp) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps,
+                            tp if norm_reduces(arch, tp) else None)
 
     def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None

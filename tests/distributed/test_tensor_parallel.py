@@ -94,6 +94,7 @@ def assert_matches_single_rank(ranks: list[dict], single: dict, folder: Path) ->
 @pytest.fixture(scope="module")
 def tp2_results(request, tmp_path_factory):
     folders = {name: request.getfixturevalue(name) for name in TP2_MODELS}
+    folders["tiny_qwen3:reduce_in_norm"] = folders["tiny_qwen3"]
     return run_ranks(2, folders, tmp_path_factory.mktemp("tp2"))
 
 
@@ -103,6 +104,30 @@ def test_tp2_logits_and_greedy_tokens_match_one_rank_and_transformers(name, tp2_
     folder = request.getfixturevalue(name)
     single = tp_peers.run_single(folder, PROMPTS, MAX_NEW_TOKENS)
     assert_matches_single_rank(tp2_results[name], single, folder)
+
+
+def test_tp2_with_the_all_reduces_in_the_norms_matches_one_rank(tiny_qwen3, tp2_results):
+    # o_proj and down_proj leave partial sums; each RMSNorm after them (and the final one)
+    # reduces them first: the same logits as one rank
+    assert_matches_single_rank(tp2_results["tiny_qwen3:reduce_in_norm"],
+                               tp_peers.run_single(tiny_qwen3, PROMPTS, MAX_NEW_TOKENS),
+                               tiny_qwen3)
+
+
+def test_norm_reduces_only_on_several_ranks_without_row_parallel_bias(tiny_qwen3):
+    from dataclasses import replace
+
+    from echo.config import EngineConfig
+    from echo.distributed.parallel_state import TPGroup
+    from echo.models.llama import norm_reduces
+
+    arch = EngineConfig.create(str(tiny_qwen3), device="cpu").model.arch
+    on = TPGroup(0, 2, reduce_in_norm=True)
+    assert norm_reduces(arch, on)
+    assert not norm_reduces(arch, TPGroup(0, 2))
+    assert not norm_reduces(arch, TPGroup(0, 1, reduce_in_norm=True))
+    assert not norm_reduces(replace(arch, attention_bias=True), on)
+    assert not norm_reduces(replace(arch, mlp_bias=True), on)
 
 
 def test_tp4_replicates_each_of_two_kv_heads_on_two_ranks(tiny_llama, tmp_path):

@@ -98,8 +98,10 @@ def run_rank(rank: int, world_size: int, init_file: str, jobs: list[tuple[str, s
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
-        tp = TPGroup(rank, world_size, dist.group.WORLD)
         for name, folder in jobs:
+            # NAME:reduce_in_norm: the RMSNorms do the row-parallel layers' all-reduces
+            tp = TPGroup(rank, world_size, dist.group.WORLD,
+                         reduce_in_norm=name.endswith(":reduce_in_norm"))
             result = greedy_with_logits(Path(folder), tp, prompts, max_new_tokens)
             torch.save(result, Path(out_dir) / f"{name}.rank{rank}.pt")
         dist.destroy_process_group()

@@ -1,0 +1,56 @@
+"""The peer-readable buffers behind echo_kernels.all_reduce_norm, for one tensor-parallel group.
+
+Opt-in (ECHO_FUSED_NORM_ALL_REDUCE=1, CUDA with NCCL) until measured on two GPUs: with it the
+row-parallel layers (o_proj, down_proj) leave their partial sums unreduced and the RMSNorm after
+each one all-reduces, adds the residual and normalises in one launch. Rows beyond `max_rows`
+(prefill chunks) take NCCL and the ordinary fused_add_rms_norm.
+"""
+
+import torch
+
+
+class NormAllReduce:
+    """This rank's buffer (max_rows x hidden) and signal pad, mapped by every peer."""
+
+    def __init__(self, group, device: torch.device, hidden_size: int, dtype: torch.dtype,
+                 max_rows: int = 128):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # needed by older torch releases, a no-op or absent in newer
+            enable(group.group_name)
+        self.hidden_size, self.dtype = hidden_size, dtype
+        # one program per row, all resident at once: its peers' same rows must run meanwhile
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.max_rows = min(max_rows, sms)
+        self.buffer = symm_mem.empty(self.max_rows * hidden_size, dtype=dtype, device=device)
+        buffers = symm_mem.rendezvous(self.buffer, group.group_name)
+        self.rank, world = buffers.rank, buffers.world_size
+        self.signals = symm_mem.empty(self.max_rows * world, dtype=torch.int32, device=device)
+        self.signals.zero_()
+        torch.cuda.synchronize(device)  # zeroed on every rank before any peer can signal
+        pads = symm_mem.rendezvous(self.signals, group.group_name)  # collective
+        self.buffer_offsets = _offsets(buffers.buffer_ptrs, self.buffer, device)
+        self.signal_offsets = _offsets(pads.buffer_ptrs, self.signals, device)
+        self.calls = torch.zeros(self.max_rows, dtype=torch.int32, device=device)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        rows = x.numel() // self.hidden_size
+        return (x.dtype == self.dtype and x.shape[-1] == self.hidden_size
+                and rows <= self.max_rows and x.is_contiguous())
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        from echo_kernels.all_reduce_norm import all_reduce_add_rms_norm
+
+        return all_reduce_add_rms_norm(x, residual, weight, eps, self.rank, self.buffer,
+                                       self.buffer_offsets, self.signals, self.signal_offsets,
+                                       self.calls)
+
+
+def _offsets(ptrs: list[int], local: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Each rank's allocation relative to this rank's, in elements (peers share one address
+    space, so a kernel reaches a peer's memory as local pointer + offset)."""
+    base, size = local.data_ptr(), local.element_size()
+    assert all((p - base) % size == 0 for p in ptrs)
+    return torch.tensor([(p - base) // size for p in ptrs], dtype=torch.int64, device=device)
