@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from echo_kernels.norm import apply_rms
+from echo_kernels.norm import add_rms_norm_row
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 
@@ -92,14 +92,8 @@ def _all_reduce_add_rms_norm_kernel(
     _announce(signal_ptr, signal_offsets_ptr, row, rank, 2 * call, WORLD)
 
     # as all_reduce (rounded to the dtype) followed by fused_add_rms_norm
-    reduced = total.to(x.dtype).to(tl.float32)
-    r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
-    s = (reduced + r.to(tl.float32)).to(x.dtype)
-    tl.store(residual_ptr + row * stride_r + cols, s, mask=mask)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    sf = s.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(sf * sf, 0) / n_cols + eps)
-    tl.store(out_ptr + row * stride_o + cols, apply_rms(sf, rstd, w, x.dtype), mask=mask)
+    add_rms_norm_row(total.to(x.dtype), residual_ptr + row * stride_r, w_ptr,
+                     out_ptr + row * stride_o, cols, mask, n_cols, eps)
 
 
 def all_reduce_add_rms_norm(

@@ -25,6 +25,27 @@ def apply_rms(
 
 
 @triton.jit
+def add_rms_norm_row(
+    x,  # [BLOCK] one row, in the output dtype
+    residual_ptr,  # the row's residual: read, then overwritten with x + residual
+    w_ptr,
+    out_ptr,  # where the row's rms_norm(x + residual) goes
+    cols,
+    mask,
+    n_cols,
+    eps,
+):
+    """fused_add_rms_norm of one row (also the tail of the fused all-reduce)."""
+    r = tl.load(residual_ptr + cols, mask=mask, other=0.0)
+    s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    tl.store(residual_ptr + cols, s, mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    sf = s.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(sf * sf, 0) / n_cols + eps)
+    tl.store(out_ptr + cols, apply_rms(sf, rstd, w, x.dtype), mask=mask)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [num_rows, n_cols]
     w_ptr,  # [n_cols]
@@ -64,14 +85,8 @@ def _fused_add_rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
-    s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    tl.store(residual_ptr + row * stride_r + cols, s, mask=mask)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    sf = s.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(sf * sf, 0) / n_cols + eps)
-    y = apply_rms(sf, rstd, w, x.dtype)
-    tl.store(x_ptr + row * stride_x + cols, y, mask=mask)
+    add_rms_norm_row(x, residual_ptr + row * stride_r, w_ptr, x_ptr + row * stride_x, cols, mask,
+                     n_cols, eps)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
