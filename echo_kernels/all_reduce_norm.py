@@ -2,20 +2,23 @@
 that follow it, over buffers every rank can read (CUDA peer mapping; no NVLink multicast).
 
 A tensor-parallel decode step at batch 1 all-reduces a few KiB per layer twice, and each NCCL
-all-reduce then costs ~10 µs inside a CUDA graph, most of it latency. Here one program owns one
-row. It copies its partial row into this rank's buffer, meets the same row's program on every
-peer at a barrier, sums all ranks' copies in rank order (every rank gets the same bits and so
-samples the same token) and then does what `fused_add_rms_norm` does: one launch instead of an
-all-reduce and a norm.
+all-reduce then costs ~10 µs inside a CUDA graph, most of it latency. Here each program owns
+rows pid, pid + P, ... (P programs, at most one per SM, so all are resident together). It
+copies its rows' partial sums into this rank's buffer, meets the same program on every peer at
+a barrier, sums all ranks' copies in rank order (every rank gets the same bits and so samples
+the same token) and then does what `fused_add_rms_norm` does: one launch instead of an
+all-reduce and a norm. At two ranks each rank reads the other's rows once, the same bytes as
+NCCL's reduce-scatter + all-gather, so larger batches gain too.
 
-Barrier: `signals` is this rank's pad of int32 [rows, world]; entry [row, p] is the last phase
-rank p announced for that row. Call c of a row (counted per row in `calls`, on the device, so
-CUDA-graph replays count too) has two phases: 2c - 1, "my copy is in my buffer", and 2c, "I have
-read every peer's buffer". A program announces a phase by writing it into every peer's pad
-(release, system scope) and waits until each peer's entry in its own pad has reached it (acquire;
-a peer may already be one phase further). Before copying into its buffer a program waits for
-phase 2(c - 1) from every peer, so the previous call's readers are done; the wait is usually
-over already, which leaves one barrier on the critical path.
+Barrier: `signals` is this rank's pad of int32 [programs, world]; entry [pid, p] is the last
+phase rank p announced for program pid. Call c of a program (counted per program in `calls`,
+on the device, so CUDA-graph replays count too; every rank makes the same calls with the same
+row count, hence the same P) has two phases: 2c - 1, "my rows are in my buffer", and 2c, "I
+have read every peer's rows". A program announces a phase by writing it into every peer's pad
+(release, system scope) and waits until each peer's entry in its own pad has reached it
+(acquire; a peer may already be one phase further). Before copying into its buffer a program
+waits for phase 2(c - 1) from every peer, so the previous call's readers are done; the wait is
+usually over already, which leaves one barrier on the critical path.
 """
 
 import torch
@@ -27,19 +30,19 @@ from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 
 @triton.jit
-def _announce(signal_ptr, peer_offsets_ptr, row, rank, phase, WORLD: tl.constexpr):
+def _announce(signal_ptr, peer_offsets_ptr, pid, rank, phase, WORLD: tl.constexpr):
     tl.debug_barrier()  # every thread's earlier writes and reads come before the announcement
     for p in tl.static_range(WORLD):
         if p != rank:
             peer_pad = signal_ptr + tl.load(peer_offsets_ptr + p)
-            tl.atomic_xchg(peer_pad + row * WORLD + rank, phase, sem="release", scope="sys")
+            tl.atomic_xchg(peer_pad + pid * WORLD + rank, phase, sem="release", scope="sys")
 
 
 @triton.jit
-def _wait_for(signal_ptr, row, rank, phase, WORLD: tl.constexpr):
+def _wait_for(signal_ptr, pid, rank, phase, WORLD: tl.constexpr):
     for p in tl.static_range(WORLD):
         if p != rank:
-            entry = signal_ptr + row * WORLD + p
+            entry = signal_ptr + pid * WORLD + p
             # wrapping difference: equality and "one phase ahead" both pass, across overflow
             while tl.atomic_add(entry, 0, sem="acquire", scope="sys") - phase < 0:
                 pass
@@ -56,10 +59,11 @@ def _all_reduce_add_rms_norm_kernel(
     out_ptr,  # [rows, n_cols] rms_norm of the new residual
     buffer_ptr,  # this rank's peer-readable buffer, >= rows * n_cols elements
     buffer_offsets_ptr,  # [world] int64: each rank's buffer minus buffer_ptr, in elements
-    signal_ptr,  # this rank's pad, int32 [>= rows, world], zeroed before the first call
+    signal_ptr,  # this rank's pad, int32 [>= programs, world], zeroed before the first call
     signal_offsets_ptr,  # [world] int64: each rank's pad minus signal_ptr, in elements
-    calls_ptr,  # [>= rows] int32: calls so far per row, this rank's own
+    calls_ptr,  # [>= programs] int32: calls so far per program, this rank's own
     rank,
+    rows,
     n_cols,
     eps,
     stride_x,
@@ -70,30 +74,29 @@ def _all_reduce_add_rms_norm_kernel(
     USE_PDL: tl.constexpr,
 ):
     wait_for_inputs(USE_PDL)
-    row = tl.program_id(0)
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    call = tl.load(calls_ptr + row) + 1
-    tl.store(calls_ptr + row, call)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    call = tl.load(calls_ptr + pid) + 1
+    tl.store(calls_ptr + pid, call)
 
-    _wait_for(signal_ptr, row, rank, 2 * call - 2, WORLD)  # peers done with my last copy
-    tl.store(buffer_ptr + row * n_cols + cols, x, mask=mask)
-    _announce(signal_ptr, signal_offsets_ptr, row, rank, 2 * call - 1, WORLD)
-    _wait_for(signal_ptr, row, rank, 2 * call - 1, WORLD)
-    total = tl.zeros([BLOCK], dtype=tl.float32)
-    for p in tl.static_range(WORLD):
-        if p == rank:
-            total += x.to(tl.float32)
-        else:
+    _wait_for(signal_ptr, pid, rank, 2 * call - 2, WORLD)  # peers done with my last copy
+    for row in tl.range(pid, rows, programs):
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        tl.store(buffer_ptr + row * n_cols + cols, x, mask=mask)
+    _announce(signal_ptr, signal_offsets_ptr, pid, rank, 2 * call - 1, WORLD)
+    _wait_for(signal_ptr, pid, rank, 2 * call - 1, WORLD)
+    for row in tl.range(pid, rows, programs):
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for p in tl.static_range(WORLD):  # rank order, this rank's own buffer included
             # peer buffers are whole-page mappings: 16-element alignment lets loads vectorise
-            peer = buffer_ptr + tl.multiple_of(tl.load(buffer_offsets_ptr + p), 16)
-            total += tl.load(peer + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    _announce(signal_ptr, signal_offsets_ptr, row, rank, 2 * call, WORLD)
-
-    # as all_reduce (rounded to the dtype) followed by fused_add_rms_norm
-    add_rms_norm_row(total.to(x.dtype), residual_ptr + row * stride_r, w_ptr,
-                     out_ptr + row * stride_o, cols, mask, n_cols, eps)
+            src = buffer_ptr + tl.multiple_of(tl.load(buffer_offsets_ptr + p), 16)
+            total += tl.load(src + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        # as all_reduce (rounded to the dtype) followed by fused_add_rms_norm
+        add_rms_norm_row(total.to(x_ptr.dtype.element_ty), residual_ptr + row * stride_r, w_ptr,
+                         out_ptr + row * stride_o, cols, mask, n_cols, eps)
+    _announce(signal_ptr, signal_offsets_ptr, pid, rank, 2 * call, WORLD)
 
 
 def all_reduce_add_rms_norm(
@@ -110,23 +113,25 @@ def all_reduce_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + Σ_ranks x), residual + Σ_ranks x); residual is updated in place.
 
-    Every rank of the group must make the same calls with the same row count: each row's
-    program meets its peers. buffer/signals are this rank's peer-readable allocations and
-    *_offsets [world] int64 locate every rank's (itself included) relative to them, in elements.
+    Every rank of the group must make the same calls with the same row count: each program
+    meets its peers. buffer/signals are this rank's peer-readable allocations and *_offsets
+    [world] int64 locate every rank's (itself included) relative to them, in elements. At most
+    calls.numel() programs run: no more than can be resident at once.
     """
     assert x.shape == residual.shape and x.dtype == residual.dtype == buffer.dtype
     x2, r2 = x.view(-1, x.shape[-1]), residual.view(-1, x.shape[-1])
     rows, n_cols = x2.shape
     world = buffer_offsets.numel()
-    assert rows * n_cols <= buffer.numel() and rows <= calls.numel()
-    assert signals.dtype == torch.int32 and signals.numel() >= rows * world
+    programs = min(rows, calls.numel())
+    assert rows * n_cols <= buffer.numel(), "more rows than the buffer holds"
+    assert signals.dtype == torch.int32 and signals.numel() >= calls.numel() * world
     assert x2.stride(1) == 1 and r2.stride(1) == 1
     out = torch.empty_like(x)
     block = triton.next_power_of_2(n_cols)
     if rows:
-        _all_reduce_add_rms_norm_kernel[(rows,)](
+        _all_reduce_add_rms_norm_kernel[(programs,)](
             x2, r2, weight, out.view(-1, n_cols), buffer, buffer_offsets, signals,
-            signal_offsets, calls, rank, n_cols, eps, x2.stride(0), r2.stride(0), n_cols,
+            signal_offsets, calls, rank, rows, n_cols, eps, x2.stride(0), r2.stride(0), n_cols,
             WORLD=world, BLOCK=block, **pdl_options(x.device),
             num_warps=max(1, min(16, block // 512)))
     return out, residual

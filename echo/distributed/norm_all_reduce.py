@@ -3,7 +3,7 @@
 Opt-in (ECHO_FUSED_NORM_ALL_REDUCE=1, CUDA with NCCL) until measured on two GPUs: with it the
 row-parallel layers (o_proj, down_proj) leave their partial sums unreduced and the RMSNorm after
 each one all-reduces, adds the residual and normalises in one launch. Rows beyond `max_rows`
-(prefill chunks) take NCCL and the ordinary fused_add_rms_norm.
+(long prefill chunks) take NCCL and the ordinary fused_add_rms_norm.
 """
 
 import torch
@@ -13,26 +13,25 @@ class NormAllReduce:
     """This rank's buffer (max_rows x hidden) and signal pad, mapped by every peer."""
 
     def __init__(self, group, device: torch.device, hidden_size: int, dtype: torch.dtype,
-                 max_rows: int = 128):
+                 max_rows: int = 1024):
         import torch.distributed._symmetric_memory as symm_mem
 
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # needed by older torch releases, a no-op or absent in newer
             enable(group.group_name)
-        self.hidden_size, self.dtype = hidden_size, dtype
-        # one program per row, all resident at once: its peers' same rows must run meanwhile
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.max_rows = min(max_rows, sms)
-        self.buffer = symm_mem.empty(self.max_rows * hidden_size, dtype=dtype, device=device)
+        self.hidden_size, self.dtype, self.max_rows = hidden_size, dtype, max_rows
+        # at most one program per SM: all are resident at once, as their peers wait for them
+        programs = torch.cuda.get_device_properties(device).multi_processor_count
+        self.buffer = symm_mem.empty(max_rows * hidden_size, dtype=dtype, device=device)
         buffers = symm_mem.rendezvous(self.buffer, group.group_name)
         self.rank, world = buffers.rank, buffers.world_size
-        self.signals = symm_mem.empty(self.max_rows * world, dtype=torch.int32, device=device)
+        self.signals = symm_mem.empty(programs * world, dtype=torch.int32, device=device)
         self.signals.zero_()
         torch.cuda.synchronize(device)  # zeroed on every rank before any peer can signal
         pads = symm_mem.rendezvous(self.signals, group.group_name)  # collective
         self.buffer_offsets = _offsets(buffers.buffer_ptrs, self.buffer, device)
         self.signal_offsets = _offsets(pads.buffer_ptrs, self.signals, device)
-        self.calls = torch.zeros(self.max_rows, dtype=torch.int32, device=device)
+        self.calls = torch.zeros(programs, dtype=torch.int32, device=device)
 
     def fits(self, x: torch.Tensor) -> bool:
         rows = x.numel() // self.hidden_size

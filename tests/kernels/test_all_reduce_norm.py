@@ -16,14 +16,15 @@ from echo_kernels.all_reduce_norm import all_reduce_add_rms_norm
 from echo_kernels.reference import fused_add_rms_norm_ref
 
 ROWS, HIDDEN, EPS = 3, 48, 1e-6  # a hidden size that is not a power of two: masked columns
+PROGRAMS = 2  # fewer than the rows: program 0 owns rows 0 and 2
 
 
 class Rank:
     def __init__(self, rank: int, device, dtype=torch.float16):
         self.rank = rank
         self.buffer = torch.zeros(8 * HIDDEN, dtype=dtype, device=device)
-        self.signals = torch.zeros(8 * 2, dtype=torch.int32, device=device)
-        self.calls = torch.zeros(8, dtype=torch.int32, device=device)
+        self.signals = torch.zeros(PROGRAMS * 2, dtype=torch.int32, device=device)
+        self.calls = torch.zeros(PROGRAMS, dtype=torch.int32, device=device)
 
 
 def offsets(tensors, own):
@@ -49,9 +50,9 @@ def run(me: Rank, ranks: list[Rank], x, residual, weight):
     return result["out"]
 
 
-def pad(r: Rank, row: int, peer: int) -> int:
-    """The last phase `peer` announced to rank r for `row`."""
-    return int(r.signals[row * 2 + peer])
+def pad(r: Rank, pid: int, peer: int) -> int:
+    """The last phase `peer` announced to rank r for program `pid`."""
+    return int(r.signals[pid * 2 + peer])
 
 
 def test_one_rank_is_the_fused_add_rms_norm(device):
@@ -64,7 +65,7 @@ def test_one_rank_is_the_fused_add_rms_norm(device):
     out, new_residual = run(me, [me], x, residual.clone(), weight)
     torch.testing.assert_close(out, expected_out, atol=2e-3, rtol=0)
     assert torch.equal(new_residual, expected_residual)
-    assert me.calls[:ROWS].tolist() == [1] * ROWS
+    assert me.calls.tolist() == [1] * PROGRAMS
 
 
 def play_two_ranks(device, dtype, atol):
@@ -77,15 +78,15 @@ def play_two_ranks(device, dtype, atol):
                             for _ in range(3))
         # rank 1 got there first: its copy is in its buffer and it announced phase 2c - 1
         r1.buffer[: ROWS * HIDDEN] = x1.view(-1)
-        for row in range(ROWS):
-            r0.signals[row * 2 + 1] = 2 * call - 1
+        for pid in range(PROGRAMS):
+            r0.signals[pid * 2 + 1] = 2 * call - 1
         out0, res0 = run(r0, ranks, x0, residual.clone(), weight)
         assert torch.equal(r0.buffer[: ROWS * HIDDEN], x0.view(-1))
         # rank 0 announced both phases to rank 1: arrived, then done reading
-        assert [pad(r1, row, 0) for row in range(ROWS)] == [2 * call] * ROWS
+        assert [pad(r1, pid, 0) for pid in range(PROGRAMS)] == [2 * call] * PROGRAMS
         out1, res1 = run(r1, ranks, x1, residual.clone(), weight)
-        assert [pad(r0, row, 1) for row in range(ROWS)] == [2 * call] * ROWS
-        assert r0.calls[:ROWS].tolist() == r1.calls[:ROWS].tolist() == [call] * ROWS
+        assert [pad(r0, pid, 1) for pid in range(PROGRAMS)] == [2 * call] * PROGRAMS
+        assert r0.calls.tolist() == r1.calls.tolist() == [call] * PROGRAMS
 
         reduced = (x0.float() + x1.float()).to(dtype)
         expected_out, expected_residual = fused_add_rms_norm_ref(reduced, residual, weight, EPS)
