@@ -29,8 +29,8 @@ class NormAllReduce:
         self.signals.zero_()
         torch.cuda.synchronize(device)  # zeroed on every rank before any peer can signal
         pads = symm_mem.rendezvous(self.signals, group.group_name)  # collective
-        self.buffer_offsets = _offsets(buffers.buffer_ptrs, self.buffer, device)
-        self.signal_offsets = _offsets(pads.buffer_ptrs, self.signals, device)
+        self.buffer_offsets = _offsets(buffers.buffer_ptrs, self.rank, self.buffer)
+        self.signal_offsets = _offsets(pads.buffer_ptrs, self.rank, self.signals)
         self.calls = torch.zeros(programs, dtype=torch.int32, device=device)
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -47,9 +47,10 @@ class NormAllReduce:
                                        self.calls)
 
 
-def _offsets(ptrs: list[int], local: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _offsets(ptrs: list[int], rank: int, local: torch.Tensor) -> torch.Tensor:
     """Each rank's allocation relative to this rank's, in elements (peers share one address
-    space, so a kernel reaches a peer's memory as local pointer + offset)."""
-    base, size = local.data_ptr(), local.element_size()
-    assert all((p - base) % size == 0 for p in ptrs)
-    return torch.tensor([(p - base) // size for p in ptrs], dtype=torch.int64, device=device)
+    space, so a kernel reaches a peer's copy of `local` as local pointer + offset)."""
+    size = local.element_size()
+    assert all((p - ptrs[rank]) % size == 0 for p in ptrs)
+    return torch.tensor([(p - ptrs[rank]) // size for p in ptrs], dtype=torch.int64,
+                        device=local.device)
