@@ -8,17 +8,15 @@ each one all-reduces, adds the residual and normalises in one launch. Rows beyon
 
 import torch
 
+from echo.distributed.symm_mem_all_reduce import enable_symm_mem
+
 
 class NormAllReduce:
     """This rank's buffer (max_rows x hidden) and signal pad, mapped by every peer."""
 
     def __init__(self, group, device: torch.device, hidden_size: int, dtype: torch.dtype,
                  max_rows: int = 1024):
-        import torch.distributed._symmetric_memory as symm_mem
-
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # needed by older torch releases, a no-op or absent in newer
-            enable(group.group_name)
+        symm_mem = enable_symm_mem(group.group_name)
         self.hidden_size, self.dtype, self.max_rows = hidden_size, dtype, max_rows
         # at most one program per SM: all are resident at once, as their peers wait for them
         programs = torch.cuda.get_device_properties(device).multi_processor_count

@@ -13,19 +13,26 @@ Off by default until measured on the two-GPU machine (ECHO_SYMM_MEM_ALL_REDUCE=1
 import torch
 
 
+def enable_symm_mem(group_name: str):
+    """torch's symmetric-memory module, set up for the group (older torch releases need that;
+    newer ones have no such step)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:
+        enable(group_name)
+    return symm_mem
+
+
 class SymmMemAllReduce:
     """Owns one symmetric buffer of `max_bytes` per rank; `fits(x)` says whether x goes here."""
 
     def __init__(self, group, device: torch.device, max_bytes: int = 1 << 20,
                  dtype: torch.dtype = torch.bfloat16):
-        import torch.distributed._symmetric_memory as symm_mem
-
         self.group_name = group.group_name
         self.dtype = dtype
         self.max_numel = max_bytes // dtype.itemsize
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # needed by older torch releases, a no-op or absent in newer
-            enable(self.group_name)
+        symm_mem = enable_symm_mem(self.group_name)
         self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
         # collective: every rank maps every peer's buffer and signal pad
         symm_mem.rendezvous(self.buffer, self.group_name)

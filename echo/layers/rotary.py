@@ -7,6 +7,7 @@ from torch import nn
 
 from echo.attention.backend import RopeInputs
 from echo.models.arch import RopeScaling
+from echo_kernels.reference import rms_norm_ref
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -54,9 +55,7 @@ def rope_reference(rope: RopeInputs, q: torch.Tensor, k: torch.Tensor):
     """Rotated copies of q [tokens, heads, d] and k [tokens, kv_heads, d], as Hugging Face's
     modules compute them."""
     if rope.q_norm_weight is not None:
-        from echo.layers.layernorm import rms_norm_reference
-
-        q = rms_norm_reference(q, rope.q_norm_weight, rope.eps)
-        k = rms_norm_reference(k, rope.k_norm_weight, rope.eps)
+        q = rms_norm_ref(q, rope.q_norm_weight, rope.eps)
+        k = rms_norm_ref(k, rope.k_norm_weight, rope.eps)
     return (rotary_reference(rope.positions, q, rope.cos_sin_cache),
             rotary_reference(rope.positions, k, rope.cos_sin_cache))
