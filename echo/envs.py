@@ -55,9 +55,9 @@ def symm_mem_all_reduce() -> bool:
 
 def fused_norm_all_reduce() -> bool:
     """Tensor-parallel all-reduces before an RMSNorm run fused with the residual add and the
-    norm, as one-shot reads of peer-mapped buffers (ECHO_FUSED_NORM_ALL_REDUCE=1, CUDA; off
-    until measured on two GPUs)."""
-    return os.environ.get("ECHO_FUSED_NORM_ALL_REDUCE", "0") == "1"
+    norm, as one-shot reads of peer-mapped buffers (CUDA; default 1, ECHO_FUSED_NORM_ALL_REDUCE=0
+    turns it off). On two H200s it took a batch-1 Qwen3-8B step from 3.27 to 3.08 ms."""
+    return os.environ.get("ECHO_FUSED_NORM_ALL_REDUCE", "1") == "1"
 
 
 def tune_small_m() -> bool:

@@ -11,14 +11,15 @@ all-reduce and a norm. At two ranks each rank reads the other's rows once, the s
 NCCL's reduce-scatter + all-gather, so larger batches gain too.
 
 Barrier: `signals` is this rank's pad of int32 [programs, world]; entry [pid, p] is the last
-phase rank p announced for program pid. Call c of a program (counted per program in `calls`,
-on the device, so CUDA-graph replays count too; every rank makes the same calls with the same
-row count, hence the same P) has two phases: 2c - 1, "my rows are in my buffer", and 2c, "I
-have read every peer's rows". A program announces a phase by writing it into every peer's pad
-(release, system scope) and waits until each peer's entry in its own pad has reached it
-(acquire; a peer may already be one phase further). Before copying into its buffer a program
-waits for phase 2(c - 1) from every peer, so the previous call's readers are done; the wait is
-usually over already, which leaves one barrier on the critical path.
+call rank p announced for program pid. Calls are counted per program in `calls`, on the device,
+so CUDA-graph replays count too; every rank makes the same calls with the same row count, and
+row r always belongs to program r mod P_max (P_max = calls.numel()), so a program meets the
+same rows on every rank in every call. In call c a program copies its rows into half c mod 2 of
+its buffer, announces c by writing it into every peer's pad (release, system scope), waits until
+each peer's entry in its own pad has reached c (acquire) and reads every rank's half c mod 2.
+One barrier per call, because the halves alternate: a peer announces c + 1 only after it has
+finished call c, so the copy of call c + 2 into the same half cannot overtake a peer still
+reading call c, and no peer gets more than one call ahead (it would need this rank's c + 1).
 """
 
 import torch
@@ -57,7 +58,8 @@ def _all_reduce_add_rms_norm_kernel(
     residual_ptr,  # [rows, n_cols] in: residual; out: residual + all-reduced x
     w_ptr,  # [n_cols]
     out_ptr,  # [rows, n_cols] rms_norm of the new residual
-    buffer_ptr,  # this rank's peer-readable buffer, >= rows * n_cols elements
+    buffer_ptr,  # this rank's peer-readable buffer: two halves of >= rows * n_cols elements
+    half,  # elements per half
     buffer_offsets_ptr,  # [world] int64: each rank's buffer minus buffer_ptr, in elements
     signal_ptr,  # this rank's pad, int32 [>= programs, world], zeroed before the first call
     signal_offsets_ptr,  # [world] int64: each rank's pad minus signal_ptr, in elements
@@ -81,22 +83,22 @@ def _all_reduce_add_rms_norm_kernel(
     call = tl.load(calls_ptr + pid) + 1
     tl.store(calls_ptr + pid, call)
 
-    _wait_for(signal_ptr, pid, rank, 2 * call - 2, WORLD)  # peers done with my last copy
+    slot = buffer_ptr + (call & 1) * half  # the parity survives the int32 wrap
     for row in tl.range(pid, rows, programs):
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        tl.store(buffer_ptr + row * n_cols + cols, x, mask=mask)
-    _announce(signal_ptr, signal_offsets_ptr, pid, rank, 2 * call - 1, WORLD)
-    _wait_for(signal_ptr, pid, rank, 2 * call - 1, WORLD)
+        tl.store(slot + row * n_cols + cols, x, mask=mask)
+    _announce(signal_ptr, signal_offsets_ptr, pid, rank, call, WORLD)
+    _wait_for(signal_ptr, pid, rank, call, WORLD)
     for row in tl.range(pid, rows, programs):
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for p in tl.static_range(WORLD):  # rank order, this rank's own buffer included
-            # peer buffers are whole-page mappings: 16-element alignment lets loads vectorise
-            src = buffer_ptr + tl.multiple_of(tl.load(buffer_offsets_ptr + p), 16)
+            # peer buffers are whole-page mappings and halves multiples of 16 elements:
+            # the alignment lets loads vectorise
+            src = slot + tl.multiple_of(tl.load(buffer_offsets_ptr + p), 16)
             total += tl.load(src + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         # as all_reduce (rounded to the dtype) followed by fused_add_rms_norm
         add_rms_norm_row(total.to(x_ptr.dtype.element_ty), residual_ptr + row * stride_r, w_ptr,
                          out_ptr + row * stride_o, cols, mask, n_cols, eps)
-    _announce(signal_ptr, signal_offsets_ptr, pid, rank, 2 * call, WORLD)
 
 
 def all_reduce_add_rms_norm(
@@ -115,22 +117,24 @@ def all_reduce_add_rms_norm(
 
     Every rank of the group must make the same calls with the same row count: each program
     meets its peers. buffer/signals are this rank's peer-readable allocations and *_offsets
-    [world] int64 locate every rank's (itself included) relative to them, in elements. At most
-    calls.numel() programs run: no more than can be resident at once.
+    [world] int64 locate every rank's (itself included) relative to them, in elements; the
+    buffer's two halves alternate between calls. At most calls.numel() programs run: no more
+    than can be resident at once.
     """
     assert x.shape == residual.shape and x.dtype == residual.dtype == buffer.dtype
     x2, r2 = x.view(-1, x.shape[-1]), residual.view(-1, x.shape[-1])
     rows, n_cols = x2.shape
     world = buffer_offsets.numel()
     programs = min(rows, calls.numel())
-    assert rows * n_cols <= buffer.numel(), "more rows than the buffer holds"
+    half = buffer.numel() // 2 // 16 * 16  # a multiple of 16 elements: see the kernel
+    assert rows * n_cols <= half, "more rows than half the buffer holds"
     assert signals.dtype == torch.int32 and signals.numel() >= calls.numel() * world
     assert x2.stride(1) == 1 and r2.stride(1) == 1
     out = torch.empty_like(x)
     block = triton.next_power_of_2(n_cols)
     if rows:
         _all_reduce_add_rms_norm_kernel[(programs,)](
-            x2, r2, weight, out.view(-1, n_cols), buffer, buffer_offsets, signals,
+            x2, r2, weight, out.view(-1, n_cols), buffer, half, buffer_offsets, signals,
             signal_offsets, calls, rank, rows, n_cols, eps, x2.stride(0), r2.stride(0), n_cols,
             WORLD=world, BLOCK=block, **pdl_options(x.device),
             num_warps=max(1, min(16, block // 512)))

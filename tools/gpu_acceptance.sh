@@ -30,22 +30,24 @@ run_stage() {
     tp)  # PDL and the one-row GEMV tuning are on by default
       $PY -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_multiprocess.py -k gpu_worker \
         2>&1 | tail -2
-      echo "ECHO_FUSED_NORM_ALL_REDUCE=1"  # all-reduce + add + RMSNorm in one launch
-      ECHO_FUSED_NORM_ALL_REDUCE=1 $PY -m pytest -m gpu -q -p no:cacheprovider \
+      echo "ECHO_FUSED_NORM_ALL_REDUCE=0"  # NCCL, then the add + RMSNorm
+      ECHO_FUSED_NORM_ALL_REDUCE=0 $PY -m pytest -m gpu -q -p no:cacheprovider \
         tests/engine/test_multiprocess.py -k gpu_worker 2>&1 | tail -2
-      for flags in "ECHO_SYMM_MEM_ALL_REDUCE=0" "ECHO_SYMM_MEM_ALL_REDUCE=1" \
-                   "ECHO_FUSED_NORM_ALL_REDUCE=1"; do
+      $PY tools/bench_all_reduce.py --json "$dir/all_reduce.json" 2>&1 | tail -6
+      for flags in "ECHO_FUSED_NORM_ALL_REDUCE=1" "ECHO_FUSED_NORM_ALL_REDUCE=0" \
+                   "ECHO_SYMM_MEM_ALL_REDUCE=1 ECHO_FUSED_NORM_ALL_REDUCE=0"; do
         echo "$flags"
-        env "$flags" $PY tools/bench_latency.py --model qwen3-8b --tp 2 \
-          --json "$dir/latency_tp2_${flags}.json" 2>&1 | tail -1
+        # shellcheck disable=SC2086
+        env $flags $PY tools/bench_latency.py --model qwen3-8b --tp 2 \
+          --json "$dir/latency_tp2_${flags// /_}.json" 2>&1 | tail -1
       done
       for run in "1" "2" "2 --multiprocess"; do
         # shellcheck disable=SC2086
         $PY tools/bench_offline.py --model qwen3-8b --tp $run \
           --json "$dir/offline_tp${run// /_}.json" 2>&1 | tail -1
       done
-      ECHO_FUSED_NORM_ALL_REDUCE=1 $PY tools/bench_offline.py --model qwen3-8b --tp 2 \
-        --json "$dir/offline_tp2_fused_norm.json" 2>&1 | tail -1 ;;
+      ECHO_FUSED_NORM_ALL_REDUCE=0 $PY tools/bench_offline.py --model qwen3-8b --tp 2 \
+        --json "$dir/offline_tp2_nccl_norm.json" 2>&1 | tail -1 ;;
     offline)
       for mode in "" "--multiprocess" "--engine-process" "--kv-cache-dtype int8" \
                   "--multiprocess --kv-cache-dtype int8"; do

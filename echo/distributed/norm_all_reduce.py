@@ -1,6 +1,6 @@
 """The peer-readable buffers behind echo_kernels.all_reduce_norm, for one tensor-parallel group.
 
-Opt-in (ECHO_FUSED_NORM_ALL_REDUCE=1, CUDA with NCCL) until measured on two GPUs: with it the
+On by default under CUDA with NCCL (ECHO_FUSED_NORM_ALL_REDUCE=0 turns it off): the
 row-parallel layers (o_proj, down_proj) leave their partial sums unreduced and the RMSNorm after
 each one all-reduces, adds the residual and normalises in one launch. Rows beyond `max_rows`
 (long prefill chunks) take NCCL and the ordinary fused_add_rms_norm.
@@ -12,7 +12,8 @@ from echo.distributed.symm_mem_all_reduce import enable_symm_mem
 
 
 class NormAllReduce:
-    """This rank's buffer (max_rows x hidden) and signal pad, mapped by every peer."""
+    """This rank's buffer (two halves of max_rows x hidden) and signal pad, mapped by every
+    peer."""
 
     def __init__(self, group, device: torch.device, hidden_size: int, dtype: torch.dtype,
                  max_rows: int = 1024):
@@ -20,7 +21,7 @@ class NormAllReduce:
         self.hidden_size, self.dtype, self.max_rows = hidden_size, dtype, max_rows
         # at most one program per SM: all are resident at once, as their peers wait for them
         programs = torch.cuda.get_device_properties(device).multi_processor_count
-        self.buffer = symm_mem.empty(max_rows * hidden_size, dtype=dtype, device=device)
+        self.buffer = symm_mem.empty(2 * max_rows * hidden_size, dtype=dtype, device=device)
         buffers = symm_mem.rendezvous(self.buffer, group.group_name)
         self.rank, world = buffers.rank, buffers.world_size
         self.signals = symm_mem.empty(programs * world, dtype=torch.int32, device=device)

@@ -2,9 +2,9 @@
 
 On CPU (interpreter) two ranks are played one after the other in one process: each rank's
 buffer and signal pad are ordinary tensors, and what the peer would have done before a rank's
-call (its copy, its announcement) is written by the test. The result must equal the reference
-all-reduce followed by fused_add_rms_norm, bit for bit on both ranks, and the signal pads must
-hold the phases the protocol promises.
+call (its copy into the call's half of its buffer, its announcement) is written by the test.
+The result must equal the reference all-reduce followed by fused_add_rms_norm, bit for bit on
+both ranks, and the signal pads must hold the calls the protocol promises.
 """
 
 import threading
@@ -17,12 +17,13 @@ from echo_kernels.reference import fused_add_rms_norm_ref
 
 ROWS, HIDDEN, EPS = 3, 48, 1e-6  # a hidden size that is not a power of two: masked columns
 PROGRAMS = 2  # fewer than the rows: program 0 owns rows 0 and 2
+HALF = 4 * HIDDEN  # elements per half of a buffer: 4 rows
 
 
 class Rank:
     def __init__(self, rank: int, device, dtype=torch.float16):
         self.rank = rank
-        self.buffer = torch.zeros(8 * HIDDEN, dtype=dtype, device=device)
+        self.buffer = torch.zeros(2 * HALF, dtype=dtype, device=device)
         self.signals = torch.zeros(PROGRAMS * 2, dtype=torch.int32, device=device)
         self.calls = torch.zeros(PROGRAMS, dtype=torch.int32, device=device)
 
@@ -51,7 +52,7 @@ def run(me: Rank, ranks: list[Rank], x, residual, weight):
 
 
 def pad(r: Rank, pid: int, peer: int) -> int:
-    """The last phase `peer` announced to rank r for program `pid`."""
+    """The last call `peer` announced to rank r for program `pid`."""
     return int(r.signals[pid * 2 + peer])
 
 
@@ -73,19 +74,19 @@ def play_two_ranks(device, dtype, atol):
     r0, r1 = Rank(0, device, dtype), Rank(1, device, dtype)
     ranks = [r0, r1]
     weight = torch.rand(HIDDEN, dtype=dtype, device=device) + 0.5
-    for call in (1, 2):
+    for call in (1, 2, 3):  # the halves alternate: 1, 0, 1
         x0, x1, residual = (torch.randn(ROWS, HIDDEN, dtype=dtype, device=device)
                             for _ in range(3))
-        # rank 1 got there first: its copy is in its buffer and it announced phase 2c - 1
-        r1.buffer[: ROWS * HIDDEN] = x1.view(-1)
+        half = slice(call % 2 * HALF, call % 2 * HALF + ROWS * HIDDEN)
+        # rank 1 got there first: its copy is in its buffer and it announced the call
+        r1.buffer[half] = x1.view(-1)
         for pid in range(PROGRAMS):
-            r0.signals[pid * 2 + 1] = 2 * call - 1
+            r0.signals[pid * 2 + 1] = call
         out0, res0 = run(r0, ranks, x0, residual.clone(), weight)
-        assert torch.equal(r0.buffer[: ROWS * HIDDEN], x0.view(-1))
-        # rank 0 announced both phases to rank 1: arrived, then done reading
-        assert [pad(r1, pid, 0) for pid in range(PROGRAMS)] == [2 * call] * PROGRAMS
+        assert torch.equal(r0.buffer[half], x0.view(-1))
+        assert [pad(r1, pid, 0) for pid in range(PROGRAMS)] == [call] * PROGRAMS
         out1, res1 = run(r1, ranks, x1, residual.clone(), weight)
-        assert [pad(r0, pid, 1) for pid in range(PROGRAMS)] == [2 * call] * PROGRAMS
+        assert [pad(r0, pid, 1) for pid in range(PROGRAMS)] == [call] * PROGRAMS
         assert r0.calls.tolist() == r1.calls.tolist() == [call] * PROGRAMS
 
         reduced = (x0.float() + x1.float()).to(dtype)
@@ -105,10 +106,10 @@ def test_gpu_two_ranks_played_on_one_device():
     play_two_ranks("cuda", torch.bfloat16, 2e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 8])
-def test_rejects_more_rows_than_the_buffer_holds(device, rows):
+@pytest.mark.parametrize("rows", [HALF // HIDDEN + 1, 2 * HALF // HIDDEN])
+def test_rejects_more_rows_than_half_the_buffer_holds(device, rows):
     me = Rank(0, device)
-    x = torch.zeros(rows + 8, HIDDEN, dtype=torch.float16, device=device)
+    x = torch.zeros(rows, HIDDEN, dtype=torch.float16, device=device)
     with pytest.raises(AssertionError):
         all_reduce_add_rms_norm(x, x.clone(), torch.ones(HIDDEN, dtype=torch.float16,
                                                          device=device), EPS, 0, me.buffer,
