@@ -23,6 +23,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from echo.attention.backend import cache_scales  # noqa: E402
 from echo_kernels import (  # noqa: E402
     fused_add_rms_norm,
     rms_norm,
@@ -93,8 +94,8 @@ def paged_decode_inputs(batch: int, ctx: int, heads=(32, 8), head_dim=128, block
     if kv_dtype == torch.int8:
         k_cache = torch.randint(-127, 128, shape, device="cuda", dtype=torch.int8)
         v_cache = torch.randint(-127, 128, shape, device="cuda", dtype=torch.int8)
-        k_scale = torch.rand(shape[:3], device="cuda") / 127
-        v_scale = torch.rand(shape[:3], device="cuda") / 127
+        k_scale, v_scale = (cache_scales(num_blocks, block_size, num_kv, "cuda")
+                            .uniform_(0, 1 / 127) for _ in range(2))  # the engine's layout
     else:
         k_cache = torch.randn(shape, device="cuda", dtype=kv_dtype)
         v_cache = torch.randn(shape, device="cuda", dtype=kv_dtype)

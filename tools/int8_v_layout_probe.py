@@ -1,6 +1,6 @@
 """Probe for the int8 issue: where does int8 decode attention lose its bandwidth?
 
-    python tools/int8_v_layout_probe.py   (on a GPU)
+    python tools/int8_v_layout_probe.py [--experiment v-layout|cache-layout]   (on a GPU)
 
 A stripped decode kernel (no masks, no int8 scales, no split merge; 32/8 heads, d=128, block
 16, random block tables) times int8 K/V with V stored token-major, as echo's cache does, against
@@ -8,9 +8,15 @@ V stored head-dim-major ([blocks, heads, d, block], tokens contiguous), which le
 MMA through ldmatrix instead of one shared-memory byte load per element (sm_90 SASS), and
 integer MMAs (q quantised per row; p per row and tile, V head-dim-major) against float16
 products.
+`--experiment cache-layout` instead compares, for int8 and bf16 alike, echo's token-major
+blocks ([blocks, block, heads, d]: a program's K row is one 128-byte piece of int8, 1 KiB from
+the next token's) with head-major blocks ([blocks, heads, block, d]: 16 tokens of one head in one
+contiguous 2 KiB piece of int8).
 Prints microseconds per call (CUDA graph over 4 caches in rotation) for several tiles and
 split counts. Speed only: the integer products' accuracy is not checked here.
 """
+
+import argparse
 
 import torch
 import triton
@@ -84,7 +90,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, tiles_per_prog, max_blo
 
 def time_decode(batch: int, ctx: int, head_dim_major_v: bool, is_int8: bool, splits: int,
                 block_n: int, stages: int, int8_qk: bool = False, int8_pv: bool = False,
-                rotation: int = 4) -> float:
+                head_major_blocks: bool = False, rotation: int = 4) -> float:
     """Microseconds per decode call, CUDA graph over `rotation` caches (past the L2)."""
     blocks_per_seq = ctx // BS
     num_blocks = batch * blocks_per_seq + 64
@@ -95,10 +101,16 @@ def time_decode(batch: int, ctx: int, head_dim_major_v: bool, is_int8: bool, spl
             return torch.randint(-127, 127, shape, dtype=torch.int8, device="cuda")
         return torch.randn(shape, dtype=torch.bfloat16, device="cuda")
 
+    def token_major_view(shape):
+        if head_major_blocks:  # stored [blocks, heads, block, d], indexed as token-major
+            return cache((num_blocks, KV_HEADS, BS, D)).transpose(1, 2)
+        return cache(shape)
+
     caches = []
     for _ in range(rotation):
-        k = cache(token_major)
-        v = cache((num_blocks, KV_HEADS, D, BS) if head_dim_major_v else token_major)
+        k = token_major_view(token_major)
+        v = cache((num_blocks, KV_HEADS, D, BS)) if head_dim_major_v else token_major_view(
+            token_major)
         ids = torch.randperm(num_blocks - 64, device="cuda", dtype=torch.int32)
         table = torch.zeros(batch, blocks_per_seq + 64, dtype=torch.int32, device="cuda")
         table[:, :blocks_per_seq] = ids[: batch * blocks_per_seq].view(batch, blocks_per_seq)
@@ -128,7 +140,19 @@ def time_decode(batch: int, ctx: int, head_dim_major_v: bool, is_int8: bool, spl
     return triton.testing.do_bench(graph.replay, warmup=20, rep=200) * 1e3 / rotation
 
 
-def main() -> None:
+def cache_layouts() -> None:
+    cases = ((8, 32768, 4), (8, 32768, 8), (256, 1024, 1))
+    for batch, ctx, splits in cases:
+        for is_int8, tiles in ((False, ((64, 3), (32, 3))), (True, ((128, 3), (128, 2), (64, 3)))):
+            for block_n, stages in tiles:
+                times = [time_decode(batch, ctx, False, is_int8, splits, block_n, stages,
+                                     head_major_blocks=hm) for hm in (False, True)]
+                print(f"B={batch} L={ctx} splits={splits} {'int8' if is_int8 else 'bf16'} "
+                      f"{block_n}x{stages}: token-major blocks {times[0]:.1f} us, "
+                      f"head-major blocks {times[1]:.1f} us", flush=True)
+
+
+def v_layouts() -> None:
     tiles = ((128, 3), (128, 2), (64, 3), (256, 2))
     for batch, ctx, split_counts in ((8, 32768, (4, 8)), (256, 1024, (1,))):
         for splits in split_counts:
@@ -147,6 +171,14 @@ def main() -> None:
                 }
                 print(f"  int8 {block_n}x{stages}: "
                       + ", ".join(f"{k} {v:.1f} us" for k, v in times.items()), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experiment", choices=("v-layout", "cache-layout"),
+                        default="v-layout")
+    args = parser.parse_args()
+    cache_layouts() if args.experiment == "cache-layout" else v_layouts()
 
 
 if __name__ == "__main__":

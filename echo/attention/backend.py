@@ -47,8 +47,21 @@ class RopeInputs:
 class KVCache:
     k: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     v: torch.Tensor
-    k_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] for int8
+    # int8 caches: [num_blocks, block_size, num_kv_heads] float32, stored as cache_scales lays
+    # them out
+    k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+
+
+def cache_scales(num_blocks: int, block_size: int, num_kv_heads: int, device: torch.device,
+                 fill: float = 0.0) -> torch.Tensor:
+    """One int8 cache's per-token, per-KV-head scales, indexed [num_blocks, block_size,
+    num_kv_heads] but stored [num_blocks, num_kv_heads, block_size]. A decode program reads one
+    KV head: stored that way, a block's 16 scales of its head are one 64-byte piece rather than
+    16 floats 32 bytes apart (int8 decode at B=8 x 32K on an H200: 193.2 -> 187.4 us). Kernels
+    take the strides, so the layout is this function's alone."""
+    return torch.full((num_blocks, num_kv_heads, block_size), fill, dtype=torch.float32,
+                      device=device).transpose(1, 2)
 
 
 class AttentionBackend(ABC):

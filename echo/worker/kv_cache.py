@@ -3,15 +3,16 @@
 Per layer, K and V are `[num_blocks, block_size, num_kv_heads, head_dim]`, in the model dtype
 ("auto", "bf16") or in int8 ("int8"). An int8 cache also keeps one float32 scale per token and
 KV head, `k_scale/v_scale [num_blocks, block_size, num_kv_heads]` (symmetric absmax / 127, as
-echo_kernels.cache.store_kv_cache writes them), so a token costs head_dim + 4 bytes per head
-instead of 2 * head_dim in bf16: 1.94x the blocks at head_dim 128.
+echo_kernels.cache.store_kv_cache writes them; stored head-major, see cache_scales), so a token
+costs head_dim + 4 bytes per head instead of 2 * head_dim in bf16: 1.94x the blocks at head_dim
+128.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from echo.attention.backend import KVCache
+from echo.attention.backend import KVCache, cache_scales
 
 SCALE_DTYPE = torch.float32
 
@@ -61,7 +62,7 @@ class KVCacheSpec:
             return [KVCache(zeros(shape, self.dtype), zeros(shape, self.dtype))
                     for _ in range(self.num_layers)]
         return [KVCache(zeros(shape, torch.int8), zeros(shape, torch.int8),
-                        zeros(shape[:3], SCALE_DTYPE), zeros(shape[:3], SCALE_DTYPE))
+                        *(cache_scales(*shape[:3], device) for _ in range(2)))
                 for _ in range(self.num_layers)]
 
     def describe(self, num_blocks: int, num_ranks: int = 1) -> str:

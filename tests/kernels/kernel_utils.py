@@ -2,6 +2,8 @@
 
 import torch
 
+from echo.attention.backend import cache_scales
+
 HAS_CUDA = torch.cuda.is_available()
 
 
@@ -41,8 +43,9 @@ class PagedBatch:
         if kv_dtype == torch.int8:
             self.k_cache = torch.zeros(shape, dtype=torch.int8, device=device)
             self.v_cache = torch.zeros(shape, dtype=torch.int8, device=device)
-            self.k_scale = torch.full(shape[:3], float("nan"), device=device)
-            self.v_scale = torch.full(shape[:3], float("nan"), device=device)
+            # the engine's layout; NaN where no token was stored, so a read of one shows
+            self.k_scale, self.v_scale = (cache_scales(*shape[:3], device, fill=float("nan"))
+                                          for _ in range(2))
         else:
             self.k_cache = torch.full(shape, float("nan"), dtype=kv_dtype, device=device)
             self.v_cache = torch.full(shape, float("nan"), dtype=kv_dtype, device=device)

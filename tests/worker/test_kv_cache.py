@@ -40,6 +40,8 @@ def test_allocation_dtypes_shapes_and_bytes(kv_cache_dtype):
         if kv_cache_dtype == "int8":
             assert cache.k.dtype == cache.v.dtype == torch.int8
             assert cache.k_scale.shape == cache.v_scale.shape == (5, 16, 2)
+            # a block's scales of one head are contiguous (cache_scales)
+            assert cache.k_scale.stride() == cache.v_scale.stride() == (32, 1, 16)
             assert cache.k_scale.dtype == cache.v_scale.dtype == torch.float32
         else:
             assert cache.k.dtype == cache.v.dtype == torch.bfloat16
