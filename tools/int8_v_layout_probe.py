@@ -1,14 +1,17 @@
 """Probe for the int8 issue: where does int8 decode attention lose its bandwidth?
 
-    python tools/int8_v_layout_probe.py [--experiment v-layout|cache-layout]   (on a GPU)
+    python tools/int8_v_layout_probe.py [--experiment v-layout|cache-layout|overheads]
 
-A stripped decode kernel (no masks, no int8 scales, no split merge; 32/8 heads, d=128, block
-16, random block tables) times int8 K/V with V stored token-major, as echo's cache does, against
+A stripped decode kernel (no masks, no split merge, int8 scales only where said; 32/8 heads,
+d=128, block 16, random block tables) times int8 K/V with V stored token-major, as echo's cache does, against
 V stored head-dim-major ([blocks, heads, d, block], tokens contiguous), which lets V reach the
 MMA through ldmatrix instead of one shared-memory byte load per element (sm_90 SASS), and
 integer MMAs (q quantised per row; p per row and tile, V head-dim-major) against float16
 products.
-`--experiment cache-layout` instead compares, for int8 and bf16 alike, echo's token-major
+`--experiment overheads` adds to the int8 loop what paged_attention has and the probe lacks:
+the int8 scales (applied as paged_attention applies them) and PDL launches (ECHO_PDL), each
+alone and together.
+`--experiment cache-layout` compares, for int8 and bf16 alike, echo's token-major
 blocks ([blocks, block, heads, d]: a program's K row is one 128-byte piece of int8, 1 KiB from
 the next token's) with head-major blocks ([blocks, heads, block, d]: 16 tokens of one head in one
 contiguous 2 KiB piece of int8).
@@ -23,16 +26,19 @@ import triton
 import triton.language as tl
 
 from echo_kernels.attention.common import int8_to_fp16
+from echo_kernels.pdl import wait_for_inputs
 
 BS, D, KV_HEADS, GROUP = 16, 128, 8, 4
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, tiles_per_prog, max_blocks,
-                   skb, skt, skh, svb, svh, svd, svt,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, ks_ptr, vs_ptr, tiles_per_prog,
+                   max_blocks, skb, skt, skh, svb, svh, svd, svt, ssb, sst, ssh,
                    HEAD_DIM_MAJOR_V: tl.constexpr, IS_INT8: tl.constexpr, SPLITS: tl.constexpr,
                    BLOCK_N: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                   GROUP: tl.constexpr, INT8_QK: tl.constexpr, INT8_PV: tl.constexpr):
+                   GROUP: tl.constexpr, INT8_QK: tl.constexpr, INT8_PV: tl.constexpr,
+                   SCALES: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_inputs(USE_PDL)
     pid = tl.program_id(0)
     split = pid % SPLITS
     kvh = (pid // SPLITS) % 8
@@ -63,12 +69,17 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, tiles_per_prog, max_blo
             if IS_INT8:
                 k = int8_to_fp16(k)
             qk = tl.dot(q, tl.trans(k.to(tl.float16)))
+        if SCALES:  # as paged_attention applies int8 scales: keys' on the scores, values' on p
+            sc_off = blk * ssb + row * sst + kvh * ssh
+            qk = qk * tl.load(ks_ptr + sc_off)[None, :]
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         m_i = m_new
+        if SCALES:
+            p = p * tl.load(vs_ptr + sc_off)[None, :]
         if HEAD_DIM_MAJOR_V:
             v_t = tl.load(v_ptr + blk[None, :] * svb + kvh * svh + offs_d[:, None] * svd
                           + row[None, :])
@@ -90,7 +101,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, tiles_per_prog, max_blo
 
 def time_decode(batch: int, ctx: int, head_dim_major_v: bool, is_int8: bool, splits: int,
                 block_n: int, stages: int, int8_qk: bool = False, int8_pv: bool = False,
-                head_major_blocks: bool = False, rotation: int = 4) -> float:
+                head_major_blocks: bool = False, scales: bool = False, pdl: bool = False,
+                rotation: int = 4) -> float:
     """Microseconds per decode call, CUDA graph over `rotation` caches (past the L2)."""
     blocks_per_seq = ctx // BS
     num_blocks = batch * blocks_per_seq + 64
@@ -114,21 +126,25 @@ def time_decode(batch: int, ctx: int, head_dim_major_v: bool, is_int8: bool, spl
         ids = torch.randperm(num_blocks - 64, device="cuda", dtype=torch.int32)
         table = torch.zeros(batch, blocks_per_seq + 64, dtype=torch.int32, device="cuda")
         table[:, :blocks_per_seq] = ids[: batch * blocks_per_seq].view(batch, blocks_per_seq)
-        caches.append((k, v, table))
+        # the engine's scale layout (echo.attention.backend.cache_scales): block-major, then head
+        ks, vs = (torch.rand(num_blocks, KV_HEADS, BS, device="cuda").div(127).transpose(1, 2)
+                  for _ in range(2))
+        caches.append((k, v, table, ks, vs))
     q = torch.randn(batch, 32, D, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(batch * KV_HEADS * splits * 16, D, device="cuda", dtype=torch.float32)
     grid = (batch * KV_HEADS * splits,)
 
-    def call(k, v, table):
+    def call(k, v, table, ks, vs):
         if head_dim_major_v:
             svb, svh, svd, svt = *v.stride()[:3], 1
         else:
             svb, svt, svh, svd = *v.stride()[:3], 1
-        _decode_kernel[grid](q, k, v, table, out, ctx // block_n // splits, table.shape[1],
-                             *k.stride()[:3], svb, svh, svd, svt,
-                             HEAD_DIM_MAJOR_V=head_dim_major_v, IS_INT8=is_int8,
+        _decode_kernel[grid](q, k, v, table, out, ks, vs, ctx // block_n // splits,
+                             table.shape[1], *k.stride()[:3], svb, svh, svd, svt,
+                             *ks.stride(), HEAD_DIM_MAJOR_V=head_dim_major_v, IS_INT8=is_int8,
                              SPLITS=splits, BLOCK_N=block_n, BS=BS, D=D, GROUP=GROUP,
-                             INT8_QK=int8_qk, INT8_PV=int8_pv, num_warps=4, num_stages=stages)
+                             INT8_QK=int8_qk, INT8_PV=int8_pv, SCALES=scales, USE_PDL=pdl,
+                             launch_pdl=pdl, num_warps=4, num_stages=stages)
 
     for c in caches:
         call(*c)
@@ -150,6 +166,22 @@ def cache_layouts() -> None:
                 print(f"B={batch} L={ctx} splits={splits} {'int8' if is_int8 else 'bf16'} "
                       f"{block_n}x{stages}: token-major blocks {times[0]:.1f} us, "
                       f"head-major blocks {times[1]:.1f} us", flush=True)
+
+
+def overheads() -> None:
+    """What the real kernel adds to the stripped loop: int8 scales, PDL launches."""
+    cases = ((8, 32768, 4, 128, 3), (8, 32768, 8, 128, 2), (256, 1024, 1, 128, 3))
+    for batch, ctx, splits, block_n, stages in cases:
+        bf16 = {pdl: time_decode(batch, ctx, False, False, splits, 64, 3, pdl=pdl)
+                for pdl in (False, True)}
+        print(f"B={batch} L={ctx} splits={splits}: bf16 64x3 {bf16[False]:.1f} us, "
+              f"with PDL {bf16[True]:.1f} us", flush=True)
+        for scales in (False, True):
+            for pdl in (False, True):
+                us = time_decode(batch, ctx, False, True, splits, block_n, stages,
+                                 head_major_blocks=False, scales=scales, pdl=pdl)
+                print(f"  int8 {block_n}x{stages} scales={scales} pdl={pdl}: {us:.1f} us",
+                      flush=True)
 
 
 def v_layouts() -> None:
@@ -175,10 +207,11 @@ def v_layouts() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--experiment", choices=("v-layout", "cache-layout"),
-                        default="v-layout")
-    args = parser.parse_args()
-    cache_layouts() if args.experiment == "cache-layout" else v_layouts()
+    parser.add_argument("--experiment", choices=tuple(EXPERIMENTS), default="v-layout")
+    EXPERIMENTS[parser.parse_args().experiment]()
+
+
+EXPERIMENTS = {"v-layout": v_layouts, "cache-layout": cache_layouts, "overheads": overheads}
 
 
 if __name__ == "__main__":
