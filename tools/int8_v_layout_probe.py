@@ -3,11 +3,11 @@
     python tools/int8_v_layout_probe.py [--experiment v-layout|cache-layout|overheads]
 
 A stripped decode kernel (no masks, no split merge, int8 scales only where said; 32/8 heads,
-d=128, block 16, random block tables) times int8 K/V with V stored token-major, as echo's cache does, against
-V stored head-dim-major ([blocks, heads, d, block], tokens contiguous), which lets V reach the
-MMA through ldmatrix instead of one shared-memory byte load per element (sm_90 SASS), and
-integer MMAs (q quantised per row; p per row and tile, V head-dim-major) against float16
-products.
+d=128, block 16, random block tables) times int8 K/V with V stored token-major, as echo's cache
+does, against V stored head-dim-major ([blocks, heads, d, block], tokens contiguous), which lets
+V reach the MMA through ldmatrix instead of one shared-memory byte load per element (sm_90
+SASS), and integer MMAs (q quantised per row; p per row and tile, V head-dim-major) against
+float16 products.
 `--experiment overheads` adds to the int8 loop what paged_attention has and the probe lacks:
 the int8 scales (applied as paged_attention applies them) and PDL launches (ECHO_PDL), each
 alone and together.
