@@ -61,8 +61,8 @@ def fused_norm_all_reduce() -> bool:
 
 
 def l2_prefetch_bytes() -> int:
-    """Decode steps of a few rows: the norms and SwiGLU ask the L2 for this many bytes of the
-    weight the next linear layer streams (ECHO_L2_PREFETCH_MIB, in MiB; default 0, off until
+    """Decode steps of a few rows: the norms, RoPE and SwiGLU ask the L2 for this many bytes of
+    the weight the next linear layer streams (ECHO_L2_PREFETCH_MIB, in MiB; default 0, off until
     tools/bench_l2_prefetch.py and the batch-1 latency show it pays)."""
     value = os.environ.get("ECHO_L2_PREFETCH_MIB") or "0"
     try:

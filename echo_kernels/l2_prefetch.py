@@ -6,8 +6,8 @@ Spare programs of such a kernel can issue L2 prefetches (`prefetch.global.L2::ev
 128-byte line) for the start of the next GEMV's weight, which that GEMV then reads from the L2.
 Whether it pays, and how many bytes a short kernel can bring in, is what
 tools/bench_l2_prefetch.py measures. In the engine it is opt-in (ECHO_L2_PREFETCH_MIB) until
-measured: the norms and SwiGLU of decode steps of at most MAX_ROWS rows then get
-PREFETCH_PROGRAMS spare programs that prefetch the start of the weight after them.
+measured: the norms, the RoPE/KV-store launch and SwiGLU of decode steps of at most MAX_ROWS
+rows then get PREFETCH_PROGRAMS spare programs that prefetch the start of the next weight.
 """
 
 import os

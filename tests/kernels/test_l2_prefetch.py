@@ -8,9 +8,28 @@ early exit; on the GPU (gpu marker) the real prefetches run over a weight larger
 import pytest
 import torch
 
-from echo_kernels import fused_add_rms_norm, rms_norm, silu_and_mul
+from echo_kernels import fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
 from echo_kernels.l2_prefetch import MAX_ROWS, L2Prefetch
 from echo_kernels.reference import fused_add_rms_norm_ref, rms_norm_ref, silu_and_mul_ref
+
+
+def rope_and_store(x, prefetch):
+    """Qwen3-style RoPE with q/k norm and the int8 KV-cache write, on 3 tokens of 4/2 heads."""
+    device, dtype = x.device, x.dtype
+    q = x[:, :64].reshape(3, 4, 16).clone()
+    k = x[:, 64:96].reshape(3, 2, 16).clone()
+    v = k.flip(-1).clone()
+    cos_sin = torch.cat([torch.cos(torch.arange(32.0)[:, None] / torch.arange(1.0, 9.0)),
+                         torch.sin(torch.arange(32.0)[:, None] / torch.arange(1.0, 9.0))],
+                        1).to(device)
+    caches = [torch.zeros(2, 4, 2, 16, dtype=torch.int8, device=device) for _ in range(2)]
+    scales = [torch.zeros(2, 4, 2, device=device) for _ in range(2)]
+    rotary_embedding(torch.tensor([3, 9, 30], device=device), q, k, cos_sin, True,
+                     torch.ones(16, dtype=dtype, device=device),
+                     torch.ones(16, dtype=dtype, device=device), 1e-6, v=v, k_cache=caches[0],
+                     v_cache=caches[1], slot_mapping=torch.tensor([0, 5, 7], device=device),
+                     k_scale=scales[0], v_scale=scales[1], prefetch=prefetch)
+    return q, k, *caches, *scales
 
 
 def run_all(x, residual, gate_up, w, prefetch):
@@ -19,6 +38,7 @@ def run_all(x, residual, gate_up, w, prefetch):
     out["fused_add_rms_norm"] = fused_add_rms_norm(x.clone(), residual.clone(), w, 1e-6,
                                                    prefetch)
     out["silu_and_mul"] = silu_and_mul(gate_up, prefetch)
+    out["rotary_embedding"] = rope_and_store(x, prefetch)
     return out
 
 
@@ -37,6 +57,9 @@ def check_unchanged(device, dtype, weight_numel, prefetch_bytes):
     assert all(torch.equal(a, b) for a, b in zip(fetched["fused_add_rms_norm"],
                                                  plain["fused_add_rms_norm"], strict=True))
     assert torch.equal(fetched["silu_and_mul"], plain["silu_and_mul"])
+    assert all(torch.equal(a, b) for a, b in zip(fetched["rotary_embedding"],
+                                                 plain["rotary_embedding"], strict=True))
+    assert plain["rotary_embedding"][2].abs().sum() > 0  # the cache was written
     assert torch.equal(next_weight, before)
     # and the kernels still compute what the references do
     tol = dict(atol=2e-2 if dtype == torch.bfloat16 else 2e-3, rtol=0)

@@ -29,8 +29,8 @@ def test_each_weight_is_the_next_linear_after_its_module(fixture, request):
         at = next(i for i, m in enumerate(calls) if m is module)
         following = next(m for m in calls[at + 1:] if isinstance(m, (LinearBase, ParallelLMHead)))
         assert following.weight is weight, (module, following)
-    # every layer's two norms and activation, and the final norm
+    # every layer's two norms, attention and activation, and the final norm
     arch = model.arch
-    assert len(pairs) == 3 * arch.num_layers + 1
+    assert len(pairs) == 4 * arch.num_layers + 1
     assert len({id(m) for m, _ in pairs}) == len(pairs)
     assert all(isinstance(w, torch.nn.Parameter) for _, w in pairs)
