@@ -6,7 +6,8 @@
 # Rough minutes on an H200: tests 4, kernels 2, sweeps 5, latency 3, offline 5, profile 5,
 # profile-tail 2, serving 4, int8-probe 2, prefetch 3, tp 6, prefetch-tp 3 (plus start-up):
 # pick what fits the device budget. Logs and JSON go to a scratch folder that is packed into
-# $OUT/STAGE.tar.gz (the device tool returns few files), and the key lines are printed. Every process started here is ended here, by PID.
+# $OUT/STAGE.tar.gz (the device tool returns few files), and the key lines are printed. Every
+# process started here is ended here, by PID.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
