@@ -59,7 +59,7 @@ run_stage() {
       ECHO_PDL=0 $PY tools/bench_offline.py --json "$dir/offline_pdl0.json" 2>&1 | tail -1
       $PY tools/bench_offline.py --model qwen3-8b --json "$dir/offline_qwen3_8b.json" 2>&1 | tail -1
       ;;
-    int8-probe)  # what paged_attention adds to the stripped int8 loop: scales, PDL
+    int8-probe)  # what paged_attention adds to the stripped loop: scales, PDL, launch order
       $PY tools/int8_v_layout_probe.py --experiment overheads 2>&1 | tee "$dir/overheads.log"
       for pdl in 1 0; do
         echo "ECHO_PDL=$pdl"

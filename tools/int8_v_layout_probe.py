@@ -8,9 +8,9 @@ does, against V stored head-dim-major ([blocks, heads, d, block], tokens contigu
 V reach the MMA through ldmatrix instead of one shared-memory byte load per element (sm_90
 SASS), and integer MMAs (q quantised per row; p per row and tile, V head-dim-major) against
 float16 products.
-`--experiment overheads` adds to the int8 loop what paged_attention has and the probe lacks:
-the int8 scales (applied as paged_attention applies them) and PDL launches (ECHO_PDL), each
-alone and together.
+`--experiment overheads` adds to the loop what paged_attention has and the probe lacks: the
+int8 scales (applied as paged_attention applies them), PDL launches (ECHO_PDL) and
+paged_attention's launch order (a split's KV heads one after another), each alone and together.
 `--experiment cache-layout` compares, for int8 and bf16 alike, echo's token-major
 blocks ([blocks, block, heads, d]: a program's K row is one 128-byte piece of int8, 1 KiB from
 the next token's) with head-major blocks ([blocks, heads, block, d]: 16 tokens of one head in one
@@ -37,11 +37,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, ks_ptr, vs_ptr, tiles_p
                    HEAD_DIM_MAJOR_V: tl.constexpr, IS_INT8: tl.constexpr, SPLITS: tl.constexpr,
                    BLOCK_N: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                    GROUP: tl.constexpr, INT8_QK: tl.constexpr, INT8_PV: tl.constexpr,
-                   SCALES: tl.constexpr, USE_PDL: tl.constexpr):
+                   SCALES: tl.constexpr, USE_PDL: tl.constexpr, HEADS_FIRST: tl.constexpr):
     wait_for_inputs(USE_PDL)
     pid = tl.program_id(0)
-    split = pid % SPLITS
-    kvh = (pid // SPLITS) % 8
+    if HEADS_FIRST:  # paged_attention's launch order: a split's 8 KV heads one after another
+        kvh = pid % 8
+        split = (pid // 8) % SPLITS
+    else:
+        split = pid % SPLITS
+        kvh = (pid // SPLITS) % 8
     seq = pid // (SPLITS * 8)
     offs_m = tl.arange(0, 16)
     offs_d = tl.arange(0, D)
@@ -102,7 +106,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, ks_ptr, vs_ptr, tiles_p
 def time_decode(batch: int, ctx: int, head_dim_major_v: bool, is_int8: bool, splits: int,
                 block_n: int, stages: int, int8_qk: bool = False, int8_pv: bool = False,
                 head_major_blocks: bool = False, scales: bool = False, pdl: bool = False,
-                rotation: int = 4) -> float:
+                heads_first: bool = False, rotation: int = 4) -> float:
     """Microseconds per decode call, CUDA graph over `rotation` caches (past the L2)."""
     blocks_per_seq = ctx // BS
     num_blocks = batch * blocks_per_seq + 64
@@ -144,7 +148,8 @@ def time_decode(batch: int, ctx: int, head_dim_major_v: bool, is_int8: bool, spl
                              *ks.stride(), HEAD_DIM_MAJOR_V=head_dim_major_v, IS_INT8=is_int8,
                              SPLITS=splits, BLOCK_N=block_n, BS=BS, D=D, GROUP=GROUP,
                              INT8_QK=int8_qk, INT8_PV=int8_pv, SCALES=scales, USE_PDL=pdl,
-                             launch_pdl=pdl, num_warps=4, num_stages=stages)
+                             HEADS_FIRST=heads_first, launch_pdl=pdl, num_warps=4,
+                             num_stages=stages)
 
     for c in caches:
         call(*c)
@@ -169,19 +174,18 @@ def cache_layouts() -> None:
 
 
 def overheads() -> None:
-    """What the real kernel adds to the stripped loop: int8 scales, PDL launches."""
+    """What the real kernel has and the stripped loop lacks: int8 scales, PDL launches, and
+    its launch order (a split's KV heads one after another), each alone and all together."""
     cases = ((8, 32768, 4, 128, 3), (8, 32768, 8, 128, 2), (256, 1024, 1, 128, 3))
+    variants = ({}, {"scales": True}, {"pdl": True}, {"heads_first": True},
+                {"scales": True, "pdl": True, "heads_first": True})
     for batch, ctx, splits, block_n, stages in cases:
-        bf16 = {pdl: time_decode(batch, ctx, False, False, splits, 64, 3, pdl=pdl)
-                for pdl in (False, True)}
-        print(f"B={batch} L={ctx} splits={splits}: bf16 64x3 {bf16[False]:.1f} us, "
-              f"with PDL {bf16[True]:.1f} us", flush=True)
-        for scales in (False, True):
-            for pdl in (False, True):
-                us = time_decode(batch, ctx, False, True, splits, block_n, stages,
-                                 head_major_blocks=False, scales=scales, pdl=pdl)
-                print(f"  int8 {block_n}x{stages} scales={scales} pdl={pdl}: {us:.1f} us",
-                      flush=True)
+        print(f"B={batch} L={ctx} splits={splits}", flush=True)
+        for is_int8, tiles in ((False, (64, 3)), (True, (block_n, stages))):
+            for extra in variants:
+                us = time_decode(batch, ctx, False, is_int8, splits, *tiles, **extra)
+                print(f"  {'int8' if is_int8 else 'bf16'} {tiles[0]}x{tiles[1]} "
+                      f"{'+'.join(extra) or 'plain'}: {us:.1f} us", flush=True)
 
 
 def v_layouts() -> None:
