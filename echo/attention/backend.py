@@ -53,6 +53,9 @@ class KVCache:
     v_scale: torch.Tensor | None = None
 
 
+SCALE_DTYPE = torch.float32  # int8 caches' dequant scales
+
+
 def cache_scales(num_blocks: int, block_size: int, num_kv_heads: int, device: torch.device,
                  fill: float = 0.0) -> torch.Tensor:
     """One int8 cache's per-token, per-KV-head scales, indexed [num_blocks, block_size,
@@ -60,7 +63,7 @@ def cache_scales(num_blocks: int, block_size: int, num_kv_heads: int, device: to
     KV head: stored that way, a block's 16 scales of its head are one 64-byte piece rather than
     16 floats 32 bytes apart (int8 decode at B=8 x 32K on an H200: 193.2 -> 187.4 us). Kernels
     take the strides, so the layout is this function's alone."""
-    return torch.full((num_blocks, num_kv_heads, block_size), fill, dtype=torch.float32,
+    return torch.full((num_blocks, num_kv_heads, block_size), fill, dtype=SCALE_DTYPE,
                       device=device).transpose(1, 2)
 
 

@@ -138,18 +138,19 @@ class Worker:
                                     device_id=device if backend == "nccl" else None)
             self.dist_initialized = True
             group = dist.group.WORLD
+        # peer-mapped buffers for the small all-reduces, on GPUs only
+        peers = group is not None and backend == "nccl"
+        dtype = getattr(torch, config.model.dtype)
         small_all_reduce = None
-        if group is not None and backend == "nccl" and envs.symm_mem_all_reduce():
+        if peers and envs.symm_mem_all_reduce():
             from echo.distributed.symm_mem_all_reduce import SymmMemAllReduce
 
-            small_all_reduce = SymmMemAllReduce(group, device,
-                                                dtype=getattr(torch, config.model.dtype))
+            small_all_reduce = SymmMemAllReduce(group, device, dtype=dtype)
         norm_all_reduce = None
-        if group is not None and backend == "nccl" and envs.fused_norm_all_reduce():
+        if peers and envs.fused_norm_all_reduce():
             from echo.distributed.norm_all_reduce import NormAllReduce
 
-            norm_all_reduce = NormAllReduce(group, device, config.model.arch.hidden_size,
-                                            getattr(torch, config.model.dtype))
+            norm_all_reduce = NormAllReduce(group, device, config.model.arch.hidden_size, dtype)
         tp = TPGroup(self.rank, tp_size, group, small_all_reduce,
                      reduce_in_norm=norm_all_reduce is not None, norm_all_reduce=norm_all_reduce)
         return ModelRunner(config, tp, device)

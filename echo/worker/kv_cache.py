@@ -12,9 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from echo.attention.backend import KVCache, cache_scales
-
-SCALE_DTYPE = torch.float32
+from echo.attention.backend import SCALE_DTYPE, KVCache, cache_scales
 
 
 @dataclass(frozen=True)

@@ -121,8 +121,9 @@ class ModelRunner:
                                    self.device)
         if self.device.type == "cuda" and envs.tune_small_m():
             self._tune_one_row_linears()  # before capture: the graphs record the choice
-        if self.device.type == "cuda" and envs.l2_prefetch_bytes():
-            self._set_l2_prefetch(envs.l2_prefetch_bytes())  # before capture, likewise
+        prefetch_bytes = envs.l2_prefetch_bytes()
+        if self.device.type == "cuda" and prefetch_bytes:
+            self._set_l2_prefetch(prefetch_bytes)  # before capture, likewise
         self.graphs = None
         if self.use_cuda_graphs:
             self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_caches, self.buffers,
