@@ -60,20 +60,6 @@ def fused_norm_all_reduce() -> bool:
     return os.environ.get("ECHO_FUSED_NORM_ALL_REDUCE", "1") == "1"
 
 
-def l2_prefetch_bytes() -> int:
-    """Decode steps of a few rows: the norms, RoPE and SwiGLU ask the L2 for this many bytes of
-    the weight the next linear layer streams (ECHO_L2_PREFETCH_MIB, in MiB; default 0, off until
-    tools/bench_l2_prefetch.py and the batch-1 latency show it pays)."""
-    value = os.environ.get("ECHO_L2_PREFETCH_MIB") or "0"
-    try:
-        mib = float(value)
-    except ValueError:
-        mib = -1.0
-    if not 0 <= mib < float("inf"):  # NaN fails too
-        raise ValueError(f"ECHO_L2_PREFETCH_MIB must be a number of MiB >= 0, got {value!r}")
-    return int(mib * 2**20)
-
-
 def tune_small_m() -> bool:
     """At start-up, time cuBLAS against echo's GEMV for each linear shape at one row and use
     the faster (ECHO_TUNE_SMALL_M, default 1; 0 keeps cuBLAS everywhere)."""

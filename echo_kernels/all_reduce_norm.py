@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from echo_kernels.l2_prefetch import L2Prefetch, launch_args, prefetch_if_spare
 from echo_kernels.norm import add_rms_norm_row
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 
@@ -72,19 +71,13 @@ def _all_reduce_add_rms_norm_kernel(
     stride_x,
     stride_r,
     stride_o,
-    programs,  # that meet their peers; any after them only prefetch (PREFETCH)
-    pf_ptr,  # echo_kernels.l2_prefetch
-    pf_bytes,
     WORLD: tl.constexpr,
     BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if PREFETCH:
-        if prefetch_if_spare(pf_ptr, pf_bytes, programs):
-            return
     wait_for_inputs(USE_PDL)
     pid = tl.program_id(0)
+    programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     call = tl.load(calls_ptr + pid) + 1
@@ -119,7 +112,6 @@ def all_reduce_add_rms_norm(
     signals: torch.Tensor,
     signal_offsets: torch.Tensor,
     calls: torch.Tensor,
-    prefetch: L2Prefetch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + Σ_ranks x), residual + Σ_ranks x); residual is updated in place.
 
@@ -127,8 +119,7 @@ def all_reduce_add_rms_norm(
     meets its peers. buffer/signals are this rank's peer-readable allocations and *_offsets
     [world] int64 locate every rank's (itself included) relative to them, in elements; the
     buffer's two halves alternate between calls. At most calls.numel() programs run: no more
-    than can be resident at once. With `prefetch`, spare programs ask the L2 for the start of
-    the next weight.
+    than can be resident at once.
     """
     assert x.shape == residual.shape and x.dtype == residual.dtype == buffer.dtype
     x2, r2 = x.view(-1, x.shape[-1]), residual.view(-1, x.shape[-1])
@@ -141,12 +132,10 @@ def all_reduce_add_rms_norm(
     assert x2.stride(1) == 1 and r2.stride(1) == 1
     out = torch.empty_like(x)
     block = triton.next_power_of_2(n_cols)
-    pf_ptr, pf_bytes, spare = launch_args(prefetch, x2)
     if rows:
-        _all_reduce_add_rms_norm_kernel[(programs + spare,)](
+        _all_reduce_add_rms_norm_kernel[(programs,)](
             x2, r2, weight, out.view(-1, n_cols), buffer, half, buffer_offsets, signals,
             signal_offsets, calls, rank, rows, n_cols, eps, x2.stride(0), r2.stride(0), n_cols,
-            programs, pf_ptr, pf_bytes, WORLD=world, BLOCK=block, PREFETCH=spare > 0,
-            **pdl_options(x.device),
+            WORLD=world, BLOCK=block, **pdl_options(x.device),
             num_warps=max(1, min(16, block // 512)))
     return out, residual

@@ -9,7 +9,6 @@ import torch
 import triton
 import triton.language as tl
 
-from echo_kernels.l2_prefetch import L2Prefetch, launch_args, prefetch_if_spare
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 
@@ -55,16 +54,9 @@ def _rms_norm_kernel(
     eps,
     stride_x,
     stride_o,
-    pf_ptr,  # echo_kernels.l2_prefetch: programs from num_rows on prefetch (PREFETCH)
-    pf_bytes,
-    num_rows,
     BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if PREFETCH:
-        if prefetch_if_spare(pf_ptr, pf_bytes, num_rows):
-            return
     wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -85,16 +77,9 @@ def _fused_add_rms_norm_kernel(
     eps,
     stride_x,
     stride_r,
-    pf_ptr,  # echo_kernels.l2_prefetch: programs from num_rows on prefetch (PREFETCH)
-    pf_bytes,
-    num_rows,
     BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if PREFETCH:
-        if prefetch_if_spare(pf_ptr, pf_bytes, num_rows):
-            return
     wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -113,43 +98,33 @@ def _num_warps(block: int) -> int:
     return max(1, min(16, block // 512))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             prefetch: L2Prefetch | None = None) -> torch.Tensor:
-    """RMSNorm over the last dim of x [..., hidden] -> new tensor of x's shape and dtype.
-    With `prefetch`, spare programs ask the L2 for the start of the next weight."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., hidden] -> new tensor of x's shape and dtype."""
     n_cols = x.shape[-1]
     x2 = x.reshape(-1, n_cols)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(n_cols)
-    rows = x2.shape[0]
-    pf_ptr, pf_bytes, spare = launch_args(prefetch, x2)
-    if rows:
-        _rms_norm_kernel[(rows + spare,)](x2, weight, out.view(-1, n_cols), n_cols, eps,
-                                          x2.stride(0), n_cols, pf_ptr, pf_bytes, rows,
-                                          BLOCK=block, PREFETCH=spare > 0,
-                                          **pdl_options(x.device), num_warps=_num_warps(block))
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight, out.view(-1, n_cols), n_cols, eps,
+                                         x2.stride(0), n_cols, BLOCK=block,
+                                         **pdl_options(x.device), num_warps=_num_warps(block))
     return out
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    prefetch: L2Prefetch | None = None,
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x; x = rms_norm(residual). Both in place; returns (x, residual).
 
     x and residual are [..., hidden] of one dtype; each row is read once and written once.
-    With `prefetch`, spare programs ask the L2 for the start of the next weight.
     """
     assert x.shape == residual.shape and x.dtype == residual.dtype
     x2, r2 = _rows(x), _rows(residual)
     n_cols = x.shape[-1]
     block = triton.next_power_of_2(n_cols)
-    rows = x2.shape[0]
-    pf_ptr, pf_bytes, spare = launch_args(prefetch, x2)
-    if rows:
-        _fused_add_rms_norm_kernel[(rows + spare,)](x2, r2, weight, n_cols, eps, x2.stride(0),
-                                                    r2.stride(0), pf_ptr, pf_bytes, rows,
-                                                    BLOCK=block, PREFETCH=spare > 0,
-                                                    **pdl_options(x.device),
-                                                    num_warps=_num_warps(block))
+    if x2.shape[0]:
+        _fused_add_rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, n_cols, eps, x2.stride(0),
+                                                   r2.stride(0), BLOCK=block,
+                                                   **pdl_options(x.device),
+                                                   num_warps=_num_warps(block))
     return x, residual

@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from echo_kernels.cache import checked_cache_scales, quantize_rows
-from echo_kernels.l2_prefetch import L2Prefetch, launch_args, prefetch_if_spare
 from echo_kernels.norm import apply_rms
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 
@@ -127,9 +126,6 @@ def _rotary_embedding_kernel(
     stride_sb,
     stride_st,
     stride_sh,
-    pf_ptr,  # echo_kernels.l2_prefetch: programs from num_tokens on prefetch (PREFETCH)
-    pf_bytes,
-    num_tokens,
     HEAD_DIM: tl.constexpr,
     Q_BLOCK: tl.constexpr,  # query heads per program
     K_BLOCK: tl.constexpr,  # key heads per program
@@ -137,12 +133,8 @@ def _rotary_embedding_kernel(
     HAS_NORM: tl.constexpr,
     STORE_KV: tl.constexpr,
     IS_INT8_KV: tl.constexpr,
-    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if PREFETCH:
-        if prefetch_if_spare(pf_ptr, pf_bytes, num_tokens):
-            return
     wait_for_inputs(USE_PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
@@ -190,16 +182,13 @@ def rotary_embedding(
     slot_mapping: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    prefetch: L2Prefetch | None = None,
 ) -> None:
     """Rotate q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim] in
     place by positions [num_tokens]. cos_sin_cache [max_position, head_dim] float32 holds cos in
     its first half and sin in its second. With q_norm_weight/k_norm_weight [head_dim], each head is
     first RMS-normalised (Qwen3's q_norm/k_norm), in the same pass. With k_cache/v_cache (and v,
     slot_mapping, int8 scales), the rotated k and v also go into the cache exactly as
-    store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) would write them.
-    With `prefetch`, spare programs ask the L2 for the start of a weight (the o_proj after
-    attention)."""
+    store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) would write them."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert cos_sin_cache.shape[1] == head_dim, "rotary_dim must equal head_dim"
@@ -222,9 +211,7 @@ def rotary_embedding(
     chunks = min(2 if has_norm else 1, num_heads)
     q_block = triton.next_power_of_2(triton.cdiv(num_heads, chunks))
     k_block = triton.next_power_of_2(triton.cdiv(num_kv_heads, chunks))
-    pf_ptr, pf_bytes, spare = launch_args(prefetch, q)
-    grid = (num_tokens + spare,
-            max(triton.cdiv(num_heads, q_block), triton.cdiv(num_kv_heads, k_block)))
+    grid = (num_tokens, max(triton.cdiv(num_heads, q_block), triton.cdiv(num_kv_heads, k_block)))
     _rotary_embedding_kernel[grid](
         positions, q, k, cos_sin_cache,
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
@@ -232,9 +219,8 @@ def rotary_embedding(
         num_heads, num_kv_heads, eps, k_cache.shape[1] if store_kv else 1,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), *(k_cache.stride()[:3] if store_kv else (0, 0, 0)),
-        *(k_scale.stride() if is_int8 else (0, 0, 0)), pf_ptr, pf_bytes, num_tokens,
+        *(k_scale.stride() if is_int8 else (0, 0, 0)),
         HEAD_DIM=head_dim, Q_BLOCK=q_block, K_BLOCK=k_block, IS_NEOX=is_neox,
-        HAS_NORM=has_norm, STORE_KV=store_kv, IS_INT8_KV=is_int8, PREFETCH=spare > 0,
-        **pdl_options(q.device),
+        HAS_NORM=has_norm, STORE_KV=store_kv, IS_INT8_KV=is_int8, **pdl_options(q.device),
         num_warps=2 if has_norm else max(1, min(8, q_block * head_dim // 256)),
     )

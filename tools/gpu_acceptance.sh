@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements behind the open acceptance points, staged so each fits one device call:
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
-# Stages: tests kernels sweeps latency offline profile profile-tail serving int8-probe
-# prefetch, and tp, profile-tp and prefetch-tp (two GPUs).
+# Stages: tests kernels sweeps latency offline profile profile-tail serving int8-probe,
+# and tp and profile-tp (two GPUs).
 # Rough minutes on an H200: tests 4, kernels 2, sweeps 5, latency 3, offline 5, profile 5,
-# profile-tail 2, serving 4, int8-probe 2, prefetch 3, tp 6, prefetch-tp 3 (plus start-up):
+# profile-tail 2, serving 4, int8-probe 2, tp 6 (plus start-up):
 # pick what fits the device budget. Logs and JSON go to a scratch folder that is packed into
 # $OUT/STAGE.tar.gz (the device tool returns few files), and the key lines are printed. Every
 # process started here is ended here, by PID.
@@ -65,16 +65,6 @@ run_stage() {
         echo "ECHO_PDL=$pdl"
         ECHO_PDL=$pdl $PY tools/bench_kernels.py --only decode --decode-cases 8:32768,256:1024 \
           2>&1 | grep "cuda graph"
-      done ;;
-    prefetch|prefetch-tp)  # L2 prefetch of the next weight by the short kernels (opt-in)
-      tp=1
-      [ "$stage" = prefetch-tp ] && tp=2
-      $PY tools/bench_l2_prefetch.py --tp $tp --json "$dir/l2_prefetch.json" 2>&1 |
-        tee "$dir/l2_prefetch.log"
-      for mib in 0 8 16 32; do
-        echo "ECHO_L2_PREFETCH_MIB=$mib"
-        ECHO_L2_PREFETCH_MIB=$mib $PY tools/bench_latency.py --model qwen3-8b --tp $tp \
-          --json "$dir/latency_tp${tp}_prefetch$mib.json" 2>&1 | grep -E "decode"
       done ;;
     latency)  # batch 1, with the one-row GEMV tuning (worker/linear_tuning.py) and PDL
       for model in llama-3.1-8b qwen3-8b; do

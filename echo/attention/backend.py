@@ -76,11 +76,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata, rope: RopeInputs | None = None,
-                l2_prefetch=None) -> torch.Tensor:
+                meta: AttentionMetadata, rope: RopeInputs | None = None) -> torch.Tensor:
         """q [tokens, heads, d], k/v [tokens, kv_heads, d] -> [tokens, heads, d]. Rotates q/k
-        by `rope` (in place or not) and stores k/v into the cache at meta.slot_mapping first.
-        l2_prefetch (echo_kernels.l2_prefetch.L2Prefetch) is a hint a backend may ignore."""
+        by `rope` (in place or not) and stores k/v into the cache at meta.slot_mapping first."""
 
 
 def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,

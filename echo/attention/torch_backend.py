@@ -15,8 +15,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata, rope: RopeInputs | None = None,
-                l2_prefetch=None) -> torch.Tensor:
+                meta: AttentionMetadata, rope: RopeInputs | None = None) -> torch.Tensor:
         if rope is not None:
             q, k = rope_reference(rope, q, k)
         store_kv_cache_ref(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale,

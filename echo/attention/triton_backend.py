@@ -11,8 +11,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata, rope: RopeInputs | None = None,
-                l2_prefetch=None) -> torch.Tensor:
+                meta: AttentionMetadata, rope: RopeInputs | None = None) -> torch.Tensor:
         from echo_kernels import (
             flash_attn_varlen,
             paged_attention,
@@ -27,7 +26,7 @@ class TritonAttentionBackend(AttentionBackend):
             rotary_embedding(rope.positions, q, k, rope.cos_sin_cache, True, rope.q_norm_weight,
                              rope.k_norm_weight, rope.eps, v=v, k_cache=cache.k, v_cache=cache.v,
                              slot_mapping=meta.slot_mapping, k_scale=cache.k_scale,
-                             v_scale=cache.v_scale, prefetch=l2_prefetch)
+                             v_scale=cache.v_scale)
         if meta.no_cached_prefix:
             return flash_attn_varlen(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q,
                                      meta.max_seqlen_q, meta.max_seqlen_q, self.scale,

@@ -38,13 +38,12 @@ class NormAllReduce:
                 and rows <= self.max_rows and x.is_contiguous())
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float, prefetch=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """prefetch: an echo_kernels.l2_prefetch.L2Prefetch for the kernel's spare programs."""
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         from echo_kernels.all_reduce_norm import all_reduce_add_rms_norm
 
         return all_reduce_add_rms_norm(x, residual, weight, eps, self.rank, self.buffer,
                                        self.buffer_offsets, self.signals, self.signal_offsets,
-                                       self.calls, prefetch)
+                                       self.calls)
 
 
 def _offsets(ptrs: list[int], rank: int, local: torch.Tensor) -> torch.Tensor:

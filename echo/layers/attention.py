@@ -22,14 +22,10 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.layer_idx = layer_idx
-        # echo_kernels.l2_prefetch.L2Prefetch of o_proj's weight (ModelRunner sets it)
-        self.l2_prefetch = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
                 rope: RopeInputs | None = None) -> torch.Tensor:
         """q [tokens, heads, d], k/v [tokens, kv_heads, d] -> [tokens, heads * d]; q/k are
         rotated by `rope` first (by the backend, fused with the KV-cache write)."""
-        prefetch = self.l2_prefetch and self.l2_prefetch.for_rows(q.shape[0])
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta, rope,
-                                  prefetch)
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta, rope)
         return out.view(-1, self.num_heads * self.head_dim)

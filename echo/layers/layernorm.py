@@ -18,24 +18,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         # with a residual, x is a row-parallel layer's partial sums over this group
         self.reduce_tp = reduce_tp
-        # echo_kernels.l2_prefetch.L2Prefetch of the next layer's weight (ModelRunner sets it)
-        self.l2_prefetch = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With it: (norm(x + residual), x + residual), x summed over
         reduce_tp's ranks first."""
-        prefetch = self.l2_prefetch and self.l2_prefetch.for_rows(x.numel() // x.shape[-1])
         if residual is not None and self.reduce_tp is not None:
             fused = self.reduce_tp.norm_all_reduce
             if fused is not None and fused.fits(x):
-                return fused(x, residual, self.weight, self.eps, prefetch)
+                return fused(x, residual, self.weight, self.eps)
             x = all_reduce(x, self.reduce_tp)
         if x.is_cuda:
             from echo_kernels import fused_add_rms_norm, rms_norm
 
             if residual is None:
-                return rms_norm(x, self.weight, self.eps, prefetch)
-            return fused_add_rms_norm(x, residual, self.weight, self.eps, prefetch)
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return rms_norm_reference(x, self.weight, self.eps)
         residual = x + residual

@@ -138,15 +138,3 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-    def weights_after_short_kernels(self) -> list[tuple[nn.Module, torch.Tensor]]:
-        """(module, weight): the norm, attention (its RoPE/KV-store launch) or activation whose
-        short kernels run right before the linear layer that streams `weight`
-        (echo_kernels.l2_prefetch)."""
-        pairs = []
-        for layer in self.model.layers:
-            pairs += [(layer.input_layernorm, layer.self_attn.qkv_proj.weight),
-                      (layer.self_attn.attn, layer.self_attn.o_proj.weight),
-                      (layer.post_attention_layernorm, layer.mlp.gate_up_proj.weight),
-                      (layer.mlp.act, layer.mlp.down_proj.weight)]
-        return pairs + [(self.model.norm, self.lm_head.weight)]

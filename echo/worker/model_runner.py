@@ -121,9 +121,6 @@ class ModelRunner:
                                    self.device)
         if self.device.type == "cuda" and envs.tune_small_m():
             self._tune_one_row_linears()  # before capture: the graphs record the choice
-        prefetch_bytes = envs.l2_prefetch_bytes()
-        if self.device.type == "cuda" and prefetch_bytes:
-            self._set_l2_prefetch(prefetch_bytes)  # before capture, likewise
         self.graphs = None
         if self.use_cuda_graphs:
             self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_caches, self.buffers,
@@ -144,13 +141,6 @@ class ModelRunner:
         # the timing graphs' private pools stay cached after the graphs are gone; with the KV
         # cache already allocated, eager steps would have to free them first
         torch.cuda.empty_cache()
-
-    def _set_l2_prefetch(self, nbytes: int) -> None:
-        from echo_kernels.l2_prefetch import L2Prefetch
-
-        for module, weight in self.model.weights_after_short_kernels():
-            module.l2_prefetch = L2Prefetch(weight.detach(),
-                                            min(nbytes, weight.numel() * weight.element_size()))
 
     @torch.inference_mode()
     def warm_up_step_shapes(self) -> list[torch.Tensor]:

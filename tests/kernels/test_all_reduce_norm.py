@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from echo_kernels.all_reduce_norm import all_reduce_add_rms_norm
-from echo_kernels.l2_prefetch import L2Prefetch
 from echo_kernels.reference import fused_add_rms_norm_ref
 
 ROWS, HIDDEN, EPS = 3, 48, 1e-6  # a hidden size that is not a power of two: masked columns
@@ -35,7 +34,7 @@ def offsets(tensors, own):
                         device=own.device)
 
 
-def run(me: Rank, ranks: list[Rank], x, residual, weight, prefetch=None):
+def run(me: Rank, ranks: list[Rank], x, residual, weight):
     """One rank's call, with a deadline: a protocol error would otherwise spin for ever."""
     result = {}
 
@@ -43,7 +42,7 @@ def run(me: Rank, ranks: list[Rank], x, residual, weight, prefetch=None):
         result["out"] = all_reduce_add_rms_norm(
             x, residual, weight, EPS, me.rank, me.buffer,
             offsets([r.buffer for r in ranks], me.buffer), me.signals,
-            offsets([r.signals for r in ranks], me.signals), me.calls, prefetch)
+            offsets([r.signals for r in ranks], me.signals), me.calls)
 
     thread = threading.Thread(target=call, daemon=True)
     thread.start()
@@ -70,7 +69,7 @@ def test_one_rank_is_the_fused_add_rms_norm(device):
     assert me.calls.tolist() == [1] * PROGRAMS
 
 
-def play_two_ranks(device, dtype, atol, prefetch=None):
+def play_two_ranks(device, dtype, atol):
     torch.manual_seed(1)
     r0, r1 = Rank(0, device, dtype), Rank(1, device, dtype)
     ranks = [r0, r1]
@@ -83,10 +82,10 @@ def play_two_ranks(device, dtype, atol, prefetch=None):
         r1.buffer[half] = x1.view(-1)
         for pid in range(PROGRAMS):
             r0.signals[pid * 2 + 1] = call
-        out0, res0 = run(r0, ranks, x0, residual.clone(), weight, prefetch)
+        out0, res0 = run(r0, ranks, x0, residual.clone(), weight)
         assert torch.equal(r0.buffer[half], x0.view(-1))
         assert [pad(r1, pid, 0) for pid in range(PROGRAMS)] == [call] * PROGRAMS
-        out1, res1 = run(r1, ranks, x1, residual.clone(), weight, prefetch)
+        out1, res1 = run(r1, ranks, x1, residual.clone(), weight)
         assert [pad(r0, pid, 1) for pid in range(PROGRAMS)] == [call] * PROGRAMS
         assert r0.calls.tolist() == r1.calls.tolist() == [call] * PROGRAMS
 
@@ -101,20 +100,10 @@ def test_two_ranks_sum_in_rank_order_and_keep_the_phases(device):
     play_two_ranks(device, torch.float16, 2e-3)
 
 
-def test_spare_prefetch_programs_stay_out_of_the_protocol(device):
-    # they neither count calls nor announce: the phases and results stay those of the others
-    play_two_ranks(device, torch.float16, 2e-3,
-                   L2Prefetch(torch.zeros(1000, dtype=torch.float16, device=device), 2000))
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch_bytes", [0, 16 << 20])
-def test_gpu_two_ranks_played_on_one_device(prefetch_bytes):
-    # the real atomics, acquire loads and vector loads of peer memory, on one GPU; and the
-    # real prefetches of spare programs
-    next_weight = torch.empty(32 << 20, dtype=torch.bfloat16, device="cuda")
-    play_two_ranks("cuda", torch.bfloat16, 2e-2,
-                   L2Prefetch(next_weight, prefetch_bytes) if prefetch_bytes else None)
+def test_gpu_two_ranks_played_on_one_device():
+    # the real atomics, acquire loads and vector loads of peer memory, on one GPU
+    play_two_ranks("cuda", torch.bfloat16, 2e-2)
 
 
 @pytest.mark.parametrize("rows", [HALF // HIDDEN + 1, 2 * HALF // HIDDEN])
