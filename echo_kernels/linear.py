@@ -39,32 +39,21 @@ def _small_m_linear_kernel(
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks on the weight
     PREFETCH: tl.constexpr,  # load the next weight tile before using this one
-    PRELOAD_K: tl.constexpr,  # weight columns loaded before the PDL wait (0 or a power of two)
-    USE_PDL: tl.constexpr,  # echo_kernels.pdl: weight loads may start before the wait
+    USE_PDL: tl.constexpr,  # echo_kernels.pdl: the first weight tile loads before the wait
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, M_PAD)
     offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
-    w_ptrs = w_rows + offs_k[None, :]
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    # NOTE: the weight is never written by a kernel, so it may load before the wait: under PDL
-    # that overlaps the kernel before, whose short latency-bound work leaves HBM idle
-    if PRELOAD_K > 0:
-        offs_pre = tl.arange(0, PRELOAD_K)
-        w_pre = _weight_tile(w_rows + offs_pre[None, :], cols, offs_pre, 0, N, K, EVEN)
     # NOTE: Triton's software pipeliner stages loads that feed tl.dot; these feed CUDA-core
     # math, so PREFETCH double-buffers them in registers by hand to keep two tiles in flight
     if PREFETCH:
-        w_next = _weight_tile(w_ptrs, cols, offs_k, PRELOAD_K, N, K, False)
+        # the weight is never written by a kernel: its first tile may load before the wait
+        w_next = _weight_tile(w_ptrs, cols, offs_k, 0, N, K, EVEN)
     wait_for_inputs(USE_PDL)
-    y = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    if PRELOAD_K > 0:
-        x_pre = tl.load(x_ptr + rows[:, None] * stride_xm + offs_pre[None, :],
-                        mask=(rows[:, None] < M) & (offs_pre[None, :] < K), other=0.0)
-        y = tl.sum(w_pre.to(tl.float32)[None, :, :] * x_pre.to(tl.float32)[:, None, :], axis=2)
-    for k0 in range(PRELOAD_K, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         if PREFETCH:
             w = w_next
             # past the last tile the mask is all false: no memory is read
@@ -74,19 +63,15 @@ def _small_m_linear_kernel(
         x = tl.load(x_ptrs + k0, mask=(rows[:, None] < M) & (k0 + offs_k[None, :] < K),
                     other=0.0)
         acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-    y += tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
+    y = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
     out = out_ptr + rows[:, None] * stride_om + cols[None, :]
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
                    block_k: int | None = None, num_warps: int = 4,
-                   num_stages: int = 3, prefetch: bool = False,
-                   preload_k: int = 0) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS), weight [N, K] -> [M, N] in x's dtype, fp32 accumulation.
-
-    preload_k: each program loads its rows' first preload_k weight columns before the PDL wait
-    (0, or a power of two that is a multiple of the K tile)."""
+                   num_stages: int = 3, prefetch: bool = False) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS), weight [N, K] -> [M, N] in x's dtype, fp32 accumulation."""
     m, k = x.shape
     n = weight.shape[0]
     if not 1 <= m <= MAX_ROWS:
@@ -100,14 +85,10 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = 
     # M_PAD * BLOCK_N * BLOCK_K floats, so K per tile shrinks as M grows.
     block_n = block_n or 8
     block_k = block_k or max(128, 512 // m_pad)
-    if preload_k and (preload_k & (preload_k - 1) or preload_k % block_k):
-        raise ValueError(f"preload_k must be 0 or a power of two that is a multiple of block_k "
-                         f"{block_k}, got {preload_k}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    even = n % block_n == 0 and k % block_k == 0 and preload_k <= k
+    even = n % block_n == 0 and k % block_k == 0
     _small_m_linear_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, PREFETCH=prefetch,
-        PRELOAD_K=preload_k,
         **pdl_options(x.device), num_warps=num_warps, num_stages=num_stages)
     return out

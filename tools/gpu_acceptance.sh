@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements behind the open acceptance points, staged so each fits one device call:
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
-# Stages: tests kernels sweeps latency offline profile profile-tail serving int8-probe
-# gemv-overlap, and tp, profile-tp and gemv-overlap-tp (two GPUs).
+# Stages: tests kernels sweeps latency offline profile profile-tail serving int8-probe,
+# and tp and profile-tp (two GPUs).
 # Rough minutes on an H200: tests 4, kernels 2, sweeps 5, latency 3, offline 5, profile 5,
-# profile-tail 2, serving 4, int8-probe 2, gemv-overlap 2, tp 6, gemv-overlap-tp 2 (plus start-up):
+# profile-tail 2, serving 4, int8-probe 2, tp 6 (plus start-up):
 # pick what fits the device budget. Logs and JSON go to a scratch folder that is packed into
 # $OUT/STAGE.tar.gz (the device tool returns few files), and the key lines are printed. Every
 # process started here is ended here, by PID.
@@ -66,13 +66,6 @@ run_stage() {
         ECHO_PDL=$pdl $PY tools/bench_kernels.py --only decode --decode-cases 8:32768,256:1024 \
           2>&1 | grep "cuda graph"
       done ;;
-    gemv-overlap|gemv-overlap-tp)  # weight preloads before the PDL wait, then batch 1
-      tp=1
-      [ "$stage" = gemv-overlap-tp ] && tp=2
-      $PY tools/bench_gemv_overlap.py --tp $tp --json "$dir/gemv_overlap.json" 2>&1 |
-        tee "$dir/gemv_overlap.log"
-      $PY tools/bench_latency.py --model qwen3-8b --tp $tp \
-        --json "$dir/latency_tp$tp.json" 2>&1 | grep -E "one-row|decode" ;;
     latency)  # batch 1, with the one-row GEMV tuning (worker/linear_tuning.py) and PDL
       for model in llama-3.1-8b qwen3-8b; do
         for tune in 0 1; do

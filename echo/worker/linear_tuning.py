@@ -22,12 +22,10 @@ from torch import nn
 
 from echo.layers.linear import LinearBase
 
-# (block_n, block_k, prefetch, preload_k): the fastest tiles of bench_kernels.py's sweeps on an
-# H200, for Llama-3.1-8B and Qwen3-8B (TP=1 and 2) shapes, and weight preloads before the PDL
-# wait (tools/bench_gemv_overlap.py)
-GEMV_CANDIDATES = ((8, 512, False, 0), (8, 512, True, 0), (4, 512, False, 0), (4, 512, True, 0),
-                   (4, 1024, False, 0), (16, 256, False, 0), (8, 512, False, 1024),
-                   (8, 512, False, 2048), (4, 512, False, 2048))
+# (block_n, block_k, prefetch): the fastest tiles of bench_kernels.py's sweeps on an H200, for
+# Llama-3.1-8B and Qwen3-8B (TP=1 and 2) shapes
+GEMV_CANDIDATES = ((8, 512, False), (8, 512, True), (4, 512, False), (4, 512, True),
+                   (4, 1024, False), (16, 256, False))
 MIN_GAIN = 1.03  # the GEMV must be at least 3% faster: noise must not flip a choice
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -41,27 +39,25 @@ class ShapeChoice:
     num_layers: int
     cublas_us: float
     best_us: float
-    tile: tuple[int, int, bool, int] | None  # (block_n, block_k, prefetch, preload_k); None: cuBLAS
+    tile: tuple[int, int, bool] | None  # None: cuBLAS stays
 
     def describe(self) -> str:
         n, k = self.shape
         pick = (f"small_m_linear {self.tile[0]}x{self.tile[1]}"
-                f"{' prefetch' if self.tile[2] else ''}"
-                f"{f' preload {self.tile[3]}' if self.tile[3] else ''}"
-                f" {self.best_us:.1f} us"
+                f"{' prefetch' if self.tile[2] else ''} {self.best_us:.1f} us"
                 if self.tile else "cuBLAS")
         return f"{n}x{k} ({self.num_layers} layers): cuBLAS {self.cublas_us:.1f} us -> {pick}"
 
 
-def gemv(block_n: int, block_k: int, prefetch: bool, preload_k: int) -> Matmul:
+def gemv(block_n: int, block_k: int, prefetch: bool) -> Matmul:
     from echo_kernels.linear import small_m_linear
 
     return functools.partial(small_m_linear, block_n=block_n, block_k=block_k,
-                             prefetch=prefetch, preload_k=preload_k)
+                             prefetch=prefetch)
 
 
 def tune_one_row_linears(model: nn.Module, timer: Timer,
-                         candidates: Sequence[tuple[int, int, bool, int]] = GEMV_CANDIDATES,
+                         candidates: Sequence[tuple[int, int, bool]] = GEMV_CANDIDATES,
                          make_kernel: Callable[..., Matmul] = gemv) -> list[ShapeChoice]:
     """Set `small_m_kernels[1]` on every bias-free linear layer whose shape the GEMV wins."""
     by_shape: dict[tuple[int, int], list[LinearBase]] = defaultdict(list)
