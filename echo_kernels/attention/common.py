@@ -35,6 +35,15 @@ class TileConfig:
     block_n: int  # keys per inner-loop step
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None  # registers per thread at most, so more programs fit on an SM
+    programs_per_sm: int = 2  # programs an SM holds at once: key splits aim to fill them
+
+    def launch_options(self) -> dict:
+        """The kernel launch keywords these tiles set."""
+        options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.maxnreg is not None:
+            options["maxnreg"] = self.maxnreg
+        return options
 
 
 def tile_config(rows_per_seq: int, head_dim: int, is_int8: bool = False) -> TileConfig:
@@ -50,10 +59,13 @@ def tile_config(rows_per_seq: int, head_dim: int, is_int8: bool = False) -> Tile
     if rows_per_seq <= 16:
         # decode, memory bound: 98-105% of copy bandwidth at B=64/256, 81% at B=1 x 32K (split).
         # Small bf16 tiles keep ~6 programs per SM in flight. int8 V reaches the MMA through
-        # byte-wise shared-memory reads in Triton 3.6; long tiles with 3 stages measured best
-        # (190.9 us at B=8 x 32K, 211.2 at B=256 x 1K; 2 stages 204.1 / 217.1).
+        # byte-wise shared-memory reads in Triton 3.6, so int8 decode is bound by instructions
+        # and latency: long tiles, and at most 168 registers so that an SM holds 3 programs
+        # instead of 2 (the compiler takes 255 otherwise). On an H200, 2 stages, 168 registers:
+        # B=8 x 32K 178.6 us (6 splits), B=256 x 1K 188.8, B=256 x 300-1224 keys 160.6; the
+        # earlier 3 stages, 255 registers: 187.0 (4 splits), 206.4, 175.7.
         if is_int8:
-            return TileConfig(16, 128, 4, 3)
+            return TileConfig(16, 128, 4, 2, maxnreg=168, programs_per_sm=3)
         return TileConfig(16, 32 if head_dim > 64 else 64, 4, 3)
     if rows_per_seq <= 256:
         # short runs, or decode-heavy mixes where 128-row tiles would mostly hold padding

@@ -147,27 +147,27 @@ def _paged_attention_kernel(
         tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-# Splits aim at this many programs per SM, and give each split at least MIN_SPLIT_LEN keys so
-# the partials' write and merge stay small next to the K/V reads. NOTE: measured on an H200,
-# splitting batches that already have 2 programs per SM only added work (B=64 x 4096: 512
-# programs unsplit ran at 99-105% of copy bandwidth); B=1 x 32K runs 8 x 33 programs. The
-# split count rounds down, never past the target: at B=8 x 32K, 5 splits (320 programs) left a
-# second partial wave of int8 programs, 289 us against 200 us for 4 splits (256 programs).
-_PROGRAMS_PER_SM = 2
+# Splits aim at the programs an SM holds at once (TileConfig.programs_per_sm), and give each
+# split at least MIN_SPLIT_LEN keys so the partials' write and merge stay small next to the K/V
+# reads. NOTE: measured on an H200, splitting batches that already fill the SMs only added work
+# (B=64 x 4096: 512 programs unsplit ran at 99-105% of copy bandwidth); B=1 x 32K runs 8 x 33
+# bf16 programs. The split count rounds down, never past the target: at B=8 x 32K, 5 splits
+# (320 programs for 264 places) left a second partial wave of int8 programs, 289 us against
+# 200 us for 4 splits (256 programs).
 _MIN_SPLIT_LEN = 256
 _MAX_SPLITS = 128
 
 
-def choose_num_splits(num_programs: int, max_seqlen_k: int, block_n: int,
+def choose_num_splits(num_programs: int, max_seqlen_k: int, config: TileConfig,
                       device: torch.device) -> int:
-    """Key splits so that (query tiles x KV heads x splits) gives every SM a couple of programs.
+    """Key splits so that (query tiles x KV heads x splits) fills every SM with programs.
 
     Host-side and sync-free: it sees only the grid size and the max_seqlen_k bound, so a CUDA
     graph captured with a max_seqlen_k stays valid for every shorter context it replays."""
-    target = _PROGRAMS_PER_SM * sm_count(device, without_gpu=8)
+    target = config.programs_per_sm * sm_count(device, without_gpu=8)
     if num_programs >= target:
         return 1
-    min_len = block_n if interpreting() else _MIN_SPLIT_LEN
+    min_len = config.block_n if interpreting() else _MIN_SPLIT_LEN
     return max(1, min(target // num_programs, triton.cdiv(max_seqlen_k, min_len),
                       _MAX_SPLITS))
 
@@ -216,8 +216,7 @@ def paged_attention(
     one_tile = max_seqlen_q * group <= config.block_m
     num_tiles = num_seqs if one_tile else num_tokens * group // config.block_m + num_seqs
     if num_splits is None:
-        num_splits = choose_num_splits(num_tiles * num_kv_heads, max_seqlen_k, config.block_n,
-                                       q.device)
+        num_splits = choose_num_splits(num_tiles * num_kv_heads, max_seqlen_k, config, q.device)
     split_len = triton.cdiv(triton.cdiv(max_seqlen_k, num_splits), config.block_n) * config.block_n
     num_splits = max(1, triton.cdiv(max_seqlen_k, split_len))
     split = num_splits > 1
@@ -241,7 +240,7 @@ def paged_attention(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, ONE_TILE_PER_SEQ=one_tile,
         SPLIT=split, IS_INT8_KV=is_int8, WIDE_OFFSETS=k_cache.numel() >= 2**31,
         **pdl_options(q.device),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        **config.launch_options(),
     )
     if split:
         merge_splits(part_acc, part_ml, out)

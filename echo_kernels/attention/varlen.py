@@ -126,6 +126,6 @@ def flash_attn_varlen(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         CAUSAL=causal, WIDE_OFFSETS=k.numel() >= 2**31, **pdl_options(q.device),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        **config.launch_options(),
     )
     return out

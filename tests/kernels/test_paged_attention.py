@@ -151,3 +151,16 @@ def test_gpu_int8(paged_batch, heads, block_size):
     b = paged_batch([1] * 8, [1, 17, 4000, 1000, 33, 64, 65, 2048], *heads, 128, block_size,
                     torch.bfloat16, kv_dtype=torch.int8, num_blocks=POOL)
     assert_close(b.run(), b.reference(), GPU_ATOL)
+
+
+def test_splits_fill_the_programs_an_sm_holds():
+    from echo_kernels.attention.common import TileConfig
+    from echo_kernels.attention.paged import choose_num_splits
+
+    cpu = torch.device("cpu")  # stands for 8 SMs
+    two, three = TileConfig(16, 32, 4, 3), TileConfig(16, 32, 4, 2, programs_per_sm=3)
+    # 3 programs: 16 places on 8 SMs give 5 splits (rounded down), 24 places give 8
+    assert choose_num_splits(3, 10_000, two, cpu) == 5
+    assert choose_num_splits(3, 10_000, three, cpu) == 8
+    assert choose_num_splits(16, 10_000, two, cpu) == 1  # the grid fills the SMs already
+    assert choose_num_splits(16, 10_000, three, cpu) == 1
