@@ -159,7 +159,8 @@ def sdpa_fn(q, k, v, backend, causal: bool, gqa: bool):
 DECODE_SWEEP = {
     DT: [TileConfig(16, 64, 4, 2), TileConfig(16, 64, 4, 3), TileConfig(16, 64, 4, 4),
          TileConfig(16, 32, 4, 3), TileConfig(16, 128, 4, 3), TileConfig(16, 128, 4, 2)],
-    torch.int8: [TileConfig(16, 128, 4, 2), TileConfig(16, 128, 4, 3), TileConfig(16, 64, 4, 3),
+    torch.int8: [TileConfig(16, 128, 4, 2, maxnreg=168, programs_per_sm=3),  # the default
+                 TileConfig(16, 128, 4, 2), TileConfig(16, 128, 4, 3), TileConfig(16, 64, 4, 3),
                  TileConfig(16, 64, 4, 2), TileConfig(16, 256, 4, 2), TileConfig(16, 64, 4, 4),
                  TileConfig(16, 32, 4, 3), TileConfig(16, 128, 8, 3)],
 }
