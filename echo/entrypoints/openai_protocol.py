@@ -1,8 +1,9 @@
 """OpenAI request bodies (pydantic) and their translation into SamplingParams.
 
 Unknown fields are ignored, as OpenAI-compatible servers commonly do; known fields that echo
-cannot honour (echo=True, best_of > n, logit_bias, suffix, tools) are rejected with a 400 that
-names them, so nothing silently behaves differently from what was asked.
+cannot honour (echo=True, best_of > n, logit_bias, suffix, tools, a structured response_format,
+non-text message parts) are rejected with a 400 that names them, so nothing silently behaves
+differently from what was asked.
 """
 
 from typing import Any, Literal
@@ -40,6 +41,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     user: str | None = None
 
     def unsupported(self) -> str | None:
@@ -48,6 +50,8 @@ class _SamplingFields(BaseModel):
             return "best_of"
         if self.logit_bias:
             return "logit_bias"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format"  # JSON modes need constrained decoding
         return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -115,6 +119,10 @@ class ChatCompletionRequest(_SamplingFields):
     def unsupported(self) -> str | None:
         if self.tools:
             return "tools"
+        for i, message in enumerate(self.messages):  # text-only models: no image or audio parts
+            if isinstance(message.content, list) and any(
+                    part.get("type") != "text" for part in message.content):
+                return f"messages[{i}].content"
         return super().unsupported()
 
     def limit(self) -> int | None:
@@ -125,7 +133,7 @@ class ChatCompletionRequest(_SamplingFields):
         result = []
         for m in self.messages:
             content = m.content
-            if isinstance(content, list):  # text parts only
+            if isinstance(content, list):  # text parts (unsupported() refused the others)
                 content = "".join(part.get("text", "") for part in content
                                   if part.get("type") == "text")
             result.append({"role": m.role, "content": content or ""})

@@ -137,6 +137,29 @@ def test_bad_requests_get_openai_errors_and_engine_keeps_serving(tiny_chat_model
     assert good.status_code == 200
 
 
+def test_chat_requests_echo_cannot_honour_are_refused_by_name(tiny_chat_model):
+    user = {"role": "user", "content": "hi"}
+    image = {"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                         {"type": "image_url", "image_url": {"url": "x"}}]}
+    cases = [({"messages": [user], "response_format": {"type": "json_object"}},
+              "response_format"),
+             ({"messages": [user, image]}, "messages[1].content")]
+
+    async def test(http, client):
+        bad = [await http.post("/v1/chat/completions", json=body) for body, _ in cases]
+        good = await http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "response_format": {"type": "text"}, "max_tokens": 2, "ignore_eos": True})
+        return bad, good
+
+    bad, good = with_server(tiny_chat_model, test)
+    for response, (_, field) in zip(bad, cases):
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == field
+        assert field in response.json()["error"]["message"]
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
+
+
 def test_api_key_body_limit_models_health_metrics(tiny_chat_model):
     async def test(http, client):
         no_key = await http.get("/v1/models")
