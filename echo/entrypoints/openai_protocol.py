@@ -8,7 +8,7 @@ differently from what was asked.
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from echo.sampling_params import SamplingParams
 
@@ -115,6 +115,13 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):  # as OpenAI's API: not silently dropped
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return value
 
     def unsupported(self) -> str | None:
         if self.tools:

@@ -143,7 +143,8 @@ def test_chat_requests_echo_cannot_honour_are_refused_by_name(tiny_chat_model):
                                          {"type": "image_url", "image_url": {"url": "x"}}]}
     cases = [({"messages": [user], "response_format": {"type": "json_object"}},
               "response_format"),
-             ({"messages": [user, image]}, "messages[1].content")]
+             ({"messages": [user, image]}, "messages[1].content"),
+             ({"messages": [user], "top_logprobs": 2}, "top_logprobs")]
 
     async def test(http, client):
         bad = [await http.post("/v1/chat/completions", json=body) for body, _ in cases]
