@@ -44,6 +44,14 @@ class _SamplingFields(BaseModel):
     response_format: dict[str, Any] | None = None
     user: str | None = None
 
+    @field_validator("stream_options")
+    @classmethod
+    def _needs_stream(cls, value: StreamOptions | None,
+                      info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):  # as OpenAI's API
+            raise ValueError("stream_options needs stream set to true")
+        return value
+
     def unsupported(self) -> str | None:
         """The name of a field echo cannot honour, if one was set."""
         if self.best_of is not None and self.best_of != self.n:

@@ -64,7 +64,8 @@ def test_chat_stream_has_role_deltas_finish_and_usage(tiny_chat_model):
                 "max_completion_tokens": 6, "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
         r = await http.post("/v1/chat/completions", json=body)
-        whole = await http.post("/v1/chat/completions", json={**body, "stream": False})
+        whole = await http.post("/v1/chat/completions", json={
+            **body, "stream": False, "stream_options": None})
         return r, whole
 
     r, whole = with_server(tiny_chat_model, test)
@@ -144,7 +145,9 @@ def test_chat_requests_echo_cannot_honour_are_refused_by_name(tiny_chat_model):
     cases = [({"messages": [user], "response_format": {"type": "json_object"}},
               "response_format"),
              ({"messages": [user, image]}, "messages[1].content"),
-             ({"messages": [user], "top_logprobs": 2}, "top_logprobs")]
+             ({"messages": [user], "top_logprobs": 2}, "top_logprobs"),
+             ({"messages": [user], "stream_options": {"include_usage": True}},
+              "stream_options")]
 
     async def test(http, client):
         bad = [await http.post("/v1/chat/completions", json=body) for body, _ in cases]
