@@ -89,6 +89,7 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
                            "max_tokens" if max_tokens else "prompt")
         try:
             params = body.sampling_params(max_tokens, logprobs)
+            client.input_processor.validate(ids, params)  # what the engine would refuse
         except ValueError as e:
             field = str(e).split(":")[0].removeprefix("SamplingParams.")
             raise APIError(400, str(e), field) from None
@@ -109,6 +110,8 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
                     logprobs: int | None, chat: bool):
         await check_engine()
         model = check_model(body.model)
+        if not prompts:
+            raise APIError(400, "prompt: must not be empty", "prompt")
         prepared = [prepare(p, body, max_tokens, logprobs) for p in prompts]
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())

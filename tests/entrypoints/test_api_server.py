@@ -119,6 +119,8 @@ def test_logprobs_n_and_stop_strings(tiny_chat_model):
     ({"prompt": "x", "model": "other"}, 404, "model"),
     ({"prompt": "x", "echo": True}, 400, "echo"),
     ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),  # the engine refuses an empty prompt: a 400, not a 500
+    ({"prompt": []}, 400, "prompt"),
     ({"prompt": "x", "n": "many"}, 400, "n"),
 ])
 def test_bad_requests_get_openai_errors_and_engine_keeps_serving(tiny_chat_model, body, status,
