@@ -43,7 +43,12 @@ class InputProcessor:
         if isinstance(prompt, dict):  # {"prompt_token_ids": [...]} as vLLM accepts
             prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
             return self.tokenize(prompt)
-        ids = list(prompt)
+        try:
+            ids = list(prompt)
+        except TypeError:
+            raise ValueError("prompt: expected a string, a list of token ids or "
+                             f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+                             ) from None
         vocab = self.config.arch.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt_token_ids: every id must be an int in [0, {vocab})")

@@ -114,6 +114,9 @@ def test_bad_input_fails_before_queuing_and_llm_keeps_working(tiny_llama):
             SamplingParams(**{field: value})
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate([[1, 2, 10_000]], good, use_tqdm=False)
+    for prompt in (None, 3.5, {"prompt_token_ids": None}):
+        with pytest.raises(ValueError, match="prompt: expected a string"):
+            llm.generate([prompt], good, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate([PROMPTS[0]], good, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
