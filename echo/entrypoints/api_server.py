@@ -72,10 +72,13 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
         if not await client.health():
             raise APIError(503, "the engine is not running", kind="service_unavailable")
 
-    def prepare(prompt, body, max_tokens: int | None, logprobs: int | None):
+    def check_supported(body) -> None:
+        """Once per request, before any prompt is templated or tokenized."""
         field = body.unsupported()
         if field:
             raise APIError(400, f"{field}: not supported by this server", field)
+
+    def prepare(prompt, body, max_tokens: int | None, logprobs: int | None):
         try:
             _, ids = client.input_processor.tokenize(prompt)
         except ValueError as e:
@@ -135,11 +138,13 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
+        check_supported(body)
         return await serve("text_completion", body, body.prompts(), body.max_tokens,
                            body.logprobs, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
+        check_supported(body)
         try:
             text = client.input_processor.apply_chat_template(
                 body.message_dicts(), body.add_generation_prompt)

@@ -148,8 +148,7 @@ class ChatCompletionRequest(_SamplingFields):
         result = []
         for m in self.messages:
             content = m.content
-            if isinstance(content, list):  # text parts (unsupported() refused the others)
-                content = "".join(part.get("text", "") for part in content
-                                  if part.get("type") == "text")
+            if isinstance(content, list):  # text parts only: unsupported() refuses the others
+                content = "".join(part.get("text", "") for part in content)
             result.append({"role": m.role, "content": content or ""})
         return result
