@@ -24,6 +24,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from echo.attention.backend import cache_scales  # noqa: E402
+from echo.worker.step_buffers import longest_first  # noqa: E402
 from echo_kernels import (  # noqa: E402
     fused_add_rms_norm,
     rms_norm,
@@ -156,17 +157,29 @@ def sdpa_fn(q, k, v, backend, causal: bool, gqa: bool):
         return None
 
 
-DECODE_SWEEP = {
-    DT: [TileConfig(16, 64, 4, 2), TileConfig(16, 64, 4, 3), TileConfig(16, 64, 4, 4),
-         TileConfig(16, 32, 4, 3), TileConfig(16, 128, 4, 3), TileConfig(16, 128, 4, 2)],
-    torch.int8: [TileConfig(16, 128, 4, 2, maxnreg=168, programs_per_sm=3),  # the default
-                 TileConfig(16, 128, 4, 2), TileConfig(16, 128, 4, 3), TileConfig(16, 64, 4, 3),
-                 TileConfig(16, 64, 4, 2), TileConfig(16, 256, 4, 2), TileConfig(16, 64, 4, 4),
-                 TileConfig(16, 32, 4, 3), TileConfig(16, 128, 8, 3)],
+DECODE_SWEEP = {  # the defaults first, then one-warp variants, then the earlier 4-warp tiles
+    DT: [TileConfig(16, 32, 1, 4, programs_per_sm=4), TileConfig(16, 32, 1, 2),
+         TileConfig(16, 32, 1, 3), TileConfig(16, 64, 1, 2), TileConfig(16, 16, 1, 4),
+         TileConfig(16, 32, 4, 3), TileConfig(16, 64, 4, 3)],
+    torch.int8: [TileConfig(16, 32, 1, 2, programs_per_sm=8), TileConfig(16, 32, 1, 3),
+                 TileConfig(16, 32, 1, 4), TileConfig(16, 64, 1, 2),
+                 TileConfig(16, 32, 1, 2, maxnreg=168), TileConfig(16, 16, 1, 4),
+                 TileConfig(16, 128, 4, 2, maxnreg=168, programs_per_sm=3),
+                 TileConfig(16, 128, 4, 3)],
 }
 
 
-DECODE_CASES = {(64, 4096): 0.85, (1, 32768): 0.70, (256, 1024): 0.85, (8, 32768): None}
+# (batch, shortest, longest context): target fraction of the copy bandwidth. Mixed lengths are
+# drawn uniformly (seeded); their programs start longest first, as the engine launches them.
+DECODE_CASES = {(64, 4096, 4096): 0.85, (1, 32768, 32768): 0.70, (256, 1024, 1024): 0.85,
+                (8, 32768, 32768): None, (256, 300, 1224): None, (128, 100, 4096): None}
+
+
+def decode_case(text: str) -> tuple[int, int, int]:
+    """'B:L' (every context L) or 'B:LO-HI' (contexts uniform in [LO, HI])."""
+    batch, ctx = text.split(":")
+    lo, _, hi = ctx.partition("-")
+    return int(batch), int(lo), int(hi or lo)
 
 
 def bench_decode(rows: Rows, sweep: bool, only_cases: str | None = None) -> None:
@@ -176,27 +189,34 @@ def bench_decode(rows: Rows, sweep: bool, only_cases: str | None = None) -> None
 
     cases = DECODE_CASES
     if only_cases:
-        cases = {tuple(map(int, c.split(":"))): None for c in only_cases.split(",")}
-    for (batch, ctx), target in cases.items():
-        kv_bytes = batch * ctx * 8 * 128 * 2 * 2
+        cases = {decode_case(c): None for c in only_cases.split(",")}
+    for (batch, lo, ctx), target in cases.items():
+        lens = torch.randint(lo, ctx + 1, (batch,), generator=torch.Generator().manual_seed(0),
+                             dtype=torch.int32)
+        order = torch.from_numpy(longest_first(lens.numpy())).cuda()
+        keys = int(lens.sum())
+        kv_bytes = keys * 8 * 128 * 2 * 2
         num_rot = max(1, math.ceil(512e6 / kv_bytes))  # inputs in rotation: >= 512 MB in all
         q = torch.randn(batch, 32, 128, device="cuda", dtype=DT)
         out = torch.empty_like(q)
         cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+        shape = f"B={batch} L={ctx if lo == ctx else f'{lo}-{ctx}'} 32/8 d128 bs16"
         for kv_dtype in (DT, torch.int8):
             inps = [paged_decode_inputs(batch, ctx, kv_dtype=kv_dtype) for _ in range(num_rot)]
+            for inp in inps:
+                inp["seq_lens"] = lens.cuda()
             elem = 1 if kv_dtype == torch.int8 else 2
-            nbytes = batch * ctx * 8 * 128 * 2 * elem + (batch * ctx * 8 * 2 * 4 if elem == 1
-                                                         else 0)
+            nbytes = keys * 8 * 128 * 2 * elem + (keys * 8 * 2 * 4 if elem == 1 else 0)
 
             def calls(**kw):
-                return [lambda i=i: run_paged(i, q, cu_q, 1, ctx, out, **kw)  # noqa: B023
+                return [lambda i=i: run_paged(i, q, cu_q, 1, ctx, out,  # noqa: B023
+                                              seq_order=order, **kw)  # noqa: B023
                         for i in inps]  # noqa: B023
 
             name = "paged_attention decode" + (" int8" if elem == 1 else "")
-            rows.add(name, f"B={batch} L={ctx} 32/8 d128 bs16", bench_graph(calls()),
+            rows.add(name, shape, bench_graph(calls()),
                      nbytes=nbytes, target=target if elem == 2 else None, note="cuda graph")
-            rows.add(name + " (eager)", f"B={batch} L={ctx} 32/8 d128 bs16",
+            rows.add(name + " (eager)", shape,
                      bench(calls()[0]), nbytes=nbytes, note="do_bench, launch overhead incl.")
             if sweep:
                 for splits in (1, 2, 4, 8, 16, 32, 64):
@@ -206,6 +226,8 @@ def bench_decode(rows: Rows, sweep: bool, only_cases: str | None = None) -> None
                         ms = bench_graph(calls(num_splits=splits, config=cfg), reps=10)
                         rows.add("  sweep", f"splits={splits} {cfg}", ms, nbytes=nbytes)
             inps = None
+        if lo != ctx:
+            continue  # dense SDPA has no per-sequence lengths
         # dense decode in SDPA for comparison; K/V bytes counted at 8 heads
         qd = q.view(batch, 32, 1, 128)
         kd = torch.randn(batch, 8, ctx, 128, device="cuda", dtype=DT)
@@ -386,7 +408,9 @@ def bench_linear(rows: Rows, sweep: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
-    parser.add_argument("--decode-cases", help="B:L,... instead of every decode case")
+    parser.add_argument("--decode-cases",
+                        help="B:L or B:LO-HI (mixed contexts), comma-separated, instead of every "
+                             "decode case")
     parser.add_argument("--only", default="decode,prefill,mixed,elementwise,linear")
     parser.add_argument("--sweep", action="store_true", help="also sweep attention tile configs")
     args = parser.parse_args()

@@ -22,6 +22,9 @@ class AttentionMetadata:
     max_seqlen_k: int
     # every sequence's run is its whole context (a first prefill): K/V can be read contiguously
     no_cached_prefix: bool = False
+    # [num_seqs] int32, the sequences by descending seq_lens: decode attention starts the longest
+    # first when its programs take more than one wave (None: batch order)
+    seq_order: torch.Tensor | None = None
     # host copies for backends that loop over sequences (the torch reference)
     query_lens_cpu: tuple[int, ...] = ()
     seq_lens_cpu: tuple[int, ...] = ()

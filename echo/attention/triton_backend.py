@@ -33,4 +33,4 @@ class TritonAttentionBackend(AttentionBackend):
                                      causal=True)
         return paged_attention(q, cache.k, cache.v, meta.block_table, meta.cu_seqlens_q,
                                meta.seq_lens, meta.max_seqlen_q, meta.max_seqlen_k, self.scale,
-                               cache.k_scale, cache.v_scale)
+                               cache.k_scale, cache.v_scale, seq_order=meta.seq_order)

@@ -40,6 +40,7 @@ class CudaGraphRunner:
         # harmless values for capture and warm-up: one-token sequences that store nothing
         buf.tensor("slot_mapping")[:bs].fill_(-1)
         buf.tensor("seq_lens")[:bs].fill_(1)
+        buf.tensor("seq_order")[:bs].copy_(torch.arange(bs, dtype=torch.int32))
         buf.tensor("block_table")[: bs * width].zero_()
         buf.tensor("cu_seqlens_q")[: bs + 1].copy_(torch.arange(bs + 1, dtype=torch.int32))
         meta = AttentionMetadata(
@@ -47,6 +48,7 @@ class CudaGraphRunner:
             block_table=buf.tensor("block_table")[: bs * width].view(bs, width),
             cu_seqlens_q=buf.tensor("cu_seqlens_q")[: bs + 1],
             seq_lens=buf.tensor("seq_lens")[:bs],
+            seq_order=buf.tensor("seq_order")[:bs],
             max_seqlen_q=1,
             max_seqlen_k=self.max_model_len,
         )

@@ -10,9 +10,11 @@ docs/benchmarks.md) showed inter-token gaps of up to 1.3 s, the size of such com
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from echo.attention.backend import AttentionMetadata
+from echo.worker.step_buffers import longest_first
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ def warmup_metadata(batch: WarmupBatch, block_size: int, device: torch.device
         block_table=torch.zeros((len(q_lens), max_blocks), dtype=torch.int32, device=device),
         cu_seqlens_q=cu.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        seq_order=torch.from_numpy(longest_first(np.array(seq_lens))).to(device),
         max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens),
         no_cached_prefix=q_lens == seq_lens,
         query_lens_cpu=q_lens, seq_lens_cpu=seq_lens)

@@ -13,6 +13,11 @@ from echo.attention.backend import AttentionMetadata
 from echo.worker.input_batch import StepInputs
 
 
+def longest_first(seq_lens: np.ndarray) -> np.ndarray:
+    """Sequence indices by descending context length (AttentionMetadata.seq_order)."""
+    return np.argsort(-seq_lens, kind="stable").astype(np.int32)
+
+
 class StepBuffers:
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  device: torch.device):
@@ -27,6 +32,7 @@ class StepBuffers:
             ("slot_mapping", max_num_tokens, torch.int64),
             ("cu_seqlens_q", max_num_seqs + 1, torch.int32),
             ("seq_lens", max_num_seqs, torch.int32),
+            ("seq_order", max_num_seqs, torch.int32),
             ("logits_indices", max_num_seqs, torch.int64),
             ("placeholder_idx", max_num_seqs, torch.int64),
             ("placeholder_src", max_num_seqs, torch.int64),
@@ -78,6 +84,7 @@ class StepBuffers:
             block_table=self.put("block_table", table).view(rows, width),
             cu_seqlens_q=self.put("cu_seqlens_q", cu),
             seq_lens=self.put("seq_lens", seq_lens),
+            seq_order=self.put("seq_order", longest_first(seq_lens)),
             max_seqlen_q=int(query_lens.max()),
             max_seqlen_k=int(inp.seq_lens.max()),
             no_cached_prefix=bool((query_lens == inp.seq_lens).all()),

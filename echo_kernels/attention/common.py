@@ -57,16 +57,19 @@ def tile_config(rows_per_seq: int, head_dim: int, is_int8: bool = False) -> Tile
     # NOTE: picked from sweeps on an H200 at d=128, 32/8 heads, block size 16 (bench_kernels.py
     # --sweep); d=64 keeps the same bytes per K/V tile, unmeasured.
     if rows_per_seq <= 16:
-        # decode, memory bound: 98-105% of copy bandwidth at B=64/256, 81% at B=1 x 32K (split).
-        # Small bf16 tiles keep ~6 programs per SM in flight. int8 V reaches the MMA through
-        # byte-wise shared-memory reads in Triton 3.6, so int8 decode is bound by instructions
-        # and latency: long tiles, and at most 168 registers so that an SM holds 3 programs
-        # instead of 2 (the compiler takes 255 otherwise). On an H200, 2 stages, 168 registers:
-        # B=8 x 32K 178.6 us (6 splits), B=256 x 1K 188.8, B=256 x 300-1224 keys 160.6; the
-        # earlier 3 stages, 255 registers: 187.0 (4 splits), 206.4, 175.7.
+        # decode: one warp per program. A 16-row query tile is one MMA row block, so one warp
+        # keeps the scores, softmax and P in registers (no shared-memory exchange or barrier
+        # between warps each tile); many small programs per SM hide the latency. int8 V reaches
+        # the MMA through byte-wise shared-memory reads in Triton 3.6, so int8 decode is bound by
+        # instructions and latency rather than bandwidth. On an H200 (bench_kernels.py --sweep
+        # and finer split sweeps), against the earlier 4-warp tiles: bf16 B=8 x 32K 266.8 ->
+        # ~250 us, B=256 x 1K 257.6 -> ~250, B=64 x 4K 278.5 -> 250.0; int8 179.1 -> 167.8,
+        # 187.6 -> 166.9, 217.9 -> 170.3. programs_per_sm is the split target: what fits an SM
+        # (int8: 8 at 255 registers; bf16: 4 by shared memory). bf16 with 3 stages was as fast
+        # at full grids but fits 6 per SM, and B=64 x 4K (512 programs) then ran 316 us unsplit.
         if is_int8:
-            return TileConfig(16, 128, 4, 2, maxnreg=168, programs_per_sm=3)
-        return TileConfig(16, 32 if head_dim > 64 else 64, 4, 3)
+            return TileConfig(16, 32, 1, 2, programs_per_sm=8)
+        return TileConfig(16, 32 if head_dim > 64 else 64, 1, 4, programs_per_sm=4)
     if rows_per_seq <= 256:
         # short runs, or decode-heavy mixes where 128-row tiles would mostly hold padding
         return TileConfig(64, 64, 4, 3)

@@ -41,6 +41,7 @@ def _paged_attention_kernel(
     block_table_ptr,  # [num_seqs, max_blocks] int32
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32, context including the run
+    seq_order_ptr,  # [num_seqs] int32, sequences longest first (ORDERED)
     out_ptr,  # [num_tokens, num_heads, HEAD_DIM] (not SPLIT)
     part_acc_ptr,  # [num_tokens, num_heads, num_splits, HEAD_DIM] float32 (SPLIT)
     part_ml_ptr,  # [num_tokens, num_heads, num_splits, 2] float32: max, sum (SPLIT)
@@ -65,6 +66,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ONE_TILE_PER_SEQ: tl.constexpr,  # every run fits one tile: tile index == sequence index
+    ORDERED: tl.constexpr,  # one tile per sequence, taken in seq_order's order
     SPLIT: tl.constexpr,
     IS_INT8_KV: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,  # the cache has 2^31 elements or more
@@ -79,7 +81,10 @@ def _paged_attention_kernel(
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
     split = tl.program_id(2)
 
-    if ONE_TILE_PER_SEQ:
+    if ORDERED:
+        seq = tl.load(seq_order_ptr + tl.program_id(1))
+        row0 = 0
+    elif ONE_TILE_PER_SEQ:
         seq = tile
         row0 = 0
     else:
@@ -147,26 +152,30 @@ def _paged_attention_kernel(
         tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-# Splits aim at the programs an SM holds at once (TileConfig.programs_per_sm), and give each
+# Splits aim at two waves of programs (TileConfig.programs_per_sm per SM each), and give each
 # split at least MIN_SPLIT_LEN keys so the partials' write and merge stay small next to the K/V
-# reads. NOTE: measured on an H200, splitting batches that already fill the SMs only added work
-# (B=64 x 4096: 512 programs unsplit ran at 99-105% of copy bandwidth); B=1 x 32K runs 8 x 33
-# bf16 programs. The split count rounds down, never past the target: at B=8 x 32K, 5 splits
-# (320 programs for 264 places) left a second partial wave of int8 programs, 289 us against
-# 200 us for 4 splits (256 programs).
+# reads. Two waves, not one: within one wave nothing shortens the longest context's program,
+# which in a batch of mixed lengths runs long after the rest; over two, programs start longest
+# first (seq_order) and the short ones fill in around the long ones. NOTE: measured on an H200,
+# B=128 decode over contexts of 100-4096 keys: ... The split count rounds down: at B=8 x 32K, 5
+# splits (320 programs for 264 places) once left a partial second wave, 289 us against 200 us.
 _MIN_SPLIT_LEN = 256
 _MAX_SPLITS = 128
+_WAVES = 2
+
+
+def wave_size(config: TileConfig, device: torch.device) -> int:
+    """Programs of these tiles that the GPU runs at once."""
+    return config.programs_per_sm * sm_count(device, without_gpu=8)
 
 
 def choose_num_splits(num_programs: int, max_seqlen_k: int, config: TileConfig,
                       device: torch.device) -> int:
-    """Key splits so that (query tiles x KV heads x splits) fills every SM with programs.
+    """Key splits so that (query tiles x KV heads x splits) fills every SM with programs twice.
 
     Host-side and sync-free: it sees only the grid size and the max_seqlen_k bound, so a CUDA
     graph captured with a max_seqlen_k stays valid for every shorter context it replays."""
-    target = config.programs_per_sm * sm_count(device, without_gpu=8)
-    if num_programs >= target:
-        return 1
+    target = _WAVES * wave_size(config, device)
     min_len = config.block_n if interpreting() else _MIN_SPLIT_LEN
     return max(1, min(target // num_programs, triton.cdiv(max_seqlen_k, min_len),
                       _MAX_SPLITS))
@@ -185,6 +194,7 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    seq_order: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
     config: TileConfig | None = None,
@@ -196,8 +206,11 @@ def paged_attention(
     [num_seqs, max_blocks] int32; cu_seqlens_q [num_seqs + 1] int32; seq_lens [num_seqs] int32,
     each context including its run, whose K/V are already in the cache. The run of sequence s is
     its last q_len tokens; query i sees keys 0 .. seq_len - q_len + i. max_seqlen_q/max_seqlen_k
-    are host ints (upper bounds are fine) used only to size the grid. num_splits and config
-    override the split count and tiles the shapes would get (tests, benchmarks).
+    are host ints (upper bounds are fine) used only to size the grid. seq_order [num_seqs] int32,
+    the sequences by descending seq_len, is the launch order when the programs of a decode batch
+    take more than one wave: the longest start first instead of prolonging the last wave.
+    num_splits and config override the split count and tiles the shapes would get (tests,
+    benchmarks).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -220,6 +233,12 @@ def paged_attention(
     split_len = triton.cdiv(triton.cdiv(max_seqlen_k, num_splits), config.block_n) * config.block_n
     num_splits = max(1, triton.cdiv(max_seqlen_k, split_len))
     split = num_splits > 1
+    # NOTE: only past one wave: an ordered program's first load waits on seq_order, which costs
+    # latency and gains nothing when every program starts at once. On an H200, B=256 int8
+    # decode over contexts of 300-1224 keys (unsplit): 168.7 us in batch order, 131.0 us longest
+    # first (bf16 188.9 / 179.6).
+    ordered = (seq_order is not None and one_tile and num_seqs > 1
+               and num_tiles * num_kv_heads * num_splits > wave_size(config, q.device))
     if split:
         part_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
                                device=q.device)
@@ -231,13 +250,14 @@ def paged_attention(
     grid = (num_kv_heads, num_tiles, num_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, k_scale, v_scale, block_table, cu_seqlens_q, seq_lens,
-        out, part_acc, part_ml,
+        seq_order if ordered else seq_lens, out, part_acc, part_ml,
         num_seqs, num_heads, num_splits, softmax_scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), block_table.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, ONE_TILE_PER_SEQ=one_tile,
+        ORDERED=ordered,
         SPLIT=split, IS_INT8_KV=is_int8, WIDE_OFFSETS=k_cache.numel() >= 2**31,
         **pdl_options(q.device),
         **config.launch_options(),

@@ -7,10 +7,12 @@ the merge), multi-tile prefill runs, prefill over a cached prefix, mixed batches
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from kernel_utils import PagedBatch, assert_close
 
+from echo.worker.step_buffers import longest_first
 from echo_kernels import paged_attention
 from echo_kernels.reference import paged_attention_ref
 
@@ -41,6 +43,19 @@ def test_decode_splits_follow_each_context_not_the_bound(paged_batch):
     b = paged_batch([1, 1, 1], [97, 3, 40], 4, 2, 32, 16, torch.float32)
     b.max_seqlen_k = 4096
     assert_close(b.run(num_splits=8), b.reference(), CPU_ATOL[torch.float32])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.int8])
+def test_decode_in_seq_order(paged_batch, kv_dtype):
+    # 12 sequences x 2 KV heads = 24 programs, more than the interpreter's wave of 16: programs
+    # take their sequence from seq_order (the engine passes the longest first)
+    ctx = [5, 70, 33, 1, 64, 17, 90, 2, 48, 31, 16, 65]
+    b = paged_batch([1] * len(ctx), ctx, 4, 2, 32, 16, torch.float16, kv_dtype=kv_dtype)
+    order = torch.tensor(sorted(range(len(ctx)), key=lambda s: -ctx[s]), dtype=torch.int32)
+    assert_close(b.run(seq_order=order), b.reference(), CPU_ATOL[torch.float16])
+    # every program pointed at sequence 0: the other sequences' rows stay unwritten (NaN)
+    out = b.run(seq_order=torch.zeros_like(order))
+    assert out[1:].isnan().all() and not out[0].isnan().any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -110,6 +125,12 @@ def test_gpu_decode(paged_batch, heads, head_dim, block_size):
     b = paged_batch([1] * len(ctx), ctx, *heads, head_dim, block_size, torch.bfloat16,
                     num_blocks=POOL, seed=rng.randint(0, 1000))
     assert_close(b.run(), b.reference(), GPU_ATOL)
+    # past one wave of programs (unsplit), longest first
+    ctx = _random_ctx(rng, block_size, 160, 1000)
+    b = paged_batch([1] * len(ctx), ctx, *heads, head_dim, block_size, torch.bfloat16,
+                    seed=rng.randint(0, 1000))
+    order = torch.tensor(longest_first(np.array(ctx)), device="cuda")
+    assert_close(b.run(seq_order=order), b.reference(), GPU_ATOL)
     # a batch of one long context goes through many splits and the merge
     b = paged_batch([1], [8191], *heads, head_dim, block_size, torch.bfloat16,
                     num_blocks=max(POOL, 8191 // block_size + 16))
@@ -148,6 +169,11 @@ def test_gpu_int8(paged_batch, heads, block_size):
     b = paged_batch(q_lens, ctx, *heads, 128, block_size, torch.bfloat16,
                     kv_dtype=torch.int8, num_blocks=POOL, seed=rng.randint(0, 1000))
     assert_close(b.run(), b.reference(), GPU_ATOL)
+    ctx = _random_ctx(rng, block_size, 160, 1000)  # past one wave of programs, longest first
+    b = paged_batch([1] * len(ctx), ctx, *heads, 128, block_size, torch.bfloat16,
+                    kv_dtype=torch.int8, seed=rng.randint(0, 1000))
+    order = torch.tensor(longest_first(np.array(ctx)), device="cuda")
+    assert_close(b.run(seq_order=order), b.reference(), GPU_ATOL)
     b = paged_batch([1] * 8, [1, 17, 4000, 1000, 33, 64, 65, 2048], *heads, 128, block_size,
                     torch.bfloat16, kv_dtype=torch.int8, num_blocks=POOL)
     assert_close(b.run(), b.reference(), GPU_ATOL)
@@ -159,8 +185,11 @@ def test_splits_fill_the_programs_an_sm_holds():
 
     cpu = torch.device("cpu")  # stands for 8 SMs
     two, three = TileConfig(16, 32, 4, 3), TileConfig(16, 32, 4, 2, programs_per_sm=3)
-    # 3 programs: 16 places on 8 SMs give 5 splits (rounded down), 24 places give 8
-    assert choose_num_splits(3, 10_000, two, cpu) == 5
-    assert choose_num_splits(3, 10_000, three, cpu) == 8
-    assert choose_num_splits(16, 10_000, two, cpu) == 1  # the grid fills the SMs already
-    assert choose_num_splits(16, 10_000, three, cpu) == 1
+    # two waves: 3 programs and 2 x 16 places on 8 SMs give 10 splits (rounded down), 2 x 24
+    # places give 16
+    assert choose_num_splits(3, 10_000, two, cpu) == 10
+    assert choose_num_splits(3, 10_000, three, cpu) == 16
+    assert choose_num_splits(3, 100, three, cpu) == 4  # at least 32 keys (block_n) a split
+    assert choose_num_splits(16, 10_000, two, cpu) == 2
+    assert choose_num_splits(32, 10_000, two, cpu) == 1  # the grid fills two waves already
+    assert choose_num_splits(40, 10_000, three, cpu) == 1
