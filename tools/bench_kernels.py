@@ -85,12 +85,15 @@ class Rows:
 # ---------------------------------------------------------------------------- attention inputs
 
 def paged_decode_inputs(batch: int, ctx: int, heads=(32, 8), head_dim=128, block_size=16,
-                        kv_dtype=DT):
+                        kv_dtype=DT, pool_blocks: int = 0):
+    """Random distinct cache blocks for each sequence, drawn from a pool of `pool_blocks` (at
+    least what the batch needs). The engine's pool fills the GPU's memory: for Qwen3-0.6B with
+    int8 on an H200 that is over 2^31 cache elements, where the kernel's offsets go int64."""
     num_heads, num_kv = heads
-    blocks_per_seq = ctx // block_size
-    num_blocks = batch * blocks_per_seq
+    blocks_per_seq = -(-ctx // block_size)
+    num_blocks = max(batch * blocks_per_seq, pool_blocks)
     perm = torch.randperm(num_blocks, device="cuda", dtype=torch.int64).to(torch.int32)
-    block_table = perm.view(batch, blocks_per_seq)
+    block_table = perm[: batch * blocks_per_seq].view(batch, blocks_per_seq)
     shape = (num_blocks, block_size, num_kv, head_dim)
     if kv_dtype == torch.int8:
         k_cache = torch.randint(-127, 128, shape, device="cuda", dtype=torch.int8)
@@ -182,7 +185,8 @@ def decode_case(text: str) -> tuple[int, int, int]:
     return int(batch), int(lo), int(hi or lo)
 
 
-def bench_decode(rows: Rows, sweep: bool, only_cases: str | None = None) -> None:
+def bench_decode(rows: Rows, sweep: bool, only_cases: str | None = None,
+                 heads: tuple[int, int] = (32, 8), pool_blocks: int = 0) -> None:
     """Paged decode (bf16 and int8 caches) against dense SDPA. B=8 x 32768 is the int8 issue's
     case: int8 must take at most 1/1.7 of the bf16 time."""
     from torch.nn.attention import SDPBackend
@@ -195,18 +199,29 @@ def bench_decode(rows: Rows, sweep: bool, only_cases: str | None = None) -> None
                              dtype=torch.int32)
         order = torch.from_numpy(longest_first(lens.numpy())).cuda()
         keys = int(lens.sum())
-        kv_bytes = keys * 8 * 128 * 2 * 2
+        num_heads, num_kv = heads
+        kv_bytes = keys * num_kv * 128 * 2 * 2
         num_rot = max(1, math.ceil(512e6 / kv_bytes))  # inputs in rotation: >= 512 MB in all
-        q = torch.randn(batch, 32, 128, device="cuda", dtype=DT)
+        q = torch.randn(batch, num_heads, 128, device="cuda", dtype=DT)
         out = torch.empty_like(q)
         cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
-        shape = f"B={batch} L={ctx if lo == ctx else f'{lo}-{ctx}'} 32/8 d128 bs16"
+        shape = (f"B={batch} L={ctx if lo == ctx else f'{lo}-{ctx}'} {num_heads}/{num_kv} d128 "
+                 f"bs16" + (f" pool {pool_blocks}" if pool_blocks else ""))
         for kv_dtype in (DT, torch.int8):
-            inps = [paged_decode_inputs(batch, ctx, kv_dtype=kv_dtype) for _ in range(num_rot)]
+            if pool_blocks:  # one engine-sized cache; each input draws its own blocks from it
+                first = paged_decode_inputs(batch, ctx, heads, kv_dtype=kv_dtype,
+                                            pool_blocks=pool_blocks)
+                pool = first["k_cache"].shape[0]
+                inps = [{**first, "block_table": torch.randperm(pool, device="cuda")[
+                    : first["block_table"].numel()].to(torch.int32).view(batch, -1)}
+                    for _ in range(num_rot)]
+            else:
+                inps = [paged_decode_inputs(batch, ctx, heads, kv_dtype=kv_dtype)
+                        for _ in range(num_rot)]
             for inp in inps:
                 inp["seq_lens"] = lens.cuda()
             elem = 1 if kv_dtype == torch.int8 else 2
-            nbytes = keys * 8 * 128 * 2 * elem + (keys * 8 * 2 * 4 if elem == 1 else 0)
+            nbytes = keys * num_kv * 128 * 2 * elem + (keys * num_kv * 2 * 4 if elem == 1 else 0)
 
             def calls(**kw):
                 return [lambda i=i: run_paged(i, q, cu_q, 1, ctx, out,  # noqa: B023
@@ -220,7 +235,7 @@ def bench_decode(rows: Rows, sweep: bool, only_cases: str | None = None) -> None
                      bench(calls()[0]), nbytes=nbytes, note="do_bench, launch overhead incl.")
             if sweep:
                 for splits in (1, 2, 4, 8, 16, 32, 64):
-                    if batch * 8 * splits > 8 * 132 * 8:
+                    if batch * num_kv * splits > 8 * 132 * 8:
                         continue
                     for cfg in DECODE_SWEEP[kv_dtype]:
                         ms = bench_graph(calls(num_splits=splits, config=cfg), reps=10)
@@ -228,18 +243,21 @@ def bench_decode(rows: Rows, sweep: bool, only_cases: str | None = None) -> None
             inps = None
         if lo != ctx:
             continue  # dense SDPA has no per-sequence lengths
-        # dense decode in SDPA for comparison; K/V bytes counted at 8 heads
-        qd = q.view(batch, 32, 1, 128)
-        kd = torch.randn(batch, 8, ctx, 128, device="cuda", dtype=DT)
+        # dense decode in SDPA for comparison
+        qd = q.view(batch, num_heads, 1, 128)
+        kd = torch.randn(batch, num_kv, ctx, 128, device="cuda", dtype=DT)
         vd = torch.randn_like(kd)
         for label, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
                                ("flash", SDPBackend.FLASH_ATTENTION)):
             fn, note = sdpa_fn(qd, kd, vd, backend, False, True), "enable_gqa"
             if fn is None:
-                ke, ve = kd.repeat_interleave(4, 1), vd.repeat_interleave(4, 1)
-                fn, note = sdpa_fn(qd, ke, ve, backend, False, False), "K/V expanded to 32 heads"
+                group = num_heads // num_kv
+                ke, ve = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
+                fn, note = (sdpa_fn(qd, ke, ve, backend, False, False),
+                            f"K/V expanded to {num_heads} heads")
             if fn is not None:
-                rows.add(f"sdpa {label} decode (dense)", f"B={batch} L={ctx} 32/8 d128",
+                rows.add(f"sdpa {label} decode (dense)",
+                         f"B={batch} L={ctx} {num_heads}/{num_kv} d128",
                          bench_graph([fn]), nbytes=kv_bytes, note=note + ", cuda graph")
 
 
@@ -411,6 +429,11 @@ def main() -> None:
     parser.add_argument("--decode-cases",
                         help="B:L or B:LO-HI (mixed contexts), comma-separated, instead of every "
                              "decode case")
+    parser.add_argument("--decode-heads", default="32:8",
+                        help="query:KV heads of the decode cases (Qwen3-0.6B: 16:8)")
+    parser.add_argument("--decode-pool-blocks", type=int, default=0,
+                        help="draw decode blocks from a cache of this many 16-token blocks, as "
+                             "large as the engine's (default: what the batch needs)")
     parser.add_argument("--only", default="decode,prefill,mixed,elementwise,linear")
     parser.add_argument("--sweep", action="store_true", help="also sweep attention tile configs")
     args = parser.parse_args()
@@ -423,7 +446,8 @@ def main() -> None:
     rows = Rows(ceilings)
     parts = set(args.only.split(","))
     if "decode" in parts:
-        bench_decode(rows, args.sweep, args.decode_cases)
+        heads = tuple(map(int, args.decode_heads.split(":")))
+        bench_decode(rows, args.sweep, args.decode_cases, heads, args.decode_pool_blocks)
     if "prefill" in parts:
         bench_prefill(rows, args.sweep)
     if "mixed" in parts:

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements behind the open acceptance points, staged so each fits one device call:
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
-# Stages: tests kernels sweeps latency offline profile profile-tail serving int8-probe,
+# Stages: tests kernels sweeps latency offline profile profile-tail serving int8-probe int8-pool,
 # and tp and profile-tp (two GPUs).
 # Rough minutes on an H200: tests 4, kernels 2, sweeps 5, latency 3, offline 5, profile 5,
-# profile-tail 2, serving 4, int8-probe 2, tp 6 (plus start-up):
+# profile-tail 2, serving 4, int8-probe 2, int8-pool 2, tp 6 (plus start-up):
 # pick what fits the device budget. Logs and JSON go to a scratch folder that is packed into
 # $OUT/STAGE.tar.gz (the device tool returns few files), and the key lines are printed. Every
 # process started here is ended here, by PID.
@@ -65,6 +65,13 @@ run_stage() {
         echo "ECHO_PDL=$pdl"
         ECHO_PDL=$pdl $PY tools/bench_kernels.py --only decode --decode-cases 8:32768,256:1024 \
           2>&1 | grep "cuda graph"
+      done ;;
+    int8-pool)  # offline-like decode (Qwen3-0.6B heads, its contexts at step 200) over a
+      # cache just as large as the batch, and over one as large as the engine's int8 pool on an
+      # H200 (138,234 blocks: past 2^31 elements, where the kernel's offsets are int64)
+      for pool in 0 131000 140000; do
+        $PY tools/bench_kernels.py --only decode --decode-heads 16:8 --decode-cases 256:300-1224 \
+          --decode-pool-blocks $pool 2>&1 | grep "cuda graph"
       done ;;
     latency)  # batch 1, with the one-row GEMV tuning (worker/linear_tuning.py) and PDL
       for model in llama-3.1-8b qwen3-8b; do
