@@ -84,6 +84,12 @@ class Rows:
 
 # ---------------------------------------------------------------------------- attention inputs
 
+def random_block_table(batch: int, blocks_per_seq: int, pool: int) -> torch.Tensor:
+    """Distinct random blocks of a pool of `pool`, blocks_per_seq for each sequence."""
+    perm = torch.randperm(pool, device="cuda", dtype=torch.int64)[: batch * blocks_per_seq]
+    return perm.to(torch.int32).view(batch, blocks_per_seq)
+
+
 def paged_decode_inputs(batch: int, ctx: int, heads=(32, 8), head_dim=128, block_size=16,
                         kv_dtype=DT, pool_blocks: int = 0):
     """Random distinct cache blocks for each sequence, drawn from a pool of `pool_blocks` (at
@@ -92,8 +98,7 @@ def paged_decode_inputs(batch: int, ctx: int, heads=(32, 8), head_dim=128, block
     num_heads, num_kv = heads
     blocks_per_seq = -(-ctx // block_size)
     num_blocks = max(batch * blocks_per_seq, pool_blocks)
-    perm = torch.randperm(num_blocks, device="cuda", dtype=torch.int64).to(torch.int32)
-    block_table = perm[: batch * blocks_per_seq].view(batch, blocks_per_seq)
+    block_table = random_block_table(batch, blocks_per_seq, num_blocks)
     shape = (num_blocks, block_size, num_kv, head_dim)
     if kv_dtype == torch.int8:
         k_cache = torch.randint(-127, 128, shape, device="cuda", dtype=torch.int8)
@@ -211,9 +216,8 @@ def bench_decode(rows: Rows, sweep: bool, only_cases: str | None = None,
             if pool_blocks:  # one engine-sized cache; each input draws its own blocks from it
                 first = paged_decode_inputs(batch, ctx, heads, kv_dtype=kv_dtype,
                                             pool_blocks=pool_blocks)
-                pool = first["k_cache"].shape[0]
-                inps = [{**first, "block_table": torch.randperm(pool, device="cuda")[
-                    : first["block_table"].numel()].to(torch.int32).view(batch, -1)}
+                inps = [{**first, "block_table": random_block_table(
+                    batch, first["block_table"].shape[1], first["k_cache"].shape[0])}
                     for _ in range(num_rot)]
             else:
                 inps = [paged_decode_inputs(batch, ctx, heads, kv_dtype=kv_dtype)
