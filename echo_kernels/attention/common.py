@@ -153,23 +153,17 @@ def causal_bounds(
 
 @triton.jit
 def online_softmax_step(
-    acc,  # [BLOCK_M, HEAD_DIM] float32, unnormalised output
     l_i,  # [BLOCK_M] float32, running sum of exp2
     m_i,  # [BLOCK_M] float32, running max (log2 units)
     qk,  # [BLOCK_M, BLOCK_N] float32 scores in log2 units, -inf where masked
-    v,  # [BLOCK_N, HEAD_DIM] values in the dot dtype
-    v_scale,  # [BLOCK_N] float32 per-key dequant scale (HAS_V_SCALE)
-    HAS_V_SCALE: tl.constexpr,
 ):
+    """The tile's probabilities p, the factor alpha that rescales the output so far, and the
+    updated running sum and max."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     p = tl.math.exp2(qk - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if HAS_V_SCALE:
-        p = p * v_scale[None, :]
-    acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, l_i, m_new
+    return p, alpha, l_i, m_new
 
 
 @triton.jit
@@ -194,6 +188,31 @@ def int8_to_fp16(x):
             }""",
             "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
     return x.to(tl.float16)
+
+
+@triton.jit
+def int8_pairs_to_fp16(x):
+    """int16 tile of int8 pairs (low byte: even head-dim column, high byte: odd) as two exact
+    float16 tiles, the even and the odd columns, by int8_to_fp16's bit trick.
+
+    int8 V enters the P·V product as its B operand, reduced over keys; the MMA wants each
+    register to hold two keys of one column, which sit a token row apart in the cache. As int8,
+    Triton 3.6 gathers them with one shared-memory byte load per element; as 16-bit pairs it
+    uses transposing matrix loads, and one byte permute per two values splits each pair."""
+    if _FAST_INT8_TO_FP16:
+        # one 32-bit register: two int16 of consecutive keys -> (even, even), (odd, odd) halves
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 w, bias;
+            xor.b32 w, $2, 0x80808080;
+            prmt.b32 $0, w, 0x64646464, 0x4240;
+            prmt.b32 $1, w, 0x64646464, 0x4341;
+            mov.b32 bias, 0x64806480;
+            sub.f16x2 $0, $0, bias;
+            sub.f16x2 $1, $1, bias;
+            }""",
+            "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    return ((x << 8) >> 8).to(tl.float16), (x >> 8).to(tl.float16)
 
 
 @triton.jit
@@ -252,6 +271,15 @@ def attend_key_range(
     """Online softmax over keys [lo, hi), one BLOCK_N tile at a time (the flash inner loop)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
+    # int8 V in decode tiles is read as int16 pairs of head-dim neighbours (int8_pairs_to_fp16)
+    # and the output kept as its even and odd columns. NOTE: larger query tiles, whose warps
+    # share each V tile, convert it to float16 before shared memory instead; pairs would add
+    # instructions there (sm_90 SASS, 64-row tiles: 784 -> 831 per loop step).
+    V_PAIRS: tl.constexpr = IS_INT8_KV and acc.shape[0] <= 16
+    if V_PAIRS:
+        v_pairs_ptr = v_ptr.to(tl.pointer_type(tl.int16))
+        offs_pair = tl.arange(0, HEAD_DIM // 2)
+        acc_even, acc_odd = tl.split(tl.reshape(acc, [acc.shape[0], HEAD_DIM // 2, 2]))
     if PAGED:
         # Tiles start at multiples of BLOCK_N, so a row's cache block (relative to the tile's
         # first) and its offset in that block are loop invariants; only block ids change.
@@ -299,10 +327,28 @@ def attend_key_range(
             k_sc = None
             v_sc = None
         qk = _scores(q, k, k_sc, pos, in_range, q_pos, qk_scale, MASKED, CAUSAL, IS_INT8_KV)
-        if MASKED:
-            v = tl.load(v_ptr + kv_ptrs, mask=in_range[:, None], other=0.0)
+        if V_PAIRS:
+            pair_ptrs = v_pairs_ptr + ((kv_off // 2)[:, None] + offs_pair[None, :])
+            if MASKED:
+                v_pairs = tl.load(pair_ptrs, mask=in_range[:, None], other=0)
+            else:
+                v_pairs = tl.load(pair_ptrs)
+            v_even, v_odd = int8_pairs_to_fp16(v_pairs)
         else:
-            v = tl.load(v_ptr + kv_ptrs)
-        v = to_dot_dtype(v, q.dtype, IS_INT8_KV)
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, qk, v, v_sc, IS_INT8_KV)
+            if MASKED:
+                v = tl.load(v_ptr + kv_ptrs, mask=in_range[:, None], other=0.0)
+            else:
+                v = tl.load(v_ptr + kv_ptrs)
+            v = to_dot_dtype(v, q.dtype, IS_INT8_KV)
+        p, alpha, l_i, m_i = online_softmax_step(l_i, m_i, qk)
+        if IS_INT8_KV:
+            p = p * v_sc[None, :]
+        if V_PAIRS:
+            p = p.to(tl.float16)
+            acc_even = tl.dot(p, v_even, acc_even * alpha[:, None])
+            acc_odd = tl.dot(p, v_odd, acc_odd * alpha[:, None])
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    if V_PAIRS:
+        acc = tl.reshape(tl.join(acc_even, acc_odd), [acc.shape[0], HEAD_DIM])
     return acc, l_i, m_i
