@@ -254,6 +254,7 @@ def attend_key_range(
     k_scale_ptr,  # [num_blocks, BLOCK_SIZE, .] float32 at this KV head (IS_INT8_KV)
     v_scale_ptr,
     block_table_ptr,  # [max_blocks] int32 row of this sequence (PAGED)
+    block_base,  # block ids count from this block, where the K/V/scale pointers point (PAGED)
     stride_kb,  # K/V stride between cache blocks (PAGED)
     stride_kt,  # K/V stride between tokens
     stride_sb,  # scale stride between cache blocks
@@ -263,7 +264,7 @@ def attend_key_range(
     CAUSAL: tl.constexpr,
     PAGED: tl.constexpr,
     IS_INT8_KV: tl.constexpr,
-    WIDE_OFFSETS: tl.constexpr,  # K/V element offsets may pass 2^31: compute them in int64
+    WIDE_OFFSETS: tl.constexpr,  # K/V element offsets may pass +-2^31: compute them in int64
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -298,7 +299,9 @@ def attend_key_range(
         pos = start + offs_n
         in_range = pos < kv_limit
         if PAGED:
-            blk = next_blk.to(tl.int64) if WIDE_OFFSETS else next_blk
+            blk = next_blk - block_base
+            if WIDE_OFFSETS:
+                blk = blk.to(tl.int64)
             ahead = start + BLOCK_N
             next_blk = tl.load(block_table_ptr + ahead // BLOCK_SIZE + blk_of_row,
                                mask=ahead + offs_n < kv_limit, other=0)

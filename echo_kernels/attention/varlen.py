@@ -76,12 +76,12 @@ def _varlen_attention_kernel(
     m_i = tl.full([BLOCK_M], M_FLOOR, dtype=tl.float32)
     acc, l_i, m_i = attend_key_range(
         acc, l_i, m_i, q, q_pos, 0, full_hi, k_len, k_base, v_base, k_base, v_base, k_base,
-        0, stride_kt, 0, 0, qk_scale,
+        0, 0, stride_kt, 0, 0, qk_scale,
         False, CAUSAL, False, False, WIDE_OFFSETS, 1, BLOCK_N, HEAD_DIM,
     )
     acc, l_i, m_i = attend_key_range(
         acc, l_i, m_i, q, q_pos, full_hi, masked_hi, k_len, k_base, v_base, k_base, v_base,
-        k_base, 0, stride_kt, 0, 0, qk_scale,
+        k_base, 0, 0, stride_kt, 0, 0, qk_scale,
         True, CAUSAL, False, False, WIDE_OFFSETS, 1, BLOCK_N, HEAD_DIM,
     )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

@@ -58,6 +58,31 @@ def test_decode_in_seq_order(paged_batch, kv_dtype):
     assert out[1:].isnan().all() and not out[0].isnan().any()
 
 
+def test_cache_offsets_count_from_the_middle_block(monkeypatch):
+    from echo_kernels.attention import paged
+
+    cache = torch.empty(10, 16, 2, 32, dtype=torch.int8)  # 1024 elements a block
+    monkeypatch.setattr(paged, "_INT32_OFFSETS", 8192)  # stands for 2^31
+    assert paged.cache_offsets(cache[:7]) == (0, False)
+    assert paged.cache_offsets(cache) == (5, False)  # offsets within [-5120, 5120)
+    monkeypatch.setattr(paged, "_INT32_OFFSETS", 4096)
+    assert paged.cache_offsets(cache) == (5, True)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.int8])
+@pytest.mark.parametrize("wide", [False, True])
+def test_cache_past_the_int32_offset_limit(paged_batch, monkeypatch, kv_dtype, wide):
+    from echo_kernels.attention import paged
+
+    # decodes and a short prefill run over a cache larger than a lowered offset limit: offsets
+    # count from the middle block (negative below it) or, past twice the limit, go int64
+    b = paged_batch([1, 1, 4], [40, 97, 30], 4, 2, 32, 16, torch.float16, kv_dtype=kv_dtype)
+    numel = b.k_cache.numel()
+    monkeypatch.setattr(paged, "_INT32_OFFSETS", numel // 4 if wide else numel - 1)
+    assert paged.cache_offsets(b.k_cache) == (b.k_cache.shape[0] // 2, wide)
+    assert_close(b.run(), b.reference(), CPU_ATOL[torch.float16])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("heads", [(4, 2), (6, 2), (2, 2)])
 def test_mixed_batch(paged_batch, dtype, heads):
