@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+RESCALE_THRESHOLD = tl.constexpr(8.0)  # log2 units: p stays <= 256, exact enough in float16
 # NOTE: the running max starts at a finite floor, not -inf: a row that sees no key in a tile
 # (causal rows before a split's first key) keeps exp2(m - m_new) = 1 and p = exp2(-inf) = 0, where
 # -inf - -inf would give NaN.
@@ -278,6 +279,9 @@ def attend_key_range(
     # share each V tile, convert it to float16 before shared memory instead; pairs would add
     # instructions there (sm_90 SASS, 64-row tiles: 784 -> 831 per loop step).
     V_PAIRS: tl.constexpr = IS_INT8_KV and acc.shape[0] <= 16
+    # Decode tiles (one warp) skip most output rescales: past the first few tiles the running
+    # max rarely grows by a factor of 2^8, and the rescale is a multiply per output element.
+    LAZY_RESCALE: tl.constexpr = acc.shape[0] <= 16
     if V_PAIRS:
         v_pairs_ptr = v_ptr.to(tl.pointer_type(tl.int16))
         offs_pair = tl.arange(0, HEAD_DIM // 2)
@@ -344,15 +348,33 @@ def attend_key_range(
             else:
                 v = tl.load(v_ptr + kv_ptrs)
             v = to_dot_dtype(v, q.dtype, IS_INT8_KV)
-        p, alpha, l_i, m_i = online_softmax_step(l_i, m_i, qk)
+        if LAZY_RESCALE:
+            # the output is rescaled only when some row's max grows by more than
+            # RESCALE_THRESHOLD; otherwise p is taken against the stale max (p <= 2^threshold)
+            m_tile = tl.max(qk, 1)
+            if tl.max(m_tile - m_i, 0) > RESCALE_THRESHOLD:
+                m_new = tl.maximum(m_i, m_tile)
+                alpha = tl.math.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                m_i = m_new
+                if V_PAIRS:
+                    acc_even = acc_even * alpha[:, None]
+                    acc_odd = acc_odd * alpha[:, None]
+                else:
+                    acc = acc * alpha[:, None]
+            p = tl.math.exp2(qk - m_i[:, None])
+            l_i = l_i + tl.sum(p, 1)
+        else:
+            p, alpha, l_i, m_i = online_softmax_step(l_i, m_i, qk)
+            acc = acc * alpha[:, None]
         if IS_INT8_KV:
             p = p * v_sc[None, :]
         if V_PAIRS:
             p = p.to(tl.float16)
-            acc_even = tl.dot(p, v_even, acc_even * alpha[:, None])
-            acc_odd = tl.dot(p, v_odd, acc_odd * alpha[:, None])
+            acc_even = tl.dot(p, v_even, acc_even)
+            acc_odd = tl.dot(p, v_odd, acc_odd)
         else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            acc = tl.dot(p.to(v.dtype), v, acc)
     if V_PAIRS:
         acc = tl.reshape(tl.join(acc_even, acc_odd), [acc.shape[0], HEAD_DIM])
     return acc, l_i, m_i
