@@ -169,10 +169,9 @@ DECODE_SWEEP = {  # the defaults first, then one-warp variants, then the earlier
     DT: [TileConfig(16, 32, 1, 4, programs_per_sm=4), TileConfig(16, 32, 1, 2),
          TileConfig(16, 32, 1, 3), TileConfig(16, 64, 1, 2), TileConfig(16, 16, 1, 4),
          TileConfig(16, 32, 4, 3), TileConfig(16, 64, 4, 3)],
-    torch.int8: [TileConfig(16, 32, 1, 2, programs_per_sm=8), TileConfig(16, 32, 1, 3),
-                 TileConfig(16, 32, 1, 4), TileConfig(16, 64, 1, 2),
-                 TileConfig(16, 32, 1, 2, maxnreg=168), TileConfig(16, 32, 1, 3, maxnreg=168),
-                 TileConfig(16, 32, 1, 2, maxnreg=128), TileConfig(16, 16, 1, 4),
+    torch.int8: [TileConfig(16, 32, 1, 3, programs_per_sm=8), TileConfig(16, 32, 1, 2),
+                 TileConfig(16, 32, 1, 4), TileConfig(16, 64, 1, 2), TileConfig(16, 64, 1, 3),
+                 TileConfig(16, 32, 1, 3, maxnreg=168), TileConfig(16, 16, 1, 4),
                  TileConfig(16, 128, 4, 2, maxnreg=168, programs_per_sm=3)],
 }
 

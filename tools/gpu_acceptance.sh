@@ -67,8 +67,8 @@ run_stage() {
           2>&1 | grep "cuda graph"
       done ;;
     int8-pool)  # offline-like decode (Qwen3-0.6B heads, its contexts at step 200) over a
-      # cache just as large as the batch, and over one as large as the engine's int8 pool on an
-      # H200 (138,234 blocks: past 2^31 elements, where the kernel's offsets are int64)
+      # cache just as large as the batch, and over pools just under and past 2^31 elements (the
+      # engine's int8 pool on an H200 holds 138,234 blocks; offsets then count from its middle)
       for pool in 0 131000 140000; do
         $PY tools/bench_kernels.py --only decode --decode-heads 16:8 --decode-cases 256:300-1224 \
           --decode-pool-blocks $pool 2>&1 | grep "cuda graph"

@@ -60,16 +60,17 @@ def tile_config(rows_per_seq: int, head_dim: int, is_int8: bool = False) -> Tile
     if rows_per_seq <= 16:
         # decode: one warp per program. A 16-row query tile is one MMA row block, so one warp
         # keeps the scores, softmax and P in registers (no shared-memory exchange or barrier
-        # between warps each tile); many small programs per SM hide the latency. int8 V reaches
-        # the MMA through byte-wise shared-memory reads in Triton 3.6, so int8 decode is bound by
-        # instructions and latency rather than bandwidth. On an H200 (bench_kernels.py --sweep
-        # and finer split sweeps), against the earlier 4-warp tiles: bf16 B=8 x 32K 266.8 ->
-        # ~250 us, B=256 x 1K 257.6 -> ~250, B=64 x 4K 278.5 -> 250.0; int8 179.1 -> 167.8,
-        # 187.6 -> 166.9, 217.9 -> 170.3. programs_per_sm is the split target: what fits an SM
-        # (int8: 8 at 255 registers; bf16: 4 by shared memory). bf16 with 3 stages was as fast
-        # at full grids but fits 6 per SM, and B=64 x 4K (512 programs) then ran 316 us unsplit.
+        # between warps each tile); many small programs per SM hide the latency. On an H200
+        # (bench_kernels.py --sweep and finer split sweeps), against the earlier 4-warp tiles:
+        # bf16 B=8 x 32K 266.8 -> ~250 us, B=256 x 1K 257.6 -> ~250, B=64 x 4K 278.5 -> 250.0.
+        # int8 with V read as pairs (attend_key_range) fits 3 stages at 193 registers: B=8 x 32K
+        # 155 us at 2 stages -> 147 at 3, B=256 x 1K 153 -> 143, B=64 x 4K 156 -> 148.
+        # programs_per_sm is the split target, not the fit: int8 fits 10 per SM, but a target
+        # of 10 (41 splits at B=8 x 32K) ran 154.7 us against 146.7 at 8 (33 splits). bf16 fits
+        # 4 per SM by shared memory; with 3 stages it was as fast at full grids but fits 6, and
+        # B=64 x 4K (512 programs) then ran 316 us unsplit.
         if is_int8:
-            return TileConfig(16, 32, 1, 2, programs_per_sm=8)
+            return TileConfig(16, 32, 1, 3, programs_per_sm=8)
         return TileConfig(16, 32 if head_dim > 64 else 64, 1, 4, programs_per_sm=4)
     if rows_per_seq <= 256:
         # short runs, or decode-heavy mixes where 128-row tiles would mostly hold padding
