@@ -34,7 +34,7 @@ def test_decode(paged_batch, heads, block_size):
 def test_decode_forced_splits(paged_batch, num_splits):
     # 5 splits of 32 keys over contexts <= 97: some splits see no key at all
     b = paged_batch([1, 1, 1], [97, 3, 40], 4, 2, 32, 16, torch.float32)
-    assert_close(b.run(num_splits=num_splits), b.reference(), CPU_ATOL[torch.float16])
+    assert_close(b.run(num_splits=num_splits), b.reference(), CPU_ATOL[torch.float32])
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
