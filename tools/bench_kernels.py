@@ -12,6 +12,7 @@ echo_kernels.attention.common.tile_config and the split heuristic).
 """
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -387,11 +388,13 @@ def bench_elementwise(rows: Rows) -> None:
                  nbytes=nbytes)
 
 
-LINEAR_SWEEP = [(bn, bk, prefetch) for bn in (4, 8, 16) for bk in (256, 512, 1024)
-                for prefetch in (False, True)]
-LINEAR_SHAPES = {  # name: (N, K); Qwen3-8B at TP=2 is what one rank multiplies
+LINEAR_SWEEP = [(bn, bk, prefetch, warps) for bn in (4, 8, 16) for bk in (256, 512, 1024)
+                for prefetch in (False, True) for warps in (2, 4, 8)]
+LINEAR_SHAPES = {  # name: (N, K): Llama-3.1-8B, then Qwen3-8B's own (its qkv and o_proj
+    # are Llama's); at TP=2, what one rank multiplies
     "qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
     "down": (4096, 14336), "lm_head": (128256, 4096),
+    "qwen3-8b gate_up": (24576, 4096), "qwen3-8b down": (4096, 12288),
     "qwen3-8b tp2 qkv": (3072, 4096), "qwen3-8b tp2 o_proj": (4096, 2048),
     "qwen3-8b tp2 gate_up": (12288, 4096), "qwen3-8b tp2 down": (4096, 6144),
 }
@@ -400,8 +403,8 @@ LINEAR_SHAPES = {  # name: (N, K); Qwen3-8B at TP=2 is what one rank multiplies
 def bench_linear(rows: Rows, sweep: bool) -> None:
     """Decode at batch 1-4 is a read of every weight: cuBLAS (F.linear) against small_m_linear
     at Llama-3.1-8B's layer shapes and a Qwen3-8B TP=2 rank's, in CUDA graphs over weight
-    copies that exceed the L2; bytes = the weight. --sweep also times small_m_linear's tiles
-    (and register prefetch) at M=1."""
+    copies that exceed the L2; bytes = the weight. --sweep also times small_m_linear's tiles,
+    register prefetch and warps at M=1."""
     for name, (n, k) in LINEAR_SHAPES.items():
         nbytes = n * k * 2
         weights = [torch.randn(n, k, device="cuda", dtype=DT)
@@ -417,11 +420,13 @@ def bench_linear(rows: Rows, sweep: bool) -> None:
                                   for w in weights]), nbytes=nbytes, note="cuda graph")
             if not sweep or m != 1:
                 continue
-            for bn, bk, prefetch in LINEAR_SWEEP:
-                rows.add(f"small_m_linear {name} sweep", shape, bench_graph(
-                    [lambda w=w: small_m_linear(x, w, bn, bk, prefetch=prefetch)  # noqa: B023
-                     for w in weights]), nbytes=nbytes,
-                    note=f"block_n={bn} block_k={bk} prefetch={prefetch}")
+            for bn, bk, prefetch, warps in LINEAR_SWEEP:
+                gemv = functools.partial(small_m_linear, block_n=bn, block_k=bk,
+                                         num_warps=warps, prefetch=prefetch)
+                rows.add(f"small_m_linear {name} sweep", shape,
+                         bench_graph([lambda w=w: gemv(x, w) for w in weights]),  # noqa: B023
+                         nbytes=nbytes, note=f"block_n={bn} block_k={bk} prefetch={prefetch} "
+                                             f"num_warps={warps}")
         weights = None
         torch.cuda.empty_cache()
 

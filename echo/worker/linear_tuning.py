@@ -22,10 +22,13 @@ from torch import nn
 
 from echo.layers.linear import LinearBase
 
-# (block_n, block_k, prefetch): the fastest tiles of bench_kernels.py's sweeps on an H200, for
-# Llama-3.1-8B and Qwen3-8B (TP=1 and 2) shapes
-GEMV_CANDIDATES = ((8, 512, False), (8, 512, True), (4, 512, False), (4, 512, True),
-                   (4, 1024, False), (16, 256, False))
+# (block_n, block_k, prefetch, num_warps): the fastest tiles of bench_kernels.py's sweeps on an
+# H200, for Llama-3.1-8B and Qwen3-8B (TP=1 and 2) shapes. Warps other than 4 won on the small
+# shapes: Qwen3-8B qkv 13.9 us at 4x512 with 2 warps against 14.3 at 8x512 with 4, TP=2 qkv 8.3
+# (8 warps) against 8.6, TP=2 o_proj 5.3 (2 warps) against 5.6 (docs/benchmarks.md).
+GEMV_CANDIDATES = ((8, 512, False, 4), (8, 512, True, 4), (4, 512, False, 4), (4, 512, True, 4),
+                   (4, 1024, False, 4), (16, 256, False, 4), (4, 512, False, 2),
+                   (4, 512, True, 2), (4, 512, True, 8))
 MIN_GAIN = 1.03  # the GEMV must be at least 3% faster: noise must not flip a choice
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -39,25 +42,27 @@ class ShapeChoice:
     num_layers: int
     cublas_us: float
     best_us: float
-    tile: tuple[int, int, bool] | None  # None: cuBLAS stays
+    tile: tuple[int, int, bool, int] | None  # a GEMV_CANDIDATES entry; None: cuBLAS stays
 
     def describe(self) -> str:
         n, k = self.shape
-        pick = (f"small_m_linear {self.tile[0]}x{self.tile[1]}"
-                f"{' prefetch' if self.tile[2] else ''} {self.best_us:.1f} us"
-                if self.tile else "cuBLAS")
+        pick = "cuBLAS"
+        if self.tile:
+            block_n, block_k, prefetch, num_warps = self.tile
+            pick = (f"small_m_linear {block_n}x{block_k}{' prefetch' if prefetch else ''} "
+                    f"{num_warps} warps {self.best_us:.1f} us")
         return f"{n}x{k} ({self.num_layers} layers): cuBLAS {self.cublas_us:.1f} us -> {pick}"
 
 
-def gemv(block_n: int, block_k: int, prefetch: bool) -> Matmul:
+def gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int) -> Matmul:
     from echo_kernels.linear import small_m_linear
 
     return functools.partial(small_m_linear, block_n=block_n, block_k=block_k,
-                             prefetch=prefetch)
+                             num_warps=num_warps, prefetch=prefetch)
 
 
 def tune_one_row_linears(model: nn.Module, timer: Timer,
-                         candidates: Sequence[tuple[int, int, bool]] = GEMV_CANDIDATES,
+                         candidates: Sequence[tuple[int, int, bool, int]] = GEMV_CANDIDATES,
                          make_kernel: Callable[..., Matmul] = gemv) -> list[ShapeChoice]:
     """Set `small_m_kernels[1]` on every bias-free linear layer whose shape the GEMV wins."""
     by_shape: dict[tuple[int, int], list[LinearBase]] = defaultdict(list)

@@ -43,7 +43,7 @@ def fake_timer(times):
 
 def test_faster_tiles_replace_cublas_only_beyond_the_margin():
     net = Net()
-    tiles = [(8, 512, False), (4, 1024, True)]
+    tiles = [(8, 512, False, 4), (4, 1024, True, 2)]
     times = {((16, 8), "cublas"): 10.0, ((16, 8), tiles[0]): 9.0, ((16, 8), tiles[1]): 8.0,
              # 2% faster: inside the margin, cuBLAS stays
              ((8, 16), "cublas"): 10.0, ((8, 16), tiles[0]): 10.0 / 1.02,
@@ -55,7 +55,7 @@ def test_faster_tiles_replace_cublas_only_beyond_the_margin():
     assert choices[(16, 8)].tile == tiles[1] and choices[(16, 8)].best_us == 8.0
     assert choices[(16, 8)].num_layers == 2 and ((16, 8), 2) in seen  # both weights streamed
     assert choices[(8, 16)].tile is None and choices[(8, 16)].best_us == 10.0
-    assert "cuBLAS 10.0 us -> small_m_linear 4x1024 prefetch 8.0 us" in \
+    assert "cuBLAS 10.0 us -> small_m_linear 4x1024 prefetch 2 warps 8.0 us" in \
         choices[(16, 8)].describe()
 
     one, two = torch.randn(1, 8), torch.randn(2, 8)
