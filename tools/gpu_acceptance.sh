@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements behind the open acceptance points, staged so each fits one device call:
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
-# Stages: tests kernels sweeps latency offline profile profile-tail serving int8-probe int8-pool,
-# and tp and profile-tp (two GPUs).
+# Stages: tests kernels sweeps latency offline profile profile-tail serving int8-probe int8-pool
+# l2-prefetch, and tp and profile-tp (two GPUs).
 # Rough minutes on an H200: tests 4, kernels 2, sweeps 5, latency 3, offline 5, profile 5,
-# profile-tail 2, serving 4, int8-probe 2, int8-pool 2, tp 6 (plus start-up):
+# profile-tail 2, serving 4, int8-probe 2, int8-pool 2, l2-prefetch 2, tp 6 (plus start-up):
 # pick what fits the device budget. Logs and JSON go to a scratch folder that is packed into
 # $OUT/STAGE.tar.gz (the device tool returns few files), and the key lines are printed. Every
 # process started here is ended here, by PID.
@@ -72,6 +72,12 @@ run_stage() {
       for pool in 0 131000 140000; do
         $PY tools/bench_kernels.py --only decode --decode-heads 16:8 --decode-cases 256:300-1224 \
           --decode-pool-blocks $pool 2>&1 | grep "cuda graph"
+      done ;;
+    l2-prefetch)  # does the next GEMV's weight, prefetched into the L2 during a short kernel,
+      # pay when the prefetch takes every row's first bytes (echo_kernels/l2_prefetch.py)
+      for tp in 1 2; do
+        $PY tools/bench_l2_prefetch.py --tp $tp --json "$dir/l2_prefetch_tp$tp.json" 2>&1 \
+          | tee "$dir/l2_prefetch_tp$tp.log"
       done ;;
     latency)  # batch 1, with the one-row GEMV tuning (worker/linear_tuning.py) and PDL
       for model in llama-3.1-8b qwen3-8b; do
