@@ -402,9 +402,9 @@ LINEAR_SHAPES = {  # name: (N, K): Llama-3.1-8B, then Qwen3-8B's own (its qkv an
 
 def bench_linear(rows: Rows, sweep: bool) -> None:
     """Decode at batch 1-4 is a read of every weight: cuBLAS (F.linear) against small_m_linear
-    at Llama-3.1-8B's layer shapes and a Qwen3-8B TP=2 rank's, in CUDA graphs over weight
-    copies that exceed the L2; bytes = the weight. --sweep also times small_m_linear's tiles,
-    register prefetch and warps at M=1."""
+    at Llama-3.1-8B's and Qwen3-8B's layer shapes and a Qwen3-8B TP=2 rank's, in CUDA graphs
+    over weight copies that exceed the L2; bytes = the weight. --sweep also times
+    small_m_linear's tiles, register prefetch and warps at M=1."""
     for name, (n, k) in LINEAR_SHAPES.items():
         nbytes = n * k * 2
         weights = [torch.randn(n, k, device="cuda", dtype=DT)
