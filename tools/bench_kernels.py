@@ -34,7 +34,7 @@ from echo_kernels import (  # noqa: E402
     store_kv_cache,
 )
 from echo_kernels.attention import flash_attn_varlen, paged_attention  # noqa: E402
-from echo_kernels.attention.common import TileConfig  # noqa: E402
+from echo_kernels.attention.common import TileConfig, tile_config  # noqa: E402
 from echo_kernels.linear import small_m_linear  # noqa: E402
 
 DT = torch.bfloat16
@@ -95,7 +95,8 @@ def paged_decode_inputs(batch: int, ctx: int, heads=(32, 8), head_dim=128, block
                         kv_dtype=DT, pool_blocks: int = 0):
     """Random distinct cache blocks for each sequence, drawn from a pool of `pool_blocks` (at
     least what the batch needs). The engine's pool fills the GPU's memory: for Qwen3-0.6B with
-    int8 on an H200 that is over 2^31 cache elements, where the kernel's offsets go int64."""
+    int8 on an H200 that is over 2^31 cache elements, where the kernel's offsets count from the
+    pool's middle block (paged.cache_offsets)."""
     num_heads, num_kv = heads
     blocks_per_seq = -(-ctx // block_size)
     num_blocks = max(batch * blocks_per_seq, pool_blocks)
@@ -167,10 +168,10 @@ def sdpa_fn(q, k, v, backend, causal: bool, gqa: bool):
 
 
 DECODE_SWEEP = {  # the defaults first, then one-warp variants, then the earlier 4-warp tiles
-    DT: [TileConfig(16, 32, 1, 4, programs_per_sm=4), TileConfig(16, 32, 1, 2),
+    DT: [tile_config(1, 128), TileConfig(16, 32, 1, 2),
          TileConfig(16, 32, 1, 3), TileConfig(16, 64, 1, 2), TileConfig(16, 16, 1, 4),
          TileConfig(16, 32, 4, 3), TileConfig(16, 64, 4, 3)],
-    torch.int8: [TileConfig(16, 32, 1, 3, programs_per_sm=8), TileConfig(16, 32, 1, 2),
+    torch.int8: [tile_config(1, 128, is_int8=True), TileConfig(16, 32, 1, 2),
                  TileConfig(16, 32, 1, 4), TileConfig(16, 64, 1, 2), TileConfig(16, 64, 1, 3),
                  TileConfig(16, 32, 1, 3, maxnreg=168), TileConfig(16, 16, 1, 4),
                  TileConfig(16, 128, 4, 2, maxnreg=168, programs_per_sm=3)],

@@ -192,12 +192,13 @@ def wave_size(config: TileConfig, device: torch.device) -> int:
 
 
 def choose_num_splits(num_programs: int, max_seqlen_k: int, config: TileConfig,
-                      device: torch.device) -> int:
-    """Key splits so that (query tiles x KV heads x splits) fills every SM with programs twice.
+                      wave: int) -> int:
+    """Key splits so that (query tiles x KV heads x splits) fills the GPU twice with programs
+    (`wave`: wave_size of these tiles).
 
     Host-side and sync-free: it sees only the grid size and the max_seqlen_k bound, so a CUDA
     graph captured with a max_seqlen_k stays valid for every shorter context it replays."""
-    target = _WAVES * wave_size(config, device)
+    target = _WAVES * wave
     min_len = config.block_n if interpreting() else _MIN_SPLIT_LEN
     return max(1, min(target // num_programs, triton.cdiv(max_seqlen_k, min_len),
                       _MAX_SPLITS))
@@ -250,8 +251,9 @@ def paged_attention(
         config = batch_tile_config(max_seqlen_q, num_tokens, num_seqs, group, head_dim, is_int8)
     one_tile = max_seqlen_q * group <= config.block_m
     num_tiles = num_seqs if one_tile else num_tokens * group // config.block_m + num_seqs
+    wave = wave_size(config, q.device)
     if num_splits is None:
-        num_splits = choose_num_splits(num_tiles * num_kv_heads, max_seqlen_k, config, q.device)
+        num_splits = choose_num_splits(num_tiles * num_kv_heads, max_seqlen_k, config, wave)
     split_len = triton.cdiv(triton.cdiv(max_seqlen_k, num_splits), config.block_n) * config.block_n
     num_splits = max(1, triton.cdiv(max_seqlen_k, split_len))
     split = num_splits > 1
@@ -260,7 +262,7 @@ def paged_attention(
     # decode over contexts of 300-1224 keys (unsplit): 168.7 us in batch order, 131.0 us longest
     # first (bf16 188.9 / 179.6).
     ordered = (seq_order is not None and one_tile and num_seqs > 1
-               and num_tiles * num_kv_heads * num_splits > wave_size(config, q.device))
+               and num_tiles * num_kv_heads * num_splits > wave)
     if split:
         part_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
                                device=q.device)

@@ -217,15 +217,17 @@ def test_gpu_int8(paged_batch, heads, block_size):
 
 def test_splits_fill_the_programs_an_sm_holds():
     from echo_kernels.attention.common import TileConfig
-    from echo_kernels.attention.paged import choose_num_splits
+    from echo_kernels.attention.paged import choose_num_splits, wave_size
 
     cpu = torch.device("cpu")  # stands for 8 SMs
-    two, three = TileConfig(16, 32, 4, 3), TileConfig(16, 32, 4, 2, programs_per_sm=3)
+    # (tiles, their wave): 2 and 3 programs per SM
+    two, three = ((cfg, wave_size(cfg, cpu)) for cfg in (
+        TileConfig(16, 32, 4, 3), TileConfig(16, 32, 4, 2, programs_per_sm=3)))
     # two waves: 3 programs and 2 x 16 places on 8 SMs give 10 splits (rounded down), 2 x 24
     # places give 16
-    assert choose_num_splits(3, 10_000, two, cpu) == 10
-    assert choose_num_splits(3, 10_000, three, cpu) == 16
-    assert choose_num_splits(3, 100, three, cpu) == 4  # at least 32 keys (block_n) a split
-    assert choose_num_splits(16, 10_000, two, cpu) == 2
-    assert choose_num_splits(32, 10_000, two, cpu) == 1  # the grid fills two waves already
-    assert choose_num_splits(40, 10_000, three, cpu) == 1
+    assert choose_num_splits(3, 10_000, *two) == 10
+    assert choose_num_splits(3, 10_000, *three) == 16
+    assert choose_num_splits(3, 100, *three) == 4  # at least 32 keys (block_n) a split
+    assert choose_num_splits(16, 10_000, *two) == 2
+    assert choose_num_splits(32, 10_000, *two) == 1  # the grid fills two waves already
+    assert choose_num_splits(40, 10_000, *three) == 1
