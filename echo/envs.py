@@ -23,6 +23,12 @@ def nvtx_enabled() -> bool:
     return os.environ.get("ECHO_NVTX", "0") == "1"
 
 
+def log_compiles() -> bool:
+    """Print every Triton kernel compilation in the workers (ECHO_LOG_COMPILES=1): a variant
+    compiled while serving stalls the step it first appears in (worker/compile_log.py)."""
+    return os.environ.get("ECHO_LOG_COMPILES", "0") == "1"
+
+
 def profile_steps() -> tuple[int, int] | None:
     """Profile the model runner's steps START..START+COUNT-1 (ECHO_PROFILE_STEPS=START:COUNT):
     with the PyTorch profiler when ECHO_PROFILE_OUT is set, else between cudaProfilerStart and

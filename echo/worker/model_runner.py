@@ -34,6 +34,10 @@ class ModelRunner:
                  device: torch.device | None = None):
         self.config = config
         self.tp = tp
+        if envs.log_compiles():
+            from echo.worker.compile_log import log_compiles
+
+            log_compiles(f"rank{tp.rank}")
         self.device = device or torch.device(config.device.device)
         self.arch = config.model.arch
         self.dtype = getattr(torch, config.model.dtype)
