@@ -118,6 +118,15 @@ def num_vocab_chunks(batch: int, vocab: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(target, batch), triton.cdiv(vocab, MIN_CHUNK)))
 
 
+def _chunking(batch: int, vocab: int, device: torch.device,
+              num_chunks: int | None = None) -> tuple[int, int]:
+    """(chunks per row, tokens per chunk) of a launch."""
+    if num_chunks is None:
+        num_chunks = num_vocab_chunks(batch, vocab, device)
+    chunk_len = triton.cdiv(triton.cdiv(vocab, num_chunks), BLOCK_V) * BLOCK_V
+    return triton.cdiv(vocab, chunk_len), chunk_len
+
+
 def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                   steps: torch.Tensor, num_chunks: int | None = None) -> torch.Tensor:
     """logits [B, V] (excluded tokens at -inf), temperature/seeds/steps [B] -> tokens [B]."""
@@ -126,10 +135,7 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if not batch:
         return out
-    if num_chunks is None:
-        num_chunks = num_vocab_chunks(batch, vocab, logits.device)
-    chunk_len = triton.cdiv(triton.cdiv(vocab, num_chunks), BLOCK_V) * BLOCK_V
-    num_chunks = triton.cdiv(vocab, chunk_len)
+    num_chunks, chunk_len = _chunking(batch, vocab, logits.device, num_chunks)
     split = num_chunks > 1
     if split:
         part_score = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
@@ -144,3 +150,22 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
         _best_chunk_kernel[(batch,)](part_score, part_token, out, num_chunks,
                                      BLOCK_C=triton.next_power_of_2(num_chunks), **pdl)
     return out
+
+
+def warm_up_gumbel_sample(max_batch: int, vocab: int, dtypes: list[torch.dtype],
+                          device: torch.device) -> set[tuple[bool, int]]:
+    """Launch gumbel_sample once for each compile-time variant that batches of 1..max_batch
+    rows need (split or not, the reduction's padded chunk count), with logits of each dtype, so
+    that none compiles inside a serving step; returns the variants."""
+    variants = set()
+    for batch in range(1, max_batch + 1):
+        num_chunks, _ = _chunking(batch, vocab, device)
+        variant = (num_chunks > 1, triton.next_power_of_2(num_chunks))
+        if variant in variants:
+            continue
+        variants.add(variant)
+        zeros = torch.zeros(batch, dtype=torch.int64, device=device)
+        for dtype in dtypes:
+            gumbel_sample(torch.zeros(batch, vocab, dtype=dtype, device=device),
+                          zeros.float(), zeros, zeros)
+    return variants

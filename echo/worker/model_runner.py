@@ -133,6 +133,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             if self.backend.name == "triton":
                 self.warm_up_step_shapes()
+                self.warm_up_kernel_variants()
             self._warm_up_logits(sched.max_num_seqs)
 
     @torch.inference_mode()
@@ -163,6 +164,25 @@ class ModelRunner:
                                                              self.vocab_size, self.device))
             all_logits.append(logits)
         return all_logits
+
+    @torch.inference_mode()
+    def warm_up_kernel_variants(self) -> None:
+        """Compile every attention and sampling kernel variant a step can need, which the
+        step shapes above do not all reach (echo_kernels.attention.warmup)."""
+        from echo_kernels.attention.warmup import (
+            warm_up_paged_attention,
+            warm_up_varlen_attention,
+        )
+        from echo_kernels.sampling import warm_up_gumbel_sample
+
+        cache, num_heads = self.kv_caches[0], self.model.model.layers[0].self_attn.num_heads
+        warm_up_paged_attention(num_heads, cache.k, cache.v, cache.k_scale, cache.v_scale,
+                                self.config.scheduler.max_model_len, self.dtype)
+        warm_up_varlen_attention(num_heads, self.num_kv_heads, self.head_dim, self.dtype,
+                                 self.device)
+        # the sampler reads the LM head's logits, or float32 ones after filters and penalties
+        warm_up_gumbel_sample(self.config.scheduler.max_num_seqs, self.vocab_size,
+                              [self.dtype, torch.float32], self.device)
 
     @torch.inference_mode()
     def _warm_up_logits(self, max_rows: int) -> None:

@@ -32,11 +32,17 @@ def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, vocab_size: int,
 
 
 def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
+    """array [rows, n] on the device; each row starts 16-byte aligned."""
     if device.type != "cuda":
-        return tensor
+        return torch.from_numpy(array)
+    # NOTE: Triton specialises kernels on 16-byte aligned pointers, so with rows n elements
+    # apart a row's alignment would change with the batch size and compile the sampling
+    # kernel again inside a step
+    rows, n = array.shape
+    padded = np.zeros((rows, -(-n * array.itemsize // 16) * 16 // array.itemsize), array.dtype)
+    padded[:, :n] = array
     # pin_memory() draws from torch's caching host allocator, so this costs no cudaHostAlloc
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return torch.from_numpy(padded).pin_memory().to(device, non_blocking=True)[:, :n]
 
 
 def _penalties(batch: InputBatch, rows: np.ndarray, vocab_size: int,

@@ -47,6 +47,11 @@ class TileConfig:
         return options
 
 
+# query rows per sequence at most for the decode tiles, and for the short-run tiles
+_DECODE_ROWS = 16
+_SHORT_RUN_ROWS = 256
+
+
 def tile_config(rows_per_seq: int, head_dim: int, is_int8: bool = False) -> TileConfig:
     """Tile sizes for query runs of about `rows_per_seq` rows (GQA heads included).
 
@@ -54,10 +59,10 @@ def tile_config(rows_per_seq: int, head_dim: int, is_int8: bool = False) -> Tile
     benchmarks nor syncs (CUDA-graph capture safe).
     """
     if interpreting():
-        return TileConfig(16 if rows_per_seq <= 16 else 32, 32, 1, 1)
+        return TileConfig(16 if rows_per_seq <= _DECODE_ROWS else 32, 32, 1, 1)
     # NOTE: picked from sweeps on an H200 at d=128, 32/8 heads, block size 16 (bench_kernels.py
     # --sweep); d=64 keeps the same bytes per K/V tile, unmeasured.
-    if rows_per_seq <= 16:
+    if rows_per_seq <= _DECODE_ROWS:
         # decode: one warp per program. A 16-row query tile is one MMA row block, so one warp
         # keeps the scores, softmax and P in registers (no shared-memory exchange or barrier
         # between warps each tile); many small programs per SM hide the latency. On an H200
@@ -72,11 +77,20 @@ def tile_config(rows_per_seq: int, head_dim: int, is_int8: bool = False) -> Tile
         if is_int8:
             return TileConfig(16, 32, 1, 3, programs_per_sm=8)
         return TileConfig(16, 32 if head_dim > 64 else 64, 1, 4, programs_per_sm=4)
-    if rows_per_seq <= 256:
+    if rows_per_seq <= _SHORT_RUN_ROWS:
         # short runs, or decode-heavy mixes where 128-row tiles would mostly hold padding
         return TileConfig(64, 64, 4, 3)
     # long runs: causal S=4096 prefill at 447 TFLOP/s contiguous, 419 paged (wgmma, 3 stages)
     return TileConfig(128, 64 if head_dim > 64 else 128, 8, 3)
+
+
+def tile_classes(head_dim: int, is_int8: bool = False) -> list[tuple[int, TileConfig]]:
+    """Every tile configuration tile_config gives, each with the fewest rows per sequence that
+    get it (kernel warm-ups compile each once)."""
+    classes = {}
+    for rows in (1, _DECODE_ROWS + 1, _SHORT_RUN_ROWS + 1):
+        classes.setdefault(tile_config(rows, head_dim, is_int8), rows)
+    return [(rows, config) for config, rows in classes.items()]
 
 
 def batch_tile_config(max_seqlen_q: int, num_tokens: int, num_seqs: int, group: int,

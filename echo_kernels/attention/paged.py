@@ -8,6 +8,8 @@ tiles alone cannot fill the GPU (decode, short chunks over long contexts), the k
 reduce.merge_splits combines them.
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -30,8 +32,9 @@ from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 
 # NOTE: ints that change from step to step are not specialised (Triton would otherwise compile
-# separate variants for 1, multiples of 16 and the rest); worker/kernel_warmup.py compiles the rest
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "block_base"])
+# separate variants for 1, multiples of 16 and the rest): the block table's width is one of
+# them. warm_up_paged_attention compiles the rest.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "block_base", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, HEAD_DIM]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
@@ -198,10 +201,51 @@ def choose_num_splits(num_programs: int, max_seqlen_k: int, config: TileConfig,
 
     Host-side and sync-free: it sees only the grid size and the max_seqlen_k bound, so a CUDA
     graph captured with a max_seqlen_k stays valid for every shorter context it replays."""
-    target = _WAVES * wave
+    return max(1, min(_WAVES * wave // num_programs, max_num_splits(max_seqlen_k, config)))
+
+
+def max_num_splits(max_seqlen_k: int, config: TileConfig) -> int:
+    """The most key splits a context of max_seqlen_k keys gets."""
     min_len = config.block_n if interpreting() else _MIN_SPLIT_LEN
-    return max(1, min(target // num_programs, triton.cdiv(max_seqlen_k, min_len),
-                      _MAX_SPLITS))
+    return min(triton.cdiv(max_seqlen_k, min_len), _MAX_SPLITS)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How paged_attention launches a batch: its tiles and the kernel's compile-time flags."""
+    config: TileConfig
+    num_tiles: int
+    one_tile: bool
+    ordered: bool
+    num_splits: int
+
+    @property
+    def variant(self) -> tuple:
+        """What Triton compiles a separate kernel for (with the cache's dtype and offsets)."""
+        return self.config, self.one_tile, self.ordered, self.num_splits > 1
+
+
+def plan_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, head_dim: int,
+                is_int8: bool, max_seqlen_q: int, max_seqlen_k: int, has_seq_order: bool,
+                device: torch.device, num_splits: int | None = None,
+                config: TileConfig | None = None) -> LaunchPlan:
+    """paged_attention's launch for a batch (host-side, from sizes and bounds only)."""
+    if config is None:
+        config = batch_tile_config(max_seqlen_q, num_tokens, num_seqs, group, head_dim, is_int8)
+    one_tile = max_seqlen_q * group <= config.block_m
+    num_tiles = num_seqs if one_tile else num_tokens * group // config.block_m + num_seqs
+    wave = wave_size(config, device)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_tiles * num_kv_heads, max_seqlen_k, config, wave)
+    split_len = triton.cdiv(triton.cdiv(max_seqlen_k, num_splits), config.block_n) * config.block_n
+    num_splits = max(1, triton.cdiv(max_seqlen_k, split_len))
+    # NOTE: only past one wave: an ordered program's first load waits on seq_order, which costs
+    # latency and gains nothing when every program starts at once. On an H200, B=256 int8
+    # decode over contexts of 300-1224 keys (unsplit): 168.7 us in batch order, 131.0 us longest
+    # first (bf16 188.9 / 179.6).
+    ordered = (has_seq_order and one_tile and num_seqs > 1
+               and num_tiles * num_kv_heads * num_splits > wave)
+    return LaunchPlan(config, num_tiles, one_tile, ordered, num_splits)
 
 
 def paged_attention(
@@ -247,22 +291,11 @@ def paged_attention(
     if num_tokens == 0:
         return out
 
-    if config is None:
-        config = batch_tile_config(max_seqlen_q, num_tokens, num_seqs, group, head_dim, is_int8)
-    one_tile = max_seqlen_q * group <= config.block_m
-    num_tiles = num_seqs if one_tile else num_tokens * group // config.block_m + num_seqs
-    wave = wave_size(config, q.device)
-    if num_splits is None:
-        num_splits = choose_num_splits(num_tiles * num_kv_heads, max_seqlen_k, config, wave)
-    split_len = triton.cdiv(triton.cdiv(max_seqlen_k, num_splits), config.block_n) * config.block_n
-    num_splits = max(1, triton.cdiv(max_seqlen_k, split_len))
+    plan = plan_launch(num_tokens, num_seqs, num_kv_heads, group, head_dim, is_int8,
+                       max_seqlen_q, max_seqlen_k, seq_order is not None, q.device, num_splits,
+                       config)
+    config, num_splits = plan.config, plan.num_splits
     split = num_splits > 1
-    # NOTE: only past one wave: an ordered program's first load waits on seq_order, which costs
-    # latency and gains nothing when every program starts at once. On an H200, B=256 int8
-    # decode over contexts of 300-1224 keys (unsplit): 168.7 us in batch order, 131.0 us longest
-    # first (bf16 188.9 / 179.6).
-    ordered = (seq_order is not None and one_tile and num_seqs > 1
-               and num_tiles * num_kv_heads * num_splits > wave)
     if split:
         part_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
                                device=q.device)
@@ -272,18 +305,18 @@ def paged_attention(
         part_acc = part_ml = out  # unused
 
     block_base, wide = cache_offsets(k_cache)
-    grid = (num_kv_heads, num_tiles, num_splits)
+    grid = (num_kv_heads, plan.num_tiles, num_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, k_scale, v_scale, block_table, cu_seqlens_q, seq_lens,
-        seq_order if ordered else seq_lens, out, part_acc, part_ml,
+        seq_order if plan.ordered else seq_lens, out, part_acc, part_ml,
         num_seqs, num_heads, num_splits, softmax_scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), block_table.stride(0),
         block_base,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, ONE_TILE_PER_SEQ=one_tile,
-        ORDERED=ordered,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, ONE_TILE_PER_SEQ=plan.one_tile,
+        ORDERED=plan.ordered,
         SPLIT=split, IS_INT8_KV=is_int8, WIDE_OFFSETS=wide,
         **pdl_options(q.device),
         **config.launch_options(),

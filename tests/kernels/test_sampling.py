@@ -66,3 +66,15 @@ def test_gpu_kernel_matches_reference_and_softmax():
                           torch.zeros(n, device="cuda", dtype=torch.int64))
     freq = torch.bincount(draws, minlength=5).float() / n
     assert (freq - (row / 0.8).softmax(-1)).abs().max().item() < 0.005
+
+
+def test_warm_up_launches_each_variant_once_per_dtype(device):
+    from echo_kernels.sampling import MIN_CHUNK, warm_up_gumbel_sample
+
+    if device != "cpu":
+        pytest.skip("the interpreter's 4 SMs fix the chunk counts below")
+    # vocab of 2.5 chunks, 8 programs wanted: batch 1-3 take 3 chunks (padded to 4 by the
+    # reduction), batch 4-7 take 2, batch 8 and up read whole rows
+    variants = warm_up_gumbel_sample(12, MIN_CHUNK * 5 // 2, [torch.float32, torch.float16],
+                                     torch.device("cpu"))
+    assert variants == {(True, 4), (True, 2), (False, 1)}

@@ -1,0 +1,93 @@
+"""Compile, at start-up, every attention kernel variant a serving engine can meet.
+
+Triton compiles a kernel once per combination of its compile-time flags. Which combination a
+step needs depends on its batch: tile class, one tile per sequence or not, longest-first order,
+key splits and, after a split, the merge's padded split count. A variant first met while
+serving compiles inside that step (1-3 s on an H200, every stream stalled): on a Qwen3-8B
+server a concurrency-64 benchmark compiled 11 attention variants after start-up. These
+functions launch each variant once on dummy sequences (one key each, in cache block 0; nothing
+is stored) instead.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from echo_kernels.attention.common import tile_classes
+from echo_kernels.attention.paged import (
+    LaunchPlan,
+    max_num_splits,
+    paged_attention,
+    plan_launch,
+    wave_size,
+)
+from echo_kernels.attention.reduce import merge_splits
+from echo_kernels.attention.varlen import flash_attn_varlen
+
+
+@dataclass(frozen=True)
+class WarmupLaunch:
+    plan: LaunchPlan
+    num_seqs: int  # one query token and one key each
+    max_seqlen_q: int  # the bounds that select the plan
+    max_seqlen_k: int
+
+
+def paged_attention_warmups(num_heads: int, num_kv_heads: int, head_dim: int, is_int8: bool,
+                            device: torch.device) -> list[WarmupLaunch]:
+    """One dummy launch per paged_attention variant (host-side: nothing runs)."""
+    group = num_heads // num_kv_heads
+    launches = []
+    for rows, config in tile_classes(head_dim, is_int8):
+        wave = wave_size(config, device)
+        # one tile per sequence needs a whole run in one tile; its class's shortest runs decide
+        for one_tile in (True, False) if rows <= config.block_m else (False,):
+            for ordered in (True, False) if one_tile else (False,):
+                for splits in (1, 2):
+                    # ordered: more programs than one wave
+                    num_seqs = wave // (num_kv_heads * splits) + 1 if ordered else 2
+                    max_q = 1 if one_tile else config.block_m // group + 1
+                    max_k = splits * config.block_n
+                    plan = plan_launch(num_seqs, num_seqs, num_kv_heads, group, head_dim,
+                                       is_int8, max_q, max_k, True, device, splits, config)
+                    assert plan.variant == (config, one_tile, ordered, splits > 1), plan
+                    launches.append(WarmupLaunch(plan, num_seqs, max_q, max_k))
+    return launches
+
+
+def warm_up_paged_attention(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                            max_seqlen_k: int, dtype: torch.dtype) -> None:
+    """Launch every paged_attention variant over this cache (queries of `dtype`) once, reading
+    cache block 0, and the split merge for every padded split count up to max_seqlen_k's."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    is_int8 = k_cache.dtype == torch.int8
+    device = k_cache.device
+    for launch in paged_attention_warmups(num_heads, num_kv_heads, head_dim, is_int8, device):
+        n = launch.num_seqs
+        seqs = torch.arange(n + 1, dtype=torch.int32, device=device)
+        paged_attention(torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device),
+                        k_cache, v_cache, torch.zeros(n, 1, dtype=torch.int32, device=device),
+                        seqs, torch.ones(n, dtype=torch.int32, device=device),
+                        launch.max_seqlen_q, launch.max_seqlen_k, 1.0, k_scale, v_scale,
+                        seq_order=seqs[:-1], num_splits=launch.plan.num_splits,
+                        config=launch.plan.config)
+    most_splits = max(max_num_splits(max_seqlen_k, config)
+                      for _, config in tile_classes(head_dim, is_int8))
+    for pad in (2**i for i in range(1, triton.next_power_of_2(most_splits).bit_length())):
+        merge_splits(torch.zeros(1, num_heads, pad, head_dim, device=device),
+                     torch.zeros(1, num_heads, pad, 2, device=device),
+                     torch.empty(1, num_heads, head_dim, dtype=dtype, device=device))
+
+
+def warm_up_varlen_attention(num_heads: int, num_kv_heads: int, head_dim: int,
+                             dtype: torch.dtype, device: torch.device) -> list:
+    """Launch flash_attn_varlen once per tile class; returns the classes' tiles."""
+    configs = [config for _, config in tile_classes(head_dim)]
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    for config in configs:
+        kv = torch.zeros(1, num_kv_heads, head_dim, dtype=dtype, device=device)
+        flash_attn_varlen(torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device),
+                          kv, kv, cu, cu, 1, 1, 1.0, config=config)
+    return configs

@@ -1,0 +1,66 @@
+"""The start-up warm-up launches every paged-attention variant that real batches pick."""
+
+import itertools
+
+import pytest
+import torch
+
+from echo_kernels.attention import common, paged
+from echo_kernels.attention.paged import plan_launch
+from echo_kernels.attention.warmup import (
+    paged_attention_warmups,
+    warm_up_paged_attention,
+    warm_up_varlen_attention,
+)
+
+
+def batches():
+    """Query runs of decode batches, decodes mixed with a chunk, and prefill chunks."""
+    for num_seqs in (1, 2, 5, 9, 40, 200, 1000):
+        yield [1] * num_seqs
+    for decodes, chunk in itertools.product((0, 1, 3, 30, 300), (2, 3, 8, 17, 40, 100, 900)):
+        yield [1] * decodes + [chunk]
+    for num_seqs, chunk in itertools.product((2, 4, 8, 40, 300), (9, 64, 120, 1000)):
+        yield [chunk] * num_seqs
+
+
+@pytest.fixture
+def as_on_an_h200(monkeypatch):
+    """Plans as the GPU makes them (its tiles, 132 SMs), host-side only."""
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setattr(paged, "interpreting", lambda: False)
+    monkeypatch.setattr(paged, "sm_count", lambda device, without_gpu: 132)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, is_int8",
+                         [(32, 8, 128, False), (32, 8, 128, True), (16, 1, 128, False),
+                          (40, 8, 64, True)])
+def test_every_plan_of_a_real_batch_is_warmed_up(as_on_an_h200, heads, kv_heads, head_dim,
+                                                 is_int8):
+    device = torch.device("cuda")  # only for the SM count above; nothing is launched
+    variants = {launch.plan.variant for launch in
+                paged_attention_warmups(heads, kv_heads, head_dim, is_int8, device)}
+    seen = set()
+    for q_lens, max_k, ordered in itertools.product(batches(), (300, 4096, 32768),
+                                                    (True, False)):
+        plan = plan_launch(sum(q_lens), len(q_lens), kv_heads, heads // kv_heads, head_dim,
+                           is_int8, max(q_lens), max(max_k, max(q_lens)), ordered, device)
+        assert plan.variant in variants, (q_lens, max_k, ordered, plan)
+        seen.add(plan.variant)
+    # the batches reach every other variant: the warm-up compiles none for nothing, except
+    # decode tiles for runs of several tokens when one token's GQA group fills a tile (such
+    # runs then take larger tiles)
+    group = heads // kv_heads
+    assert all(config.block_m <= group and not one_tile
+               for config, one_tile, _, _ in variants - seen)
+    assert len(variants - seen) == (2 if group >= 16 else 0)
+
+
+def test_warm_up_runs_every_variant(device):
+    cache = torch.zeros(4, 16, 2, 32, dtype=torch.float16, device=device)
+    warm_up_paged_attention(4, cache, cache, None, None, 256, torch.float16)
+    launches = paged_attention_warmups(4, 2, 32, False, torch.device(device))
+    # two tile classes, each with one tile per sequence or not (ordered or not), split or not
+    assert len(launches) == len({launch.plan.variant for launch in launches}) >= 10
+    configs = warm_up_varlen_attention(4, 2, 32, torch.float16, torch.device(device))
+    assert len(configs) == len(set(configs)) >= 2
