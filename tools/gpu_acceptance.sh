@@ -120,13 +120,15 @@ run_stage() {
       $PY tools/bench_serving.py "${common[@]}" --input-len 128 --output-len 256 \
         --num-prompts 8 --max-concurrency 1 --result-json "$dir/serving_c1.json" \
         --plot-dir "$dir/plots_c1" 2>&1 | tail -25
-      # all 64 at once: the last of the burst waits for 64 x 1024 prompt tokens of prefill
+      # all 64 at once: the last of the burst waits for 64 x 1024 prompt tokens of prefill.
+      # Each run draws its own prompts (--seed): a run repeating an earlier one's prompts
+      # would find them in the prefix cache.
       $PY tools/bench_serving.py "${common[@]}" --input-len 1024 --output-len 256 \
-        --num-prompts 256 --max-concurrency 64 --result-json "$dir/serving_c64.json" \
+        --num-prompts 256 --max-concurrency 64 --seed 1 --result-json "$dir/serving_c64.json" \
         --plot-dir "$dir/plots_c64" 2>&1 | tail -25
       # the same cap with Poisson arrivals near the throughput: steady state, no start burst
       $PY tools/bench_serving.py "${common[@]}" --input-len 1024 --output-len 256 \
-        --num-prompts 256 --max-concurrency 64 --request-rate 10 \
+        --num-prompts 256 --max-concurrency 64 --request-rate 10 --seed 2 \
         --result-json "$dir/serving_c64_rate10.json" --plot-dir "$dir/plots_c64_rate10" \
         2>&1 | tail -25
       kill -TERM $pid 2>/dev/null
