@@ -73,8 +73,8 @@ run_stage() {
         $PY tools/bench_kernels.py --only decode --decode-heads 16:8 --decode-cases 256:300-1224 \
           --decode-pool-blocks $pool 2>&1 | grep "cuda graph"
       done ;;
-    l2-prefetch)  # does the next GEMV's weight, prefetched into the L2 during a short kernel,
-      # pay when the prefetch takes every row's first bytes (echo_kernels/l2_prefetch.py)
+    l2-prefetch)  # the next GEMV's weight prefetched into the L2 during a short kernel, whole
+      # rows or every row's first bytes (a probe: neither paid in the engine, docs/benchmarks.md)
       for tp in 1 2; do
         $PY tools/bench_l2_prefetch.py --tp $tp --json "$dir/l2_prefetch_tp$tp.json" 2>&1 \
           | tee "$dir/l2_prefetch_tp$tp.log"
