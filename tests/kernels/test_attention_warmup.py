@@ -56,10 +56,12 @@ def test_every_plan_of_a_real_batch_is_warmed_up(as_on_an_h200, heads, kv_heads,
     assert len(variants - seen) == (2 if group >= 16 else 0)
 
 
-def test_warm_up_runs_every_variant(device):
-    cache = torch.zeros(4, 16, 2, 32, dtype=torch.float16, device=device)
-    warm_up_paged_attention(4, cache, cache, None, None, 256, torch.float16)
-    launches = paged_attention_warmups(4, 2, 32, False, torch.device(device))
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.int8])
+def test_warm_up_runs_every_variant(device, paged_batch, kv_dtype):
+    batch = paged_batch([1], [40], 4, 2, 32, 16, torch.float16, kv_dtype=kv_dtype)
+    warm_up_paged_attention(4, batch.k_cache, batch.v_cache, batch.k_scale, batch.v_scale, 256,
+                            torch.float16)
+    launches = paged_attention_warmups(4, 2, 32, kv_dtype == torch.int8, torch.device(device))
     # two tile classes, each with one tile per sequence or not (ordered or not), split or not
     assert len(launches) == len({launch.plan.variant for launch in launches}) >= 10
     configs = warm_up_varlen_attention(4, 2, 32, torch.float16, torch.device(device))
