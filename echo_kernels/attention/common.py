@@ -84,13 +84,19 @@ def tile_config(rows_per_seq: int, head_dim: int, is_int8: bool = False) -> Tile
     return TileConfig(128, 64 if head_dim > 64 else 128, 8, 3)
 
 
-def tile_classes(head_dim: int, is_int8: bool = False) -> list[tuple[int, TileConfig]]:
-    """Every tile configuration tile_config gives, each with the fewest rows per sequence that
-    get it (kernel warm-ups compile each once)."""
-    classes = {}
-    for rows in (1, _DECODE_ROWS + 1, _SHORT_RUN_ROWS + 1):
-        classes.setdefault(tile_config(rows, head_dim, is_int8), rows)
-    return [(rows, config) for config, rows in classes.items()]
+def tile_classes(head_dim: int, is_int8: bool = False
+                 ) -> list[tuple[int, int | None, TileConfig]]:
+    """Every tile configuration tile_config gives, with the fewest and the most rows per
+    sequence that get it (None: no limit), for kernel warm-ups to compile each once."""
+    classes: dict[TileConfig, list] = {}
+    for first, last in ((1, _DECODE_ROWS), (_DECODE_ROWS + 1, _SHORT_RUN_ROWS),
+                        (_SHORT_RUN_ROWS + 1, None)):
+        config = tile_config(first, head_dim, is_int8)
+        if config in classes:  # the interpreter's tiles merge classes
+            classes[config][1] = last
+        else:
+            classes[config] = [first, last]
+    return [(first, last, config) for config, (first, last) in classes.items()]
 
 
 def batch_tile_config(max_seqlen_q: int, num_tokens: int, num_seqs: int, group: int,

@@ -39,10 +39,16 @@ def paged_attention_warmups(num_heads: int, num_kv_heads: int, head_dim: int, is
     """One dummy launch per paged_attention variant (host-side: nothing runs)."""
     group = num_heads // num_kv_heads
     launches = []
-    for rows, config in tile_classes(head_dim, is_int8):
+    for first, last, config in tile_classes(head_dim, is_int8):
+        # a batch's rows per sequence are m x group for m query tokens (batch_tile_config)
+        last = first + 2 * group if last is None else last
+        tokens = [m for m in range(1, last // group + 1) if first <= m * group <= last]
+        # one tile per sequence: m tokens fit a tile. Not: a run longer than the tile, or
+        # runs of different lengths (m >= 2 on average, the longest longer)
+        one_tile_options = ([True] if any(m * group <= config.block_m for m in tokens) else []) \
+            + ([False] if any(m >= 2 or m * group > config.block_m for m in tokens) else [])
         wave = wave_size(config, device)
-        # one tile per sequence needs a whole run in one tile; its class's shortest runs decide
-        for one_tile in (True, False) if rows <= config.block_m else (False,):
+        for one_tile in one_tile_options:
             for ordered in (True, False) if one_tile else (False,):
                 for splits in (1, 2):
                     # ordered: more programs than one wave
@@ -74,7 +80,7 @@ def warm_up_paged_attention(num_heads: int, k_cache: torch.Tensor, v_cache: torc
                         seq_order=seqs[:-1], num_splits=launch.plan.num_splits,
                         config=launch.plan.config)
     most_splits = max(max_num_splits(max_seqlen_k, config)
-                      for _, config in tile_classes(head_dim, is_int8))
+                      for _, _, config in tile_classes(head_dim, is_int8))
     for pad in (2**i for i in range(1, triton.next_power_of_2(most_splits).bit_length())):
         merge_splits(torch.zeros(1, num_heads, pad, head_dim, device=device),
                      torch.zeros(1, num_heads, pad, 2, device=device),
@@ -84,7 +90,7 @@ def warm_up_paged_attention(num_heads: int, k_cache: torch.Tensor, v_cache: torc
 def warm_up_varlen_attention(num_heads: int, num_kv_heads: int, head_dim: int,
                              dtype: torch.dtype, device: torch.device) -> list:
     """Launch flash_attn_varlen once per tile class; returns the classes' tiles."""
-    configs = [config for _, config in tile_classes(head_dim)]
+    configs = [config for _, _, config in tile_classes(head_dim)]
     cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
     for config in configs:
         kv = torch.zeros(1, num_kv_heads, head_dim, dtype=dtype, device=device)
