@@ -33,7 +33,10 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-@triton.jit
+# NOTE: these three are read once per program, so their alignment gains nothing; left to
+# specialise, it changed with the batch size (rows of one upload, sampling_inputs.py) and
+# compiled the kernel again inside a serving step
+@triton.jit(do_not_specialize_on_alignment=["temperature_ptr", "seeds_ptr", "steps_ptr"])
 def _gumbel_argmax_kernel(
     logits_ptr,  # [batch, vocab], any float dtype
     temperature_ptr,  # [batch] float32; 0 = greedy

@@ -32,24 +32,11 @@ def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, vocab_size: int,
 
 
 def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """array [rows, n] on the device; each row starts 16-byte aligned."""
+    tensor = torch.from_numpy(array)
     if device.type != "cuda":
-        return torch.from_numpy(array)
-    n = array.shape[1]
+        return tensor
     # pin_memory() draws from torch's caching host allocator, so this costs no cudaHostAlloc
-    return torch.from_numpy(rows_16_byte_aligned(array)).pin_memory().to(
-        device, non_blocking=True)[:, :n]
-
-
-def rows_16_byte_aligned(array: np.ndarray) -> np.ndarray:
-    """array [rows, n] with zero columns appended so that each row starts 16 bytes after the
-    last. NOTE: Triton specialises kernels on 16-byte aligned pointers; rows n elements apart
-    would change their alignment with the batch size and compile the sampling kernel again
-    inside a step."""
-    rows, n = array.shape
-    padded = np.zeros((rows, -(-n * array.itemsize // 16) * 16 // array.itemsize), array.dtype)
-    padded[:, :n] = array
-    return padded
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _penalties(batch: InputBatch, rows: np.ndarray, vocab_size: int,

@@ -92,8 +92,8 @@ def warm_up_varlen_attention(num_heads: int, num_kv_heads: int, head_dim: int,
     """Launch flash_attn_varlen once per tile class; returns the classes' tiles."""
     configs = [config for _, _, config in tile_classes(head_dim)]
     cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
+    kv = torch.zeros(1, num_kv_heads, head_dim, dtype=dtype, device=device)
     for config in configs:
-        kv = torch.zeros(1, num_kv_heads, head_dim, dtype=dtype, device=device)
-        flash_attn_varlen(torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device),
-                          kv, kv, cu, cu, 1, 1, 1.0, config=config)
+        flash_attn_varlen(q, kv, kv, cu, cu, 1, 1, 1.0, config=config)
     return configs

@@ -78,3 +78,23 @@ def test_warm_up_launches_each_variant_once_per_dtype(device):
     variants = warm_up_gumbel_sample(12, MIN_CHUNK * 5 // 2, [torch.float32, torch.float16],
                                      torch.device("cpu"))
     assert variants == {(True, 4), (True, 2), (False, 1)}
+
+
+@pytest.mark.gpu
+def test_gpu_rows_of_one_upload_share_a_compiled_kernel():
+    from triton import knobs
+
+    # temperature, seeds and steps as rows of stacked uploads (sampling_inputs.py): with 3 rows
+    # of 3, row 0 is 16-byte aligned and row 1 is not
+    logits = torch.randn(3, 5000, device="cuda")
+    floats = torch.zeros(3, 3, device="cuda")
+    ints = torch.zeros(3, 3, dtype=torch.int64, device="cuda")
+    gumbel_sample(logits, floats[0], ints[0], ints[0])  # compiled here, if not before
+    compiled = []
+    knobs.runtime.jit_post_compile_hook = lambda *, fn, **_: compiled.append(fn.name)
+    try:
+        got = gumbel_sample(logits, floats[1], ints[1], ints[1])
+    finally:
+        knobs.runtime.jit_post_compile_hook = None
+    assert compiled == []
+    assert torch.equal(got, logits.argmax(-1))  # temperature 0: greedy
