@@ -26,6 +26,26 @@ def quantize_rows(
 
 
 @triton.jit
+def store_cache_rows(
+    cache_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_DIM]
+    scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (IS_INT8_KV)
+    cache_off,  # [ROWS, HEAD_DIM] element offsets of each row's values
+    scale_off,  # [ROWS] offsets of each row's scale (IS_INT8_KV)
+    x,  # [ROWS, HEAD_DIM] the rows, in the model's dtype
+    row_ok,  # [ROWS]
+    IS_INT8_KV: tl.constexpr,
+):
+    """Rows into the cache, quantised to int8 per row when the cache is int8."""
+    if IS_INT8_KV:
+        xf = x.to(tl.float32)
+        x_q, scale = quantize_rows(xf, tl.max(tl.abs(xf), 1))
+        tl.store(cache_ptr + cache_off, x_q, mask=row_ok[:, None])
+        tl.store(scale_ptr + scale_off, scale, mask=row_ok)
+    else:
+        tl.store(cache_ptr + cache_off, x.to(cache_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
 def _store_kv_cache_kernel(
     k_ptr,  # [num_tokens, num_kv_heads, HEAD_DIM]
     v_ptr,  # [num_tokens, num_kv_heads, HEAD_DIM]
@@ -60,25 +80,16 @@ def _store_kv_cache_kernel(
     offset = slot % block_size
     heads = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    mask = (heads < num_kv_heads)[:, None]
+    head_ok = heads < num_kv_heads
     offs = heads[:, None] * stride_kh + offs_d[None, :]
-    k = tl.load(k_ptr + token * stride_kt + offs, mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    k = tl.load(k_ptr + token * stride_kt + offs, mask=head_ok[:, None])
+    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + offs_d[None, :],
+                mask=head_ok[:, None])
     cache_off = block * stride_cb + offset * stride_ct + heads[:, None] * stride_ch
     cache_off = cache_off + offs_d[None, :]
-    if IS_INT8_KV:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-        k_q, k_sc = quantize_rows(k, tl.max(tl.abs(k), 1))
-        v_q, v_sc = quantize_rows(v, tl.max(tl.abs(v), 1))
-        tl.store(k_cache_ptr + cache_off, k_q, mask=mask)
-        tl.store(v_cache_ptr + cache_off, v_q, mask=mask)
-        scale_off = block * stride_sb + offset * stride_st + heads * stride_sh
-        tl.store(k_scale_ptr + scale_off, k_sc, mask=heads < num_kv_heads)
-        tl.store(v_scale_ptr + scale_off, v_sc, mask=heads < num_kv_heads)
-    else:
-        tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + cache_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    scale_off = block * stride_sb + offset * stride_st + heads * stride_sh
+    store_cache_rows(k_cache_ptr, k_scale_ptr, cache_off, scale_off, k, head_ok, IS_INT8_KV)
+    store_cache_rows(v_cache_ptr, v_scale_ptr, cache_off, scale_off, v, head_ok, IS_INT8_KV)
 
 
 def checked_cache_scales(k_cache: torch.Tensor, v_cache: torch.Tensor,

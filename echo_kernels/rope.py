@@ -66,6 +66,49 @@ def _rotate_heads(
 
 
 @triton.jit
+def rotated_rows(
+    x_ptr,
+    row_off,  # [ROWS] element offset of each row (one head of one token)
+    row_ok,  # [ROWS]
+    cos_sin_ptr,  # [max_position, HEAD_DIM] float32: cos, then sin
+    stride_cos,
+    pos,  # the rows' position (one token)
+    w_ptr,  # [HEAD_DIM] per-head RMSNorm weight (HAS_NORM)
+    eps,
+    HEAD_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    """Rows of heads, normalised (HAS_NORM) and rotated as _rotate_heads does, without writing
+    them back: [ROWS, HEAD_DIM] in x's dtype. Each element is loaded with its rotation partner,
+    so the rows come back in their own layout."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, HEAD_DIM)
+    if IS_NEOX:
+        partner = (offs + HALF) % HEAD_DIM
+        first = offs < HALF
+        pair = offs % HALF
+    else:
+        partner = offs ^ 1
+        first = offs % 2 == 0
+        pair = offs // 2
+    mask = row_ok[:, None]
+    x = tl.load(x_ptr + row_off[:, None] + offs[None, :], mask=mask, other=0.0)
+    xp = tl.load(x_ptr + row_off[:, None] + partner[None, :], mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    xp = xp.to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)
+        x = apply_rms(x, rstd, tl.load(w_ptr + offs), dtype).to(tl.float32)
+        xp = apply_rms(xp, rstd, tl.load(w_ptr + partner), dtype).to(tl.float32)
+    cos = tl.load(cos_sin_ptr + pos * stride_cos + pair)
+    sin = tl.load(cos_sin_ptr + pos * stride_cos + HALF + pair)
+    # the first of a pair: x1 cos - x2 sin; the second: x2 cos + x1 sin
+    return (x * cos[None, :] + tl.where(first[None, :], -xp, xp) * sin[None, :]).to(dtype)
+
+
+@triton.jit
 def _store_row_halves(
     cache_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_DIM]
     scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (IS_INT8_KV)

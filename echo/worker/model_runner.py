@@ -175,10 +175,13 @@ class ModelRunner:
         )
         from echo_kernels.sampling import warm_up_gumbel_sample
 
-        cache, num_heads = self.kv_caches[0], self.model.model.layers[0].self_attn.num_heads
-        warm_up_paged_attention(num_heads, cache.k, cache.v, cache.k_scale, cache.v_scale,
-                                self.config.scheduler.max_model_len, self.dtype)
-        warm_up_varlen_attention(num_heads, self.num_kv_heads, self.head_dim, self.dtype,
+        cache, attn = self.kv_caches[0], self.model.model.layers[0].self_attn
+        # decode batches rotate and store their K/V in the attention launch (TritonBackend)
+        rope = attn.rope_inputs(torch.zeros(1, dtype=torch.long, device=self.device))
+        warm_up_paged_attention(attn.num_heads, cache.k, cache.v, cache.k_scale, cache.v_scale,
+                                self.config.scheduler.max_model_len, self.dtype,
+                                qk_norm=rope.q_norm_weight is not None)
+        warm_up_varlen_attention(attn.num_heads, self.num_kv_heads, self.head_dim, self.dtype,
                                  self.device)
         # the sampler reads the LM head's logits, or float32 ones after filters and penalties
         warm_up_gumbel_sample(self.config.scheduler.max_num_seqs, self.vocab_size,

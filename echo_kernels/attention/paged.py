@@ -26,9 +26,10 @@ from echo_kernels.attention.common import (
     query_rows,
 )
 from echo_kernels.attention.reduce import merge_splits
-from echo_kernels.cache import checked_cache_scales
+from echo_kernels.cache import checked_cache_scales, store_cache_rows
 from echo_kernels.device import sm_count
 from echo_kernels.pdl import pdl_options, wait_for_inputs
+from echo_kernels.rope import rotary_embedding, rotated_rows
 
 
 # NOTE: ints that change from step to step are not specialised (Triton would otherwise compile
@@ -64,6 +65,19 @@ def _paged_attention_kernel(
     stride_sh,
     stride_bt,
     block_base,  # K/V offsets count from this cache block (see paged_attention)
+    k_new_ptr,  # [num_tokens, num_kv_heads, HEAD_DIM] the step's keys, unrotated (FUSED_ROPE)
+    v_new_ptr,  # [num_tokens, num_kv_heads, HEAD_DIM] (FUSED_ROPE)
+    positions_ptr,  # [num_tokens] (FUSED_ROPE)
+    cos_sin_ptr,  # [max_position, HEAD_DIM] float32 (FUSED_ROPE)
+    q_norm_ptr,  # [HEAD_DIM] (HAS_NORM)
+    k_norm_ptr,  # [HEAD_DIM] (HAS_NORM)
+    slot_mapping_ptr,  # [num_tokens]; -1: not stored (FUSED_ROPE)
+    stride_nkt,
+    stride_nkh,
+    stride_nvt,
+    stride_nvh,
+    stride_cos,
+    rope_eps,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # cache block size (tokens)
@@ -74,6 +88,9 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     IS_INT8_KV: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,  # K/V offsets from the block_base'th block may pass +-2^31
+    FUSED_ROPE: tl.constexpr,  # decode: rotate q/k (after the q/k norm) and store K/V here
+    IS_NEOX: tl.constexpr,
+    HAS_NORM: tl.constexpr,  # Qwen3's per-head RMSNorm of q and k before the rotation
     USE_PDL: tl.constexpr,
 ):
     wait_for_inputs(USE_PDL)
@@ -104,8 +121,14 @@ def _paged_attention_kernel(
     tokens, heads, row_ok, q_pos = query_rows(row0, q_start, q_len, ctx_len, kv_head, GROUP,
                                               BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    if FUSED_ROPE:
+        # decode: the rows are the heads of the run's one token, q as the model left it
+        pos = tl.load(positions_ptr + q_start).to(tl.int64)
+        q = rotated_rows(q_ptr, tokens * stride_qt + heads * stride_qh, row_ok, cos_sin_ptr,
+                         stride_cos, pos, q_norm_ptr, rope_eps, HEAD_DIM, IS_NEOX, HAS_NORM)
+    else:
+        q_ptrs = q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh
+        q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     if IS_INT8_KV:
         # int8 K/V become exact float16 (common.int8_to_fp16), so the products run in float16.
         # NOTE: a query element past float16's 65504 would overflow; real q/k stay far below.
@@ -122,6 +145,17 @@ def _paged_attention_kernel(
         kv_hi = ctx_len
     full_hi, masked_hi = causal_bounds(row0, q_len, ctx_len, kv_lo, kv_hi, True, GROUP, BLOCK_M,
                                        BLOCK_N)
+    if FUSED_ROPE:
+        # the program whose keys end with the token's own stores its K/V, then reads them back
+        # with the rest (the barrier makes its threads' stores visible to each other)
+        if (kv_lo <= ctx_len - 1) & (ctx_len - 1 < kv_hi):
+            _store_new_kv(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                          v_scale_ptr, slot_mapping_ptr, q_start, kv_head, cos_sin_ptr,
+                          stride_cos, pos, k_norm_ptr, rope_eps, stride_nkt, stride_nkh,
+                          stride_nvt, stride_nvh, stride_kb, stride_kt, stride_kh, stride_sb,
+                          stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, IS_NEOX, HAS_NORM,
+                          IS_INT8_KV)
+        tl.debug_barrier()
 
     kv_shift = block_base.to(tl.int64) * stride_kb + kv_head * stride_kh
     k_base = k_cache_ptr + kv_shift
@@ -156,6 +190,35 @@ def _paged_attention_kernel(
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptrs = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh
         tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _store_new_kv(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                  slot_mapping_ptr, token, kv_head, cos_sin_ptr, stride_cos, pos, k_norm_ptr,
+                  eps, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_kb, stride_kt,
+                  stride_kh, stride_sb, stride_st, stride_sh, HEAD_DIM: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, IS_NEOX: tl.constexpr, HAS_NORM: tl.constexpr,
+                  IS_INT8_KV: tl.constexpr):
+    """One token's K (normalised and rotated) and V of one KV head into its cache slot, as
+    rotary_embedding's store would write them."""
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:
+        row = tl.zeros([1], dtype=tl.int64)  # a one-row tile, for the row helpers
+        ok = row == 0
+        k = rotated_rows(k_new_ptr, row + token * stride_nkt + kv_head * stride_nkh, ok,
+                         cos_sin_ptr, stride_cos, pos, k_norm_ptr, eps, HEAD_DIM, IS_NEOX,
+                         HAS_NORM)
+        offs_d = tl.arange(0, HEAD_DIM)
+        v = tl.load(v_new_ptr + (row + token * stride_nvt + kv_head * stride_nvh)[:, None]
+                    + offs_d[None, :])
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        cache_off = (row + block * stride_kb + offset * stride_kt + kv_head * stride_kh)[:, None]
+        scale_off = row + block * stride_sb + offset * stride_st + kv_head * stride_sh
+        store_cache_rows(k_cache_ptr, k_scale_ptr, cache_off + offs_d[None, :], scale_off, k, ok,
+                         IS_INT8_KV)
+        store_cache_rows(v_cache_ptr, v_scale_ptr, cache_off + offs_d[None, :], scale_off, v, ok,
+                         IS_INT8_KV)
 
 
 # K/V offsets are int32. In a cache past 2^31 elements they count from its middle block, which
@@ -218,18 +281,21 @@ class LaunchPlan:
     one_tile: bool
     ordered: bool
     num_splits: int
+    fused_rope: bool = False  # the decode launch rotates q/k and stores K/V itself
 
     @property
     def variant(self) -> tuple:
-        """What Triton compiles a separate kernel for (with the cache's dtype and offsets)."""
-        return self.config, self.one_tile, self.ordered, self.num_splits > 1
+        """What Triton compiles a separate kernel for (with the cache's dtype and offsets, and
+        the rotation's flags)."""
+        return self.config, self.one_tile, self.ordered, self.num_splits > 1, self.fused_rope
 
 
 def plan_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, head_dim: int,
                 is_int8: bool, max_seqlen_q: int, max_seqlen_k: int, has_seq_order: bool,
                 device: torch.device, num_splits: int | None = None,
-                config: TileConfig | None = None) -> LaunchPlan:
-    """paged_attention's launch for a batch (host-side, from sizes and bounds only)."""
+                config: TileConfig | None = None, has_new_kv: bool = False) -> LaunchPlan:
+    """paged_attention's launch for a batch (host-side, from sizes and bounds only).
+    has_new_kv: the step's K/V come with the call (NewKV) instead of already in the cache."""
     if config is None:
         config = batch_tile_config(max_seqlen_q, num_tokens, num_seqs, group, head_dim, is_int8)
     one_tile = max_seqlen_q * group <= config.block_m
@@ -245,7 +311,24 @@ def plan_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, h
     # first (bf16 188.9 / 179.6).
     ordered = (has_seq_order and one_tile and num_seqs > 1
                and num_tiles * num_kv_heads * num_splits > wave)
-    return LaunchPlan(config, num_tiles, one_tile, ordered, num_splits)
+    # one token per sequence whose GQA group fits a tile: that tile's programs rotate it
+    fused_rope = has_new_kv and one_tile and max_seqlen_q == 1
+    return LaunchPlan(config, num_tiles, one_tile, ordered, num_splits, fused_rope)
+
+
+@dataclass(frozen=True)
+class NewKV:
+    """The step's keys and values before rotary embedding and the cache write, for
+    paged_attention to rotate and store them itself (rotary_embedding's arguments)."""
+    k: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor  # [num_tokens]; -1: not stored
+    positions: torch.Tensor  # [num_tokens]
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim] float32: cos, then sin
+    q_norm_weight: torch.Tensor | None = None  # [head_dim], with k_norm_weight (Qwen3)
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+    is_neox: bool = True
 
 
 def paged_attention(
@@ -265,6 +348,7 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     config: TileConfig | None = None,
+    new_kv: NewKV | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query run over its paged context.
 
@@ -277,23 +361,30 @@ def paged_attention(
     the sequences by descending seq_len, is the launch order when the programs of a decode batch
     take more than one wave: the longest start first instead of prolonging the last wave.
     num_splits and config override the split count and tiles the shapes would get (tests,
-    benchmarks).
+    benchmarks). new_kv: q and the step's K/V as the qkv projection left them, which
+    paged_attention first rotates (after Qwen3's q/k norm) and stores, as rotary_embedding
+    would; when every sequence has one query token and its GQA group fits a tile (decode), in
+    the attention launch itself: the program that reads the token's own key stores it.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be contiguous"
-    is_int8, k_scale, v_scale = checked_cache_scales(k_cache, v_cache, k_scale, v_scale)
-    group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
     if num_tokens == 0:
         return out
-
-    plan = plan_launch(num_tokens, num_seqs, num_kv_heads, group, head_dim, is_int8,
-                       max_seqlen_q, max_seqlen_k, seq_order is not None, q.device, num_splits,
-                       config)
+    group = num_heads // num_kv_heads
+    plan = plan_launch(num_tokens, num_seqs, num_kv_heads, group, head_dim,
+                       k_cache.dtype == torch.int8, max_seqlen_q, max_seqlen_k,
+                       seq_order is not None, q.device, num_splits, config, new_kv is not None)
+    if new_kv is not None and not plan.fused_rope:
+        rotary_embedding(new_kv.positions, q, new_kv.k, new_kv.cos_sin_cache, new_kv.is_neox,
+                         new_kv.q_norm_weight, new_kv.k_norm_weight, new_kv.eps, v=new_kv.v,
+                         k_cache=k_cache, v_cache=v_cache, slot_mapping=new_kv.slot_mapping,
+                         k_scale=k_scale, v_scale=v_scale)
+    is_int8, k_scale, v_scale = checked_cache_scales(k_cache, v_cache, k_scale, v_scale)
     config, num_splits = plan.config, plan.num_splits
     split = num_splits > 1
     if split:
@@ -305,6 +396,11 @@ def paged_attention(
         part_acc = part_ml = out  # unused
 
     block_base, wide = cache_offsets(k_cache)
+    rope = new_kv if plan.fused_rope else NewKV(q, q, q, q, q)  # placeholders, never read
+    has_norm = plan.fused_rope and rope.q_norm_weight is not None
+    if plan.fused_rope:
+        assert rope.k.stride(2) == 1 and rope.v.stride(2) == 1
+        assert rope.cos_sin_cache.shape[1] == head_dim and rope.cos_sin_cache.stride(1) == 1
     grid = (num_kv_heads, plan.num_tiles, num_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, k_scale, v_scale, block_table, cu_seqlens_q, seq_lens,
@@ -314,10 +410,15 @@ def paged_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), block_table.stride(0),
         block_base,
+        rope.k, rope.v, rope.positions, rope.cos_sin_cache,
+        rope.q_norm_weight if has_norm else q, rope.k_norm_weight if has_norm else q,
+        rope.slot_mapping, rope.k.stride(0), rope.k.stride(1), rope.v.stride(0),
+        rope.v.stride(1), rope.cos_sin_cache.stride(0), rope.eps,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, ONE_TILE_PER_SEQ=plan.one_tile,
         ORDERED=plan.ordered,
         SPLIT=split, IS_INT8_KV=is_int8, WIDE_OFFSETS=wide,
+        FUSED_ROPE=plan.fused_rope, IS_NEOX=rope.is_neox, HAS_NORM=has_norm,
         **pdl_options(q.device),
         **config.launch_options(),
     )

@@ -14,6 +14,7 @@ from kernel_utils import PagedBatch, assert_close
 
 from echo.worker.step_buffers import longest_first
 from echo_kernels import paged_attention
+from echo_kernels.attention import paged
 from echo_kernels.reference import paged_attention_ref
 
 # (num_heads, num_kv_heads): groups 2, 4, 1 and a non-power-of-two 3
@@ -136,6 +137,89 @@ def test_strided_q_and_default_out(device):
     assert_close(out, ref, CPU_ATOL[torch.float16])
 
 
+def _with_new_kv(b: PagedBatch, is_neox: bool, norm: bool, padded_seq: int | None = None,
+                 **kwargs):
+    """The batch's step tokens (each run's last tokens) attended twice: rotary_embedding storing
+    K/V and then paged_attention (the separate launches), and paged_attention given the K/V
+    (NewKV). Returns (separate, given) as (out, k_cache, v_cache, k_scale, v_scale) each."""
+    from echo_kernels import rotary_embedding
+    from echo_kernels.attention.paged import NewKV
+
+    device, dtype = b.q.device, b.q.dtype
+    num_tokens, num_heads, head_dim = b.q.shape
+    num_kv_heads = b.k_cache.shape[2]
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    # each run's tokens are its context's last ones, in its blocks
+    positions, slots = [], []
+    for s, (q_len, ctx) in enumerate(zip(b.q_lens, b.ctx_lens, strict=True)):
+        for pos in range(ctx - q_len, ctx):
+            positions.append(pos)
+            slot = b.block_table[s, pos // b.k_cache.shape[1]].item() * b.k_cache.shape[1]
+            slots.append(-1 if s == padded_seq else slot + pos % b.k_cache.shape[1])
+    positions = torch.tensor(positions, device=device)
+    slots = torch.tensor(slots, device=device)
+    cos_sin = torch.randn(max(b.ctx_lens), head_dim, generator=gen).to(device)
+    q_w, k_w = ((torch.rand(head_dim, generator=gen) + 0.5).to(dtype).to(device) if norm
+                else None for _ in range(2))
+    caches = (b.k_cache, b.v_cache, b.k_scale, b.v_scale)
+
+    def attend(new_kv: bool):
+        kc, vc, ks, vs = (None if c is None else c.clone() for c in caches)
+        q, k_in = b.q.clone(), k.clone()
+        if not new_kv:
+            rotary_embedding(positions, q, k_in, cos_sin, is_neox, q_w, k_w, 1e-6, v=v,
+                             k_cache=kc, v_cache=vc, slot_mapping=slots, k_scale=ks, v_scale=vs)
+        given = NewKV(k_in, v, slots, positions, cos_sin, q_w, k_w, 1e-6, is_neox)
+        out = paged_attention(q, kc, vc, b.block_table, b.cu_seqlens_q, b.seq_lens,
+                              b.max_seqlen_q, b.max_seqlen_k, b.scale, ks, vs,
+                              new_kv=given if new_kv else None, **kwargs)
+        return out, kc, vc, ks, vs
+
+    return attend(False), attend(True)
+
+
+def _assert_caches_match(got, want, atol: float) -> None:
+    """(k_cache, v_cache, k_scale, v_scale) written alike. The q/k norm sums its squares in
+    another order in the attention launch, which may move a rotated key by an ulp, and so an
+    int8 value by one step."""
+    for got_cache, want_cache in zip(got[:2], want[:2], strict=True):
+        if got_cache.dtype == torch.int8:
+            assert (got_cache.int() - want_cache.int()).abs().max() <= 1
+        else:
+            torch.testing.assert_close(got_cache, want_cache, atol=atol, rtol=0, equal_nan=True)
+    for got_scale, want_scale in zip(got[2:], want[2:], strict=True):
+        if got_scale is not None:
+            torch.testing.assert_close(got_scale, want_scale, rtol=2e-3, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("heads", [(4, 2), (6, 2), (4, 1)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("is_neox,norm", [(True, True), (False, False)])
+def test_decode_given_new_kv(paged_batch, kv_dtype, heads, num_splits, is_neox, norm):
+    # the attention launch rotates q and the new keys itself and stores K/V: the split whose
+    # keys end with the token's own stores it; one sequence's token is padding (slot -1)
+    b = paged_batch([1, 1, 1, 1], [97, 3, 40, 1], *heads, 32, 16, torch.float32,
+                    kv_dtype=kv_dtype)
+    plan = paged.plan_launch(4, 4, heads[1], heads[0] // heads[1], 32, kv_dtype == torch.int8,
+                             1, 97, False, b.q.device, num_splits, has_new_kv=True)
+    assert plan.fused_rope
+    separate, given = _with_new_kv(b, is_neox, norm, padded_seq=2, num_splits=num_splits)
+    assert_close(given[0], separate[0], 1e-5)
+    _assert_caches_match(given[1:], separate[1:], 1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.int8])
+def test_mixed_batch_given_new_kv(paged_batch, kv_dtype):
+    # runs of several tokens: rotated and stored by rotary_embedding first, then attended
+    b = paged_batch([1, 5, 2], [20, 5, 33], 4, 2, 32, 16, torch.float16, kv_dtype=kv_dtype)
+    separate, given = _with_new_kv(b, True, True)
+    assert_close(given[0], separate[0], 0)  # the same launches
+    _assert_caches_match(given[1:], separate[1:], 0)
+
+
 # ---------------------------------------------------------------------------------------- GPU
 
 GPU_HEADS = [(32, 8), (40, 40), (64, 8), (16, 1)]
@@ -231,3 +315,17 @@ def test_splits_fill_the_programs_an_sm_holds():
     assert choose_num_splits(16, 10_000, *two) == 2
     assert choose_num_splits(32, 10_000, *two) == 1  # the grid fills two waves already
     assert choose_num_splits(40, 10_000, *three) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("heads", [(32, 8), (16, 1)])
+@pytest.mark.parametrize("norm", [False, True])
+def test_gpu_decode_given_new_kv(paged_batch, kv_dtype, heads, norm):
+    rng = random.Random(f"new_kv{kv_dtype}{heads}{norm}")
+    ctx = _random_ctx(rng, 16, 24, 2000)
+    b = paged_batch([1] * len(ctx), ctx, *heads, 128, 16, torch.bfloat16, kv_dtype=kv_dtype,
+                    num_blocks=POOL)
+    separate, given = _with_new_kv(b, True, norm, padded_seq=3)
+    assert_close(given[0], separate[0], GPU_ATOL)
+    _assert_caches_match(given[1:], separate[1:], 3.2e-2)  # an ulp of bf16 near 4
