@@ -176,7 +176,7 @@ class ModelRunner:
         from echo_kernels.sampling import warm_up_gumbel_sample
 
         cache, attn = self.kv_caches[0], self.model.model.layers[0].self_attn
-        # decode batches rotate and store their K/V in the attention launch (TritonBackend)
+        # decode batches rotate and store their K/V in the attention launch (triton backend)
         rope = attn.rope_inputs(torch.zeros(1, dtype=torch.long, device=self.device))
         warm_up_paged_attention(attn.num_heads, cache.k, cache.v, cache.k_scale, cache.v_scale,
                                 self.config.scheduler.max_model_len, self.dtype,
