@@ -54,8 +54,8 @@ def test_every_plan_of_a_real_batch_is_warmed_up(as_on_an_h200, heads, kv_heads,
     assert seen == variants
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.int8])
-@pytest.mark.parametrize("qk_norm", [None, True])
+# a model that gives attention no K/V (fp16 cache), and one that does, with the q/k norm (int8)
+@pytest.mark.parametrize("kv_dtype,qk_norm", [(torch.float16, None), (torch.int8, True)])
 def test_warm_up_runs_every_variant(device, paged_batch, kv_dtype, qk_norm):
     batch = paged_batch([1], [40], 4, 2, 32, 16, torch.float16, kv_dtype=kv_dtype)
     caches = [c if c is None else c.clone() for c in
