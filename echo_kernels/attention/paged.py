@@ -371,20 +371,21 @@ def paged_attention(
     num_seqs = seq_lens.shape[0]
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be contiguous"
+    is_int8, k_scale, v_scale = checked_cache_scales(k_cache, v_cache, k_scale, v_scale)
+    group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
     if num_tokens == 0:
         return out
-    group = num_heads // num_kv_heads
-    plan = plan_launch(num_tokens, num_seqs, num_kv_heads, group, head_dim,
-                       k_cache.dtype == torch.int8, max_seqlen_q, max_seqlen_k,
-                       seq_order is not None, q.device, num_splits, config, new_kv is not None)
+
+    plan = plan_launch(num_tokens, num_seqs, num_kv_heads, group, head_dim, is_int8,
+                       max_seqlen_q, max_seqlen_k, seq_order is not None, q.device, num_splits,
+                       config, new_kv is not None)
     if new_kv is not None and not plan.fused_rope:
         rotary_embedding(new_kv.positions, q, new_kv.k, new_kv.cos_sin_cache, new_kv.is_neox,
                          new_kv.q_norm_weight, new_kv.k_norm_weight, new_kv.eps, v=new_kv.v,
                          k_cache=k_cache, v_cache=v_cache, slot_mapping=new_kv.slot_mapping,
                          k_scale=k_scale, v_scale=v_scale)
-    is_int8, k_scale, v_scale = checked_cache_scales(k_cache, v_cache, k_scale, v_scale)
     config, num_splits = plan.config, plan.num_splits
     split = num_splits > 1
     if split:
