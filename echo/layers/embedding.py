@@ -9,9 +9,12 @@ from echo.distributed.parallel_state import SINGLE, TPGroup
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup = SINGLE):
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup = SINGLE,
+                 reduce_results: bool = True):
         super().__init__()
         self.tp = tp
+        # False: return this rank's partial sums (zero rows for tokens outside its slice)
+        self.reduce_results = reduce_results
         self.num_embeddings = num_embeddings
         # ceil so every rank has the same shape; rows past the real vocab stay zero
         self.shard_size = -(-num_embeddings // tp.size)
@@ -37,7 +40,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.shard_size)
         y = F.embedding(local.masked_fill(outside, 0), self.weight)
         y.masked_fill_(outside.unsqueeze(-1), 0)
-        return all_reduce(y, self.tp)
+        return all_reduce(y, self.tp) if self.reduce_results else y
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -77,7 +77,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = self.attention_cls(arch, layer_idx, rope, tp)
         self.mlp = LlamaMLP(arch, tp)
         # each reduces the partial sums of the row-parallel layer before it (the first layer's
-        # input norm gets the embedding, already whole, and no residual: it reduces nothing)
+        # input norm: the embedding's, over a zero residual)
         reduce_tp = tp if norm_reduces(arch, tp) else None
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, reduce_tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, reduce_tp)
@@ -98,7 +98,9 @@ class LlamaModel(nn.Module):
 
     def __init__(self, arch: ModelArch, tp: TPGroup, max_position: int):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
+        self.embeds_unreduced = norm_reduces(arch, tp)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp,
+                                                   reduce_results=not self.embeds_unreduced)
         # one rotary table shared by every layer
         rope = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling)
         self.layers = nn.ModuleList(
@@ -107,7 +109,9 @@ class LlamaModel(nn.Module):
                             tp if norm_reduces(arch, tp) else None)
 
     def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+        hidden = self.embed_tokens(input_ids)
+        # partial sums: the first layer's input norm all-reduces them, fused with its norm
+        residual = torch.zeros_like(hidden) if self.embeds_unreduced else None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, ctx)
         hidden, _ = self.norm(hidden, residual)
