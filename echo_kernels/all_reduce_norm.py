@@ -11,8 +11,8 @@ instead of an all-reduce and a norm. Each rank sends its rows once and reads onl
 
 No flags (Lamport's scheme): an inbox element holding -0.0 has not arrived yet. Senders turn
 -0.0 into +0.0 (a sum that was -0.0 comes out +0.0), a reader polls its rows until none is
--0.0, then writes -0.0 back. The inbox is int-typed storage of the same width, so the test is
-on bits (-0.0 == +0.0 as floats).
+-0.0, then writes -0.0 back. The inbox is integer storage of the same width (`inbox_dtype`),
+so the test is on bits (-0.0 == +0.0 as floats): -0.0 is the integer type's minimum.
 
 Inbox: [2 slots][world][region] elements; region >= rows * n_cols. Calls are counted per
 program in `calls`, on the device, so CUDA-graph replays count too; every rank makes the same
@@ -29,9 +29,16 @@ import triton.language as tl
 from echo_kernels.norm import add_rms_norm_row
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 
-# the bits of -0.0 in a 16-bit float (fp16 and bf16 alike), read as int16
-NOT_ARRIVED = -(2**15)
-INBOX_DTYPE = torch.int16
+
+
+def inbox_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer type an inbox for `dtype` rows holds: -0.0 reads as its minimum."""
+    return {2: torch.int16, 4: torch.int32}[dtype.itemsize]
+
+
+def not_arrived(dtype: torch.dtype) -> int:
+    """The "not arrived" mark in an inbox for `dtype` rows: the bits of -0.0."""
+    return torch.iinfo(inbox_dtype(dtype)).min
 
 
 @triton.jit
@@ -50,7 +57,7 @@ def _all_reduce_add_rms_norm_kernel(
     residual_ptr,  # [rows, n_cols] in: residual; out: residual + all-reduced x
     w_ptr,  # [n_cols]
     out_ptr,  # [rows, n_cols] rms_norm of the new residual
-    inbox_ptr,  # this rank's inbox, int16: [2][world][region], NOT_ARRIVED where empty
+    inbox_ptr,  # this rank's inbox, inbox_dtype: [2][world][region], NOT_ARRIVED where empty
     region,  # elements per sender per slot, a multiple of 16
     inbox_offsets_ptr,  # [world] int64: each rank's inbox minus inbox_ptr, in elements
     calls_ptr,  # [>= programs] int32: calls so far per program, this rank's own
@@ -78,7 +85,8 @@ def _all_reduce_add_rms_norm_kernel(
 
     for row in tl.range(pid, rows, programs):
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        bits = tl.where(x == 0, 0.0, x).to(dtype).to(tl.int16, bitcast=True)  # no -0.0 sent
+        # no -0.0 sent
+        bits = tl.where(x == 0, 0.0, x).to(dtype).to(inbox_ptr.dtype.element_ty, bitcast=True)
         for p in tl.static_range(WORLD):
             if p != rank:
                 # inboxes are whole-page mappings and regions multiples of 16 elements: the
@@ -122,13 +130,13 @@ def all_reduce_add_rms_norm(
     """(rms_norm(residual + Σ_ranks x), residual + Σ_ranks x); residual is updated in place.
 
     Every rank of the group must make the same calls with the same row count: each program
-    meets its peers. inbox is this rank's peer-writable allocation (INBOX_DTYPE, filled with
-    NOT_ARRIVED before any rank's first call) and inbox_offsets [world] int64 locates every
+    meets its peers. inbox is this rank's peer-writable allocation (inbox_dtype(x.dtype), filled
+    with not_arrived(x.dtype) before any rank's first call) and inbox_offsets [world] int64 locates every
     rank's (itself included) relative to it, in elements. At most calls.numel() programs run:
     no more than can be resident at once.
     """
-    assert x.shape == residual.shape and x.dtype == residual.dtype and x.element_size() == 2
-    assert inbox.dtype == INBOX_DTYPE
+    assert x.shape == residual.shape and x.dtype == residual.dtype
+    assert inbox.dtype == inbox_dtype(x.dtype)
     x2, r2 = x.view(-1, x.shape[-1]), residual.view(-1, x.shape[-1])
     rows, n_cols = x2.shape
     world = inbox_offsets.numel()
@@ -141,6 +149,6 @@ def all_reduce_add_rms_norm(
         _all_reduce_add_rms_norm_kernel[(min(rows, calls.numel()),)](
             x2, r2, weight, out.view(-1, n_cols), inbox, region, inbox_offsets, calls, rank,
             rows, n_cols, eps, x2.stride(0), r2.stride(0), n_cols, WORLD=world, BLOCK=block,
-            NOT_ARRIVED=NOT_ARRIVED, **pdl_options(x.device),
+            NOT_ARRIVED=not_arrived(x.dtype), **pdl_options(x.device),
             num_warps=max(1, min(16, block // 512)))
     return out, residual

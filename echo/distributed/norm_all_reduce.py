@@ -16,7 +16,7 @@ class NormAllReduce:
 
     def __init__(self, group, device: torch.device, hidden_size: int, dtype: torch.dtype,
                  max_rows: int = 1024):
-        from echo_kernels.all_reduce_norm import INBOX_DTYPE, NOT_ARRIVED, inbox_elements
+        from echo_kernels.all_reduce_norm import inbox_dtype, inbox_elements, not_arrived
 
         symm_mem = enable_symm_mem(group.group_name)
         self.hidden_size, self.dtype, self.max_rows = hidden_size, dtype, max_rows
@@ -24,8 +24,8 @@ class NormAllReduce:
         programs = torch.cuda.get_device_properties(device).multi_processor_count
         world = group.size()
         self.inbox = symm_mem.empty(inbox_elements(world, max_rows, hidden_size),
-                                    dtype=INBOX_DTYPE, device=device)
-        self.inbox.fill_(NOT_ARRIVED)
+                                    dtype=inbox_dtype(dtype), device=device)
+        self.inbox.fill_(not_arrived(dtype))
         torch.cuda.synchronize(device)  # empty on every rank before any peer can write
         inboxes = symm_mem.rendezvous(self.inbox, group.group_name)  # collective
         self.rank = inboxes.rank

@@ -147,8 +147,7 @@ class Worker:
 
             small_all_reduce = SymmMemAllReduce(group, device, dtype=dtype)
         norm_all_reduce = None
-        # its inboxes tell "not arrived" by the bits of a 16-bit -0.0
-        if peers and envs.fused_norm_all_reduce() and dtype.itemsize == 2:
+        if peers and envs.fused_norm_all_reduce():
             from echo.distributed.norm_all_reduce import NormAllReduce
 
             norm_all_reduce = NormAllReduce(group, device, config.model.arch.hidden_size, dtype)

@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from echo_kernels.all_reduce_norm import (INBOX_DTYPE, NOT_ARRIVED, all_reduce_add_rms_norm,
-                                          inbox_elements)
+from echo_kernels.all_reduce_norm import (all_reduce_add_rms_norm, inbox_dtype, inbox_elements,
+                                          not_arrived)
 from echo_kernels.reference import fused_add_rms_norm_ref
 
 ROWS, HIDDEN, EPS = 3, 48, 1e-6  # a hidden size that is not a power of two: masked columns
@@ -26,10 +26,11 @@ REGION = MAX_ROWS * HIDDEN  # elements per sender per slot (a multiple of 16)
 
 
 class Rank:
-    def __init__(self, rank: int, world: int, device):
+    def __init__(self, rank: int, world: int, device, dtype=torch.float16):
         self.rank = rank
-        self.inbox = torch.full((inbox_elements(world, MAX_ROWS, HIDDEN),), NOT_ARRIVED,
-                                dtype=INBOX_DTYPE, device=device)
+        self.empty = not_arrived(dtype)
+        self.inbox = torch.full((inbox_elements(world, MAX_ROWS, HIDDEN),), self.empty,
+                                dtype=inbox_dtype(dtype), device=device)
         self.calls = torch.zeros(PROGRAMS, dtype=torch.int32, device=device)
 
     def region(self, call: int, sender: int) -> torch.Tensor:
@@ -72,7 +73,7 @@ def start(me: Rank, ranks: list[Rank], x, residual, weight):
 
 def sent(x: torch.Tensor) -> torch.Tensor:
     """x's bits as a sender writes them: -0.0 is the "not arrived" mark, so it goes as +0.0."""
-    return torch.where(x == 0, torch.zeros_like(x), x).view(INBOX_DTYPE).view(-1)
+    return torch.where(x == 0, torch.zeros_like(x), x).view(inbox_dtype(x.dtype)).view(-1)
 
 
 def inputs(dtype, device):
@@ -99,25 +100,25 @@ def test_one_rank_is_the_fused_add_rms_norm(device):
     torch.testing.assert_close(out, expected_out, atol=2e-3, rtol=0)
     assert torch.equal(new_residual, expected_residual)
     assert me.calls.tolist() == [1] * PROGRAMS
-    assert torch.all(me.inbox == NOT_ARRIVED)  # nothing sent to itself
+    assert torch.all(me.inbox == me.empty)  # nothing sent to itself
 
 
 def play_two_ranks(device, dtype, atol):
     torch.manual_seed(1)
-    r0, r1 = Rank(0, 2, device), Rank(1, 2, device)
+    r0, r1 = Rank(0, 2, device, dtype), Rank(1, 2, device, dtype)
     ranks = [r0, r1]
     weight = torch.rand(HIDDEN, dtype=dtype, device=device) + 0.5
     for call in (1, 2, 3):  # the slots alternate: 1, 0, 1
         x0, x1, residual = inputs(dtype, device)
         r0.region(call, 1).copy_(sent(x1))  # rank 1 got there first and sent its rows
         out0, res0 = start(r0, ranks, x0, residual.clone(), weight)[1]()
-        assert torch.all(r0.region(call, 1) == NOT_ARRIVED)  # read, then reset
+        assert torch.all(r0.region(call, 1) == r0.empty)  # read, then reset
         assert torch.equal(r1.region(call, 0), sent(x0))
         out1, res1 = start(r1, ranks, x1, residual.clone(), weight)[1]()
-        assert torch.all(r1.region(call, 0) == NOT_ARRIVED)
+        assert torch.all(r1.region(call, 0) == r1.empty)
         # rank 1's real send repeats the one the test played: take it back
         assert torch.equal(r0.region(call, 1), sent(x1))
-        r0.region(call, 1).fill_(NOT_ARRIVED)
+        r0.region(call, 1).fill_(r0.empty)
         assert r0.calls.tolist() == r1.calls.tolist() == [call] * PROGRAMS
 
         expected_out, expected_residual = expected(x0, x1, residual, weight)
@@ -125,11 +126,12 @@ def play_two_ranks(device, dtype, atol):
         assert torch.equal(res0, expected_residual)
         torch.testing.assert_close(out0, expected_out, atol=atol, rtol=0)
     for r in ranks:  # every slot is empty again, ready for the next call
-        assert torch.all(r.inbox == NOT_ARRIVED)
+        assert torch.all(r.inbox == r.empty)
 
 
-def test_two_ranks_sum_in_rank_order_and_reset_the_inbox(device):
-    play_two_ranks(device, torch.float16, 2e-3)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_two_ranks_sum_in_rank_order_and_reset_the_inbox(device, dtype):
+    play_two_ranks(device, dtype, 2e-3)
 
 
 def test_waits_for_every_element(device):
@@ -149,12 +151,6 @@ def test_waits_for_every_element(device):
     torch.testing.assert_close(out, expected_out, atol=2e-3, rtol=0)
 
 
-@pytest.mark.gpu
-def test_gpu_two_ranks_played_on_one_device():
-    # the real volatile loads and vector stores, one rank after the other
-    play_two_ranks("cuda", torch.bfloat16, 2e-2)
-
-
 def finish_or_exit(seconds: float) -> None:
     """Wait for the device; a kernel still spinning by then never ends, and would hang every
     later test: end the test process instead."""
@@ -170,13 +166,17 @@ def finish_or_exit(seconds: float) -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_two_ranks_at_once_on_one_device():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_two_ranks_one_after_the_other_then_at_once(dtype):
     """Both ranks on their own stream, five calls in a row (slots reused): each call must wait
     for the other rank's rows of that call, not an earlier one's."""
+    # played first, one rank after the other: that compiles and loads both ranks' kernels
+    # (loading a kernel waits for the device, where one rank's kernel would wait for the other)
+    play_two_ranks("cuda", dtype, 2e-2)
     torch.manual_seed(3)
-    r0, r1 = Rank(0, 2, "cuda"), Rank(1, 2, "cuda")
-    weight = torch.rand(HIDDEN, dtype=torch.bfloat16, device="cuda") + 0.5
-    calls = [inputs(torch.bfloat16, "cuda") for _ in range(5)]
+    r0, r1 = Rank(0, 2, "cuda", dtype), Rank(1, 2, "cuda", dtype)
+    weight = torch.rand(HIDDEN, dtype=dtype, device="cuda") + 0.5
+    calls = [inputs(dtype, "cuda") for _ in range(5)]
     residuals = [[c[2].clone() for c in calls] for _ in range(2)]
     outs = [[], []]
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
@@ -195,7 +195,7 @@ def test_gpu_two_ranks_at_once_on_one_device():
         assert torch.equal(outs[0][i], outs[1][i])
         assert torch.equal(residuals[0][i], expected_residual)
         torch.testing.assert_close(outs[0][i], expected_out, atol=2e-2, rtol=0)
-    assert torch.all(r0.inbox == NOT_ARRIVED) and torch.all(r1.inbox == NOT_ARRIVED)
+    assert torch.all(r0.inbox == r0.empty) and torch.all(r1.inbox == r1.empty)
 
 
 @pytest.mark.parametrize("rows", [MAX_ROWS + 1, 2 * MAX_ROWS])
