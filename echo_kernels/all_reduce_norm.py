@@ -30,7 +30,6 @@ from echo_kernels.norm import add_rms_norm_row
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 
-
 def inbox_dtype(dtype: torch.dtype) -> torch.dtype:
     """The integer type an inbox for `dtype` rows holds: -0.0 reads as its minimum."""
     return {2: torch.int16, 4: torch.int32}[dtype.itemsize]
@@ -130,10 +129,10 @@ def all_reduce_add_rms_norm(
     """(rms_norm(residual + Σ_ranks x), residual + Σ_ranks x); residual is updated in place.
 
     Every rank of the group must make the same calls with the same row count: each program
-    meets its peers. inbox is this rank's peer-writable allocation (inbox_dtype(x.dtype), filled
-    with not_arrived(x.dtype) before any rank's first call) and inbox_offsets [world] int64 locates every
-    rank's (itself included) relative to it, in elements. At most calls.numel() programs run:
-    no more than can be resident at once.
+    meets its peers. inbox is this rank's peer-writable allocation (inbox_dtype(x.dtype),
+    filled with not_arrived(x.dtype) before any rank's first call) and inbox_offsets [world]
+    int64 locates every rank's (itself included) relative to it, in elements. At most
+    calls.numel() programs run: no more than can be resident at once.
     """
     assert x.shape == residual.shape and x.dtype == residual.dtype
     assert inbox.dtype == inbox_dtype(x.dtype)

@@ -15,8 +15,12 @@ import time
 import pytest
 import torch
 
-from echo_kernels.all_reduce_norm import (all_reduce_add_rms_norm, inbox_dtype, inbox_elements,
-                                          not_arrived)
+from echo_kernels.all_reduce_norm import (
+    all_reduce_add_rms_norm,
+    inbox_dtype,
+    inbox_elements,
+    not_arrived,
+)
 from echo_kernels.reference import fused_add_rms_norm_ref
 
 ROWS, HIDDEN, EPS = 3, 48, 1e-6  # a hidden size that is not a power of two: masked columns
