@@ -42,6 +42,9 @@ run_stage() {
         env $flags $PY tools/bench_latency.py --model qwen3-8b --tp 2 \
           --json "$dir/latency_tp2_${flags// /_}.json" 2>&1 | tail -1
       done
+      # the same step without communication: one rank's share on one GPU
+      $PY tools/bench_latency.py --model qwen3-8b --rank-share-of 2 \
+        --json "$dir/latency_rank_share_of_2.json" 2>&1 | tail -1
       for run in "1" "2" "2 --multiprocess"; do
         # shellcheck disable=SC2086
         $PY tools/bench_offline.py --model qwen3-8b --tp $run \
