@@ -93,11 +93,11 @@ def _all_reduce_add_rms_norm_kernel(
                 peer = slot + tl.multiple_of(tl.load(inbox_offsets_ptr + p), 16)
                 tl.store(peer + rank * region + row * n_cols + cols, bits, mask=mask)
     for row in tl.range(pid, rows, programs):
+        # from +0.0: a -0.0 of this rank's own rows adds up as the +0.0 its peers got
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for p in tl.static_range(WORLD):  # rank order, this rank's own rows included
             if p == rank:
                 x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-                x = tl.where(x == 0, 0.0, x).to(dtype)  # what the peers got
             else:
                 bits = _arrived(slot + p * region + row * n_cols, cols, mask, NOT_ARRIVED)
                 x = bits.to(dtype, bitcast=True)

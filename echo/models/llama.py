@@ -98,15 +98,15 @@ class LlamaModel(nn.Module):
 
     def __init__(self, arch: ModelArch, tp: TPGroup, max_position: int):
         super().__init__()
-        self.embeds_unreduced = norm_reduces(arch, tp)
+        reduces = norm_reduces(arch, tp)
+        self.embeds_unreduced = reduces
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp,
                                                    reduce_results=not self.embeds_unreduced)
         # one rotary table shared by every layer
         rope = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling)
         self.layers = nn.ModuleList(
             self.layer_cls(arch, i, rope, tp) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps,
-                            tp if norm_reduces(arch, tp) else None)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, tp if reduces else None)
 
     def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
