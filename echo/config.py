@@ -28,6 +28,16 @@ def _check_choice(value, name: str, choices) -> None:
     _check(value in choices, name, f"{value!r} is not one of {list(choices)}")
 
 
+def _check_int(value, name: str) -> None:
+    # bool is an int subclass and 2.0 == 2: both would pass the range checks and fail later,
+    # far from the argument that caused it
+    _check(type(value) is int, name, f"must be an integer, got {value!r}")
+
+
+def _check_bool(value, name: str) -> None:
+    _check(type(value) is bool, name, f"must be True or False, got {value!r}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str  # what the user asked for: a folder, a preset name or "default"
@@ -42,6 +52,8 @@ class ModelConfig:
     def __post_init__(self):
         _check_choice(self.dtype, "dtype", DTYPES[1:])
         _check_choice(self.load_format, "load_format", LOAD_FORMATS)
+        _check_int(self.max_model_len, "max_model_len")
+        _check_int(self.seed, "seed")
         _check(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
 
 
@@ -54,6 +66,12 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
+        _check_int(self.block_size, "block_size")
+        if self.num_gpu_blocks_override is not None:
+            _check_int(self.num_gpu_blocks_override, "num_gpu_blocks_override")
+        _check(type(self.gpu_memory_utilization) in (int, float), "gpu_memory_utilization",
+               f"must be a number, got {self.gpu_memory_utilization!r}")
+        _check_bool(self.enable_prefix_caching, "enable_prefix_caching")
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size",
                f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
@@ -71,6 +89,9 @@ class SchedulerConfig:
     async_scheduling: bool = True
 
     def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            _check_int(getattr(self, name), name)
+        _check_bool(self.async_scheduling, "async_scheduling")
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
                f"must be >= max_num_seqs ({self.max_num_seqs}), got {self.max_num_batched_tokens}")
@@ -81,6 +102,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
 
     def __post_init__(self):
+        _check_int(self.tensor_parallel_size, "tensor_parallel_size")
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size",
                f"must be >= 1, got {self.tensor_parallel_size}")
 
@@ -94,6 +116,7 @@ class DeviceConfig:
     def __post_init__(self):
         _check_choice(self.device, "device", DEVICES)
         _check_choice(self.attention_backend, "attention_backend", ATTENTION_BACKENDS)
+        _check_bool(self.enforce_eager, "enforce_eager")
 
 
 @dataclass(frozen=True)
@@ -190,19 +213,27 @@ def _create(model: str | None, **kwargs) -> EngineConfig:
     if kwargs:
         raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
 
+    # the parts that do not depend on the model first: a bad value fails before the model is
+    # resolved (the default model is converted on first use, which takes a while)
+    cache = CacheConfig(**parts[CacheConfig])
+    parallel = ParallelConfig(**parts[ParallelConfig])
+    device_cfg = DeviceConfig(**parts[DeviceConfig])
     load_format = model_kwargs.get("load_format", "auto")
     _check_choice(load_format, "load_format", LOAD_FORMATS)
+    given = {**model_kwargs, **parts[SchedulerConfig]}
+    for name in ("max_model_len", "seed", "max_num_seqs"):  # used before their part checks
+        if name in given:
+            _check_int(given[name], name)
     path, hf_config = _resolve_model(model, load_format)
     arch = arch_from_hf_config(hf_config, source=f"{path or model}/config.json")
 
-    device_cfg = DeviceConfig(**parts[DeviceConfig])
     device = _resolve_device(device_cfg.device)
     backend = device_cfg.attention_backend
     if backend == "auto":
         backend = "triton" if device == "cuda" else "torch"
     device_cfg = DeviceConfig(device, backend, device_cfg.enforce_eager)
 
-    max_model_len = model_kwargs.get("max_model_len") or arch.max_position_embeddings
+    max_model_len = model_kwargs.get("max_model_len", arch.max_position_embeddings)
     _check(max_model_len <= arch.max_position_embeddings or arch.rope_scaling is not None,
            "max_model_len", f"{max_model_len} exceeds the model's max_position_embeddings "
            f"({arch.max_position_embeddings})")
@@ -214,17 +245,17 @@ def _create(model: str | None, **kwargs) -> EngineConfig:
         path=path,
         arch=arch,
         dtype=_resolve_dtype(model_kwargs.get("dtype", "auto"), arch, device),
-        max_model_len=int(max_model_len),
+        max_model_len=max_model_len,
         tokenizer=Path(tokenizer).expanduser() if tokenizer else path,
         load_format=load_format,
-        seed=int(model_kwargs.get("seed", 0)),
+        seed=model_kwargs.get("seed", 0),
     )
     sched = parts[SchedulerConfig]
     sched.setdefault("max_num_batched_tokens", max(8192, sched.get("max_num_seqs", 256)))
     return EngineConfig(
         model=model_cfg,
-        cache=CacheConfig(**parts[CacheConfig]),
+        cache=cache,
         scheduler=SchedulerConfig(max_model_len=model_cfg.max_model_len, **sched),
-        parallel=ParallelConfig(**parts[ParallelConfig]),
+        parallel=parallel,
         device=device_cfg,
     )

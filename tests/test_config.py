@@ -67,6 +67,31 @@ def test_cli_offers_the_same_kv_cache_dtypes():
     assert parser.parse_args(["--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
 
 
+@pytest.mark.parametrize("field,value", [
+    # each would pass the range check (2.0 == 2, True == 1) or fail it with a bare TypeError
+    ("tensor_parallel_size", "2"), ("tensor_parallel_size", 2.0), ("tp", True),
+    ("block_size", 16.0), ("max_num_seqs", "8"), ("max_num_batched_tokens", 1e4),
+    ("num_gpu_blocks_override", 64.0), ("max_model_len", "256"), ("seed", 1.5),
+    ("gpu_memory_utilization", "0.5"), ("enable_prefix_caching", "no"),
+    ("async_scheduling", 0), ("enforce_eager", 1),
+])
+def test_values_of_the_wrong_type_name_their_field(tiny_llama, field, value):
+    name = {"tp": "tensor_parallel_size"}.get(field, field)
+    with pytest.raises(ValueError, match=rf"^{name}: must be"):
+        EngineConfig.create(str(tiny_llama), device="cpu", **{field: value})
+
+
+def test_engine_arguments_are_checked_before_the_model_is_resolved(tmp_path):
+    # the model folder does not exist: the tp error comes first, not the missing model
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig.create(str(tmp_path / "missing"), tensor_parallel_size=0)
+
+
+def test_max_model_len_zero_is_refused_not_replaced(tiny_llama):
+    with pytest.raises(ValueError, match="max_model_len: must be >= 1"):
+        EngineConfig.create(str(tiny_llama), device="cpu", max_model_len=0)
+
+
 def test_unknown_argument_is_rejected(tiny_llama):
     with pytest.raises(TypeError, match="max_num_seq"):
         EngineConfig.create(str(tiny_llama), max_num_seq=4)
