@@ -23,7 +23,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None)
-    g.add_argument("--tensor-parallel-size", "--tp", type=int, dest="tensor_parallel_size")
+    # -tp is vLLM's short form, --tp-size SGLang's
+    g.add_argument("--tensor-parallel-size", "--tp", "-tp", "--tp-size", type=int,
+                   dest="tensor_parallel_size")
     g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES))
     g.add_argument("--enforce-eager", action="store_true", default=None)
     g.add_argument("--load-format", choices=["auto", "safetensors", "dummy"])
@@ -109,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # the engine failed to start (a worker's traceback is inside)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

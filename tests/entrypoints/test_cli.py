@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "echo", *args], capture_output=True, text=True,
@@ -29,3 +31,11 @@ def test_bad_arguments_exit_2_with_the_field_named(tmp_path):
     assert bad.returncode == 2 and "max_num_seqs" in bad.stderr
     preset = run_cli("generate", "--model", "qwen3-8b")
     assert preset.returncode == 2 and "never downloads" in preset.stderr
+
+
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--tp", "-tp", "--tp-size"])
+def test_tp_flags_of_vllm_and_sglang_are_understood(flag):
+    from echo.entrypoints.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["serve", flag, "2"])
+    assert engine_kwargs(args) == {"tensor_parallel_size": 2}
