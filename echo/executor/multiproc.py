@@ -59,12 +59,18 @@ class MultiprocExecutor:
         self._context = zmq.Context()
         self._replies = self._context.socket(zmq.PULL)
         self._reply_address = f"ipc://{self._workdir}/replies.sock"
-        self._replies.bind(self._reply_address)
         self._workers: list[multiprocessing.process.BaseProcess] = []
         workers = self._workers  # the closures below must not hold self (see _release)
-        self._ring = ShmRingWriter(self.tp_size, ring_chunks, ring_chunk_bytes,
-                                   socket_dir=self._workdir, context=self._context,
-                                   is_alive=lambda: all(w.exitcode is None for w in workers))
+        try:
+            self._replies.bind(self._reply_address)
+            self._ring = ShmRingWriter(self.tp_size, ring_chunks, ring_chunk_bytes,
+                                       socket_dir=self._workdir, context=self._context,
+                                       is_alive=lambda: all(w.exitcode is None for w in workers))
+        except BaseException:  # no finalizer yet: free what exists so far here
+            self._replies.close(linger=0)
+            self._context.term()
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            raise
         # runs once: from shutdown(), when garbage collected, or at interpreter exit
         self._finalizer = weakref.finalize(self, _release, workers, self._ring, self._replies,
                                            self._context, self._workdir)

@@ -149,11 +149,16 @@ class ShmRingWriter(_RingEnd):
                             f"ipc://{self._socket_path}")
         shm = shared_memory.SharedMemory(name=name, create=True,
                                          size=_Layout(handle).total_bytes)
-        shm.buf[:] = bytes(shm.size)  # Linux zero-fills new segments; other systems may not
         super().__init__(shm, handle, is_alive, context)
         self._pub = self._context.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, 0)  # never drop: an oversize payload lives only here
-        self._pub.bind(handle.pub_address)
+        try:
+            shm.buf[:] = bytes(shm.size)  # Linux zero-fills new segments; other systems may not
+            self._pub.setsockopt(zmq.SNDHWM, 0)  # never drop: an oversize payload lives only here
+            self._pub.bind(handle.pub_address)
+        except BaseException:  # e.g. a socket path over the OS limit: leave no segment behind
+            self._close_common(self._pub)
+            shm.unlink()
+            raise
         self._all_subscribed = False
 
     # ---- the subscription handshake (ZMQ's slow joiner) -----------------------------------

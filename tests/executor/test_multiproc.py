@@ -157,6 +157,22 @@ def test_a_worker_that_fails_to_start_reports_its_error_verbatim(tiny_qwen3, tmp
     assert type(in_process.value).__name__ in str(info.value)
 
 
+def test_an_executor_that_cannot_bind_leaves_nothing_behind(tiny_qwen3, tmp_path, monkeypatch):
+    import tempfile
+
+    import zmq
+
+    # the executor's sockets live in a temporary folder; unix socket paths end at ~107 bytes
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(zmq.ZMQError):
+        MultiprocExecutor(make_config(tiny_qwen3, tp=2))
+    assert os.listdir(deep) == []
+    assert {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("echo_ring_")} == set()
+
+
 def test_a_failing_step_reports_the_worker_traceback(tiny_qwen3):
     executor = MultiprocExecutor(make_config(tiny_qwen3))
     try:
