@@ -143,6 +143,14 @@ class AsyncClient:
             await self.input_socket.send_multipart(
                 [RequestType.ABORT.value, self.encoder.encode(child_ids)])
 
+    async def wait_until_dead(self) -> str:
+        """Return (with the reason) once the engine has died; never returns while it serves.
+        Raises CancelledError if the client is shut down first."""
+        if self.output_task is None:
+            raise RuntimeError("wait_until_dead() before start()")
+        await asyncio.shield(self.output_task)  # the output loop ends only when the engine dies
+        return self.dead_error or "the engine stopped"
+
     async def health(self) -> bool:
         return self.dead_error is None and self.proc is not None and self.proc.is_alive()
 

@@ -25,7 +25,16 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-async def _run(args: argparse.Namespace, engine_args: dict) -> None:
+async def _stop_when_engine_dies(client, server: _Server) -> str:
+    """A dead engine cannot recover: stop serving so that a supervisor (systemd, a container
+    restart policy) sees the process end, instead of a server answering 503 forever."""
+    reason = await client.wait_until_dead()
+    print(f"echo: the engine died, stopping the server:\n{reason}", file=sys.stderr, flush=True)
+    server.begin_shutdown()
+    return reason
+
+
+async def _run(args: argparse.Namespace, engine_args: dict) -> int:
     from echo.engine.async_client import AsyncClient
     from echo.entrypoints.api_server import create_app
 
@@ -45,16 +54,19 @@ async def _run(args: argparse.Namespace, engine_args: dict) -> None:
             loop.add_signal_handler(sig, server.begin_shutdown)
         print(f"echo: serving {names[0]!r} on http://{args.host}:{args.port}", file=sys.stderr,
               flush=True)
+        watcher = asyncio.create_task(_stop_when_engine_dies(client, server))
         await server.serve()
+        engine_died = watcher.done() and not watcher.cancelled()
+        watcher.cancel()
+        return 1 if engine_died else 0
     finally:
         await client.shutdown()
 
 
 def serve(args: argparse.Namespace, engine_args: dict) -> int:
+    """Exit status: 0 after SIGINT/SIGTERM, 1 when the engine died."""
     try:
         import uvloop
-
-        uvloop.run(_run(args, engine_args))
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        asyncio.run(_run(args, engine_args))
-    return 0
+        return asyncio.run(_run(args, engine_args))
+    return uvloop.run(_run(args, engine_args))

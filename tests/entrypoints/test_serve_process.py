@@ -135,3 +135,24 @@ def test_tp2_server_streams_concurrent_requests_like_one_rank(tiny_chat_model, t
     texts = asyncio.run(main())
     assert texts == [r.outputs[0].text for r in reference]
     assert wait_idle(base)
+
+
+def cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().decode(errors="replace")
+
+
+def test_server_exits_1_when_its_engine_dies(tiny_chat_model):
+    from tests.engine.test_multiprocess import child_pids, wait_gone
+
+    server = start_server(str(tiny_chat_model), "--tp", "2", "--num-gpu-blocks-override", "64")
+    for proc, _ in server:  # one pass; the generator's cleanup runs when the loop ends
+        # the EngineCore, not the resource tracker multiprocessing may have started
+        cores = [p for p in child_pids(proc.pid) if "resource_tracker" not in cmdline(p)]
+        assert len(cores) == 1
+        workers = child_pids(cores[0])
+        os.kill(cores[0], signal.SIGKILL)
+        # a supervisor sees the process end, instead of a server answering 503 forever
+        assert proc.wait(30) == 1
+        assert "the engine died" in proc.stdout.read()
+        assert wait_gone(workers, 10) == []
