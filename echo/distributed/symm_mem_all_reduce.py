@@ -13,6 +13,14 @@ Off by default until measured on the two-GPU machine (ECHO_SYMM_MEM_ALL_REDUCE=1
 import torch
 
 
+def gpus_reach_each_other(world: int) -> bool:
+    """Whether GPUs 0..world-1 can map each other's memory (NVLink or PCIe P2P), as the
+    peer-mapped all-reduces need; without it (some PCIe machines, VMs) NCCL routes through the
+    host. Every rank sees the same topology, so all ranks decide alike."""
+    return all(torch.cuda.can_device_access_peer(a, b)
+               for a in range(world) for b in range(world) if a != b)
+
+
 def enable_symm_mem(group_name: str):
     """torch's symmetric-memory module, set up for the group (older torch releases need that;
     newer ones have no such step)."""

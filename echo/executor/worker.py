@@ -138,8 +138,8 @@ class Worker:
                                     device_id=device if backend == "nccl" else None)
             self.dist_initialized = True
             group = dist.group.WORLD
-        # peer-mapped buffers for the small all-reduces, on GPUs only
-        peers = group is not None and backend == "nccl"
+        # peer-mapped buffers for the small all-reduces, on GPUs that can map each other's
+        peers = group is not None and backend == "nccl" and self._gpus_reach_each_other(tp_size)
         dtype = getattr(torch, config.model.dtype)
         small_all_reduce = None
         if peers and envs.symm_mem_all_reduce():
@@ -154,6 +154,16 @@ class Worker:
         tp = TPGroup(self.rank, tp_size, group, small_all_reduce,
                      reduce_in_norm=norm_all_reduce is not None, norm_all_reduce=norm_all_reduce)
         return ModelRunner(config, tp, device)
+
+    def _gpus_reach_each_other(self, tp_size: int) -> bool:
+        from echo.distributed.symm_mem_all_reduce import gpus_reach_each_other
+
+        if gpus_reach_each_other(tp_size):
+            return True
+        if self.rank == 0 and (envs.fused_norm_all_reduce() or envs.symm_mem_all_reduce()):
+            print(f"echo: GPUs 0-{tp_size - 1} cannot map each other's memory (no P2P): every "
+                  "all-reduce takes NCCL", file=sys.stderr, flush=True)
+        return False
 
     def serve(self) -> None:
         decoder = msgspec.msgpack.Decoder(WorkerCommand)
