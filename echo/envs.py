@@ -18,6 +18,13 @@ def cpu_kv_cache_gib() -> float:
     return float(os.environ.get("ECHO_CPU_KV_CACHE_GIB", "1"))
 
 
+def step_timeout_s() -> float:
+    """How long the multi-process executor waits for one step's result before it declares a
+    worker stuck and stops them all (ECHO_STEP_TIMEOUT_S, default 600). A rank that dies is
+    noticed at once; this catches one that hangs while alive, e.g. in a collective."""
+    return float(os.environ.get("ECHO_STEP_TIMEOUT_S", "600"))
+
+
 def nvtx_enabled() -> bool:
     """Emit NVTX ranges around engine phases (ECHO_NVTX=1); off costs nothing."""
     return os.environ.get("ECHO_NVTX", "0") == "1"

@@ -4,7 +4,8 @@ Commands go to every worker at once through the shared-memory ring; replies come
 ZMQ PULL socket (for steps, from rank 0 only). `execute_model_async` returns as soon as a step
 is broadcast and `get_output` waits for the oldest one, so the core can keep two steps in
 flight. While waiting, the executor also watches every worker's process sentinel: a worker
-that dies is reported within moments as a RuntimeError, never as a hang.
+that dies is reported within moments as a RuntimeError, never as a hang. A worker that hangs
+while alive is caught by the step timeout (envs.step_timeout_s) and the workers are killed.
 """
 
 import multiprocessing
@@ -20,6 +21,7 @@ from collections import deque
 import msgspec
 import zmq
 
+from echo import envs
 from echo.config import EngineConfig
 from echo.core.sched_output import SchedulerOutput
 from echo.engine.messages import ModelRunnerOutput
@@ -48,8 +50,10 @@ class MultiprocExecutor:
     """Same methods as UniprocExecutor, plus `execute_model_async` and `get_output`."""
 
     def __init__(self, config: EngineConfig, startup_timeout: float = 600.0,
-                 ring_chunks: int = 16, ring_chunk_bytes: int = 1 << 20):
+                 ring_chunks: int = 16, ring_chunk_bytes: int = 1 << 20,
+                 step_timeout: float | None = None):
         self.config = config
+        self.step_timeout = envs.step_timeout_s() if step_timeout is None else step_timeout
         self.tp_size = config.parallel.tensor_parallel_size
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(WorkerReply)
@@ -118,14 +122,14 @@ class MultiprocExecutor:
         self._broadcast(ExecuteModel(scheduler_output), f"sending step {scheduler_output.step_id}")
         self._pending_steps.append(scheduler_output.step_id)
 
-    def get_output(self, timeout: float | None = None) -> ModelRunnerOutput:
-        """The output of the oldest step in flight; blocks until rank 0 sends it."""
+    def get_output(self) -> ModelRunnerOutput:
+        """The output of the oldest step in flight; blocks until rank 0 sends it, at most
+        `step_timeout` seconds (then the workers are stopped and this raises)."""
         if not self._pending_steps:
             raise RuntimeError("get_output() without a step in flight")
         step_id = self._pending_steps[0]
         what = f"executing step {step_id}"
-        deadline = None if timeout is None else time.monotonic() + timeout
-        reply = self._next_reply(what, deadline)
+        reply = self._next_reply(what, time.monotonic() + self.step_timeout)
         if not isinstance(reply, StepOutput) or reply.output.step_id != step_id:
             self._fail(f"unexpected reply while {what}: {reply!r}")
         self._pending_steps.popleft()
@@ -191,7 +195,8 @@ class MultiprocExecutor:
         while True:
             wait_ms = -1 if deadline is None else int((deadline - time.monotonic()) * 1000)
             if deadline is not None and wait_ms <= 0:
-                self._fail(f"timed out while {what}")
+                self._fail(f"timed out after {self.step_timeout:g} s while {what}: a worker "
+                           "is stuck (ECHO_STEP_TIMEOUT_S sets the limit); stopped them all")
             reply = self._poll_reply(what, wait_ms)
             if reply is not None:
                 return reply

@@ -111,7 +111,7 @@ def test_handcrafted_steps_match_uniproc_with_two_in_flight(executor, uniproc_ou
     for first, second in ((0, 1), (2, 3)):  # broadcast two, then collect both, oldest first
         executor.execute_model_async(steps[first])
         executor.execute_model_async(steps[second])
-        outputs += [executor.get_output(timeout=60), executor.get_output(timeout=60)]
+        outputs += [executor.get_output(), executor.get_output()]
     for got, expected in zip(outputs, uniproc_outputs):
         assert_same_output(got, expected, exact=executor.tp_size == 1)
     # the steps exercised what they meant to: an unfinished chunk, a sampled request's logprobs
@@ -184,6 +184,21 @@ def test_a_failing_step_reports_the_worker_traceback(tiny_qwen3):
         with pytest.raises(RuntimeError, match="KeyError"):  # stays failed, does not hang
             executor.execute_model(handcrafted_steps()[0])
         assert all(w.exitcode is not None for w in executor._workers)
+    finally:
+        shutdown_and_reap(executor)
+
+
+def test_a_worker_stuck_while_alive_fails_the_step_after_the_timeout(tiny_qwen3):
+    executor = MultiprocExecutor(make_config(tiny_qwen3, tp=2), step_timeout=3)
+    try:
+        executor.init_kv_cache(NUM_BLOCKS)
+        stuck = executor._workers[1]
+        os.kill(stuck.pid, signal.SIGSTOP)  # alive, never answering: as a hung collective
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"timed out after 3 s while executing step 0"):
+            executor.execute_model(handcrafted_steps()[0])
+        assert 3 <= time.monotonic() - start < 15
+        assert [w.exitcode for w in executor._workers] == [-signal.SIGKILL] * 2
     finally:
         shutdown_and_reap(executor)
 
