@@ -129,7 +129,7 @@ class MultiprocExecutor:
             raise RuntimeError("get_output() without a step in flight")
         step_id = self._pending_steps[0]
         what = f"executing step {step_id}"
-        reply = self._next_reply(what, time.monotonic() + self.step_timeout)
+        reply = self._next_reply(what, self.step_timeout)
         if not isinstance(reply, StepOutput) or reply.output.step_id != step_id:
             self._fail(f"unexpected reply while {what}: {reply!r}")
         self._pending_steps.popleft()
@@ -191,12 +191,13 @@ class MultiprocExecutor:
             by_rank[reply.rank] = reply
         return [by_rank[rank] for rank in range(self.tp_size)]
 
-    def _next_reply(self, what: str, deadline: float | None) -> WorkerReply:
+    def _next_reply(self, what: str, timeout: float | None) -> WorkerReply:
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait_ms = -1 if deadline is None else int((deadline - time.monotonic()) * 1000)
             if deadline is not None and wait_ms <= 0:
-                self._fail(f"timed out after {self.step_timeout:g} s while {what}: a worker "
-                           "is stuck (ECHO_STEP_TIMEOUT_S sets the limit); stopped them all")
+                self._fail(f"timed out after {timeout:g} s while {what}: a worker is stuck "
+                           "(ECHO_STEP_TIMEOUT_S sets the limit); stopped them all")
             reply = self._poll_reply(what, wait_ms)
             if reply is not None:
                 return reply
