@@ -166,15 +166,21 @@ def test_min_tokens_holds_back_stop_tokens(tiny_llama):
 def test_tensor_parallel_llm_runs_workers_and_equals_one_rank(tiny_llama):
     import os
 
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    expected = make_llm(tiny_llama).generate(PROMPTS, params, use_tqdm=False)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    # unseeded: each rank draws the request seeds from its own generator, seeded alike; a rank
+    # that sampled differently would feed a different token into its share of the next step
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True)
+    one_rank = make_llm(tiny_llama)
+    expected = [one_rank.generate(PROMPTS, p, use_tqdm=False) for p in (greedy, sampled)]
     llm = make_llm(tiny_llama, tensor_parallel_size=2)
     pids = llm.engine.executor.worker_pids
     try:
-        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        outs = [llm.generate(PROMPTS, p, use_tqdm=False) for p in (greedy, sampled)]
     finally:
         llm.shutdown()
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    tokens = [[o.outputs[0].token_ids for o in run] for run in outs]
+    assert tokens == [[o.outputs[0].token_ids for o in run] for run in expected]
+    assert tokens[1] != tokens[0]  # the sampled run did sample
     assert len(pids) == 2
     for pid in pids:  # shutdown waited for the workers: none is left running
         with pytest.raises(ProcessLookupError):
