@@ -44,6 +44,11 @@ from echo.executor.worker import WorkerArgs, run_worker
 HELLO_INTERVAL_MS = 5  # how often the ring says hello while workers subscribe
 DEATH_NOTE_SECONDS = 1.0  # how long to wait for a dying worker's last words
 SHUTDOWN_JOIN_SECONDS = 10.0  # for every worker together, before the stragglers are killed
+STARTING = "starting the workers"
+# the usual reason a worker exits at start-up without a word: spawned processes re-import the
+# main module, which, unguarded, starts an engine again
+MAIN_GUARD_HINT = ("a script that starts a multi-process engine needs `if __name__ == "
+                   "'__main__':`, since worker processes are spawned")
 
 
 class MultiprocExecutor:
@@ -150,7 +155,7 @@ class MultiprocExecutor:
             self._workers.append(worker)
 
     def _await_ready(self, timeout: float) -> None:
-        what = "starting the workers"
+        what = STARTING
         deadline = time.monotonic() + timeout
         ready: set[int] = set()
         while len(ready) < self.tp_size:
@@ -239,6 +244,8 @@ class MultiprocExecutor:
                 notes.append(f"worker rank {reply.rank} failed while {what}:\n{reply.error}")
         dead = [f"worker rank {rank} (pid {w.pid}) exited with {_describe_exit(w.exitcode)} "
                 f"while {what}" for rank, w in enumerate(self._workers) if w.exitcode is not None]
+        if what == STARTING and exited_itself and not notes:
+            dead.append(f"({MAIN_GUARD_HINT})")
         self._fail("\n".join(notes + dead))
 
     def _fail(self, message: str) -> None:

@@ -157,6 +157,24 @@ def test_a_worker_that_fails_to_start_reports_its_error_verbatim(tiny_qwen3, tmp
     assert type(in_process.value).__name__ in str(info.value)
 
 
+def test_a_script_without_a_main_guard_is_told_why_its_workers_exit(tiny_llama, tmp_path):
+    import subprocess
+
+    from echo.executor.multiproc import MAIN_GUARD_HINT
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import sys\nfrom echo import LLM\n"
+        "LLM(sys.argv[1], device='cpu', tensor_parallel_size=2, num_gpu_blocks_override=64,\n"
+        "    max_model_len=128)\n")
+    done = subprocess.run([sys.executable, str(script), str(tiny_llama)], capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 1
+    # the parent's error (the last traceback's message, after the workers' own tracebacks)
+    parent_error = done.stderr[done.stderr.rindex("RuntimeError: worker rank"):]
+    assert "while starting the workers" in parent_error and MAIN_GUARD_HINT in parent_error
+
+
 def test_an_executor_that_cannot_bind_leaves_nothing_behind(tiny_qwen3, tmp_path, monkeypatch):
     import tempfile
 
