@@ -146,7 +146,8 @@ def test_server_exits_1_when_its_engine_dies(tiny_chat_model):
     from tests.engine.test_multiprocess import child_pids, wait_gone
 
     server = start_server(str(tiny_chat_model), "--tp", "2", "--num-gpu-blocks-override", "64")
-    for proc, _ in server:  # one pass; the generator's cleanup runs when the loop ends
+    proc, _ = next(server)
+    try:
         # the EngineCore, not the resource tracker multiprocessing may have started
         cores = [p for p in child_pids(proc.pid) if "resource_tracker" not in cmdline(p)]
         assert len(cores) == 1
@@ -156,3 +157,5 @@ def test_server_exits_1_when_its_engine_dies(tiny_chat_model):
         assert proc.wait(30) == 1
         assert "the engine died" in proc.stdout.read()
         assert wait_gone(workers, 10) == []
+    finally:
+        server.close()  # kills the server if it is still running
