@@ -109,8 +109,10 @@ run_stage() {
       done ;;
     serving)
       local port=8123 pid
+      # SERVE_ARGS: more server flags, e.g. SERVE_ARGS="--tp 2" on two GPUs
+      # shellcheck disable=SC2086
       $PY -m echo serve --model qwen3-8b --load-format dummy --port $port \
-        --served-model-name qwen3-8b --max-model-len 4096 --log-level warning &
+        --served-model-name qwen3-8b --max-model-len 4096 --log-level warning ${SERVE_ARGS:-} &
       pid=$!
       for _ in $(seq 600); do
         $PY -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" \
