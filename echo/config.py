@@ -221,7 +221,7 @@ def _create(model: str | None, **kwargs) -> EngineConfig:
     load_format = model_kwargs.get("load_format", "auto")
     _check_choice(load_format, "load_format", LOAD_FORMATS)
     given = {**model_kwargs, **parts[SchedulerConfig]}
-    for name in ("max_model_len", "seed", "max_num_seqs"):  # used before their part checks
+    for name in ("max_model_len", "max_num_seqs"):  # compared below, before their parts check
         if name in given:
             _check_int(given[name], name)
     path, hf_config = _resolve_model(model, load_format)

@@ -25,13 +25,12 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-async def _stop_when_engine_dies(client, server: _Server) -> str:
+async def _stop_when_engine_dies(client, server: _Server) -> None:
     """A dead engine cannot recover: stop serving so that a supervisor (systemd, a container
     restart policy) sees the process end, instead of a server answering 503 forever."""
     reason = await client.wait_until_dead()
     print(f"echo: the engine died, stopping the server:\n{reason}", file=sys.stderr, flush=True)
     server.begin_shutdown()
-    return reason
 
 
 async def _run(args: argparse.Namespace, engine_args: dict) -> int:

@@ -76,9 +76,7 @@ class MultiprocExecutor:
                                        socket_dir=self._workdir, context=self._context,
                                        is_alive=lambda: all(w.exitcode is None for w in workers))
         except BaseException:  # no finalizer yet: free what exists so far here
-            self._replies.close(linger=0)
-            self._context.term()
-            shutil.rmtree(self._workdir, ignore_errors=True)
+            _release(workers, None, self._replies, self._context, self._workdir)
             raise
         # runs once: from shutdown(), when garbage collected, or at interpreter exit
         self._finalizer = weakref.finalize(self, _release, workers, self._ring, self._replies,
@@ -277,10 +275,11 @@ def _describe_exit(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-def _release(workers: list, ring: ShmRingWriter, replies: zmq.Socket, context: zmq.Context,
-             workdir: str) -> None:
+def _release(workers: list, ring: ShmRingWriter | None, replies: zmq.Socket,
+             context: zmq.Context, workdir: str) -> None:
     """Shut down the workers and free everything; holds no reference to the executor, so it
-    can run from weakref.finalize when the executor is collected or the interpreter exits."""
+    can run from weakref.finalize when the executor is collected or the interpreter exits.
+    ring is None when building it failed (no workers have started then)."""
     try:
         if any(w.exitcode is None for w in workers):
             try:
@@ -295,7 +294,8 @@ def _release(workers: list, ring: ShmRingWriter, replies: zmq.Socket, context: z
                 worker.kill()  # by pid, through its Process object
                 worker.join(timeout=5)
     finally:
-        ring.close()
+        if ring is not None:
+            ring.close()
         replies.close(linger=0)
         context.term()
         shutil.rmtree(workdir, ignore_errors=True)
