@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a chec
 from echo.config import CacheConfig, SchedulerConfig  # noqa: E402
 from echo.core.request import Request  # noqa: E402
 from echo.core.scheduler import Scheduler  # noqa: E402
-from echo.engine.messages import ModelRunnerOutput  # noqa: E402
+from echo.core.step_results import ModelRunnerOutput  # noqa: E402
 from echo.sampling_params import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 16

@@ -29,8 +29,8 @@ from echo.config import CacheConfig, SchedulerConfig
 from echo.core.kv_cache_manager import KVCacheManager
 from echo.core.request import Request, RequestStatus
 from echo.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from echo.core.step_results import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from echo.core.stop_checker import check_stop, max_num_tokens
-from echo.engine.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 
 
 class Scheduler:

@@ -20,14 +20,10 @@ import zmq
 import zmq.asyncio
 
 from echo.config import EngineConfig
+from echo.core.step_results import SchedulerStats
 from echo.engine.core_client import CoreProcess, EngineDeadError
 from echo.engine.input_processor import InputProcessor, Prompt, load_tokenizer
-from echo.engine.messages import (
-    EngineCoreOutputs,
-    RequestType,
-    SchedulerStats,
-    UtilityRequest,
-)
+from echo.engine.messages import EngineCoreOutputs, RequestType, UtilityRequest
 from echo.engine.output_processor import OutputProcessor
 from echo.outputs import RequestOutput
 from echo.profiling import step_range

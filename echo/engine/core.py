@@ -11,7 +11,8 @@ from collections import deque
 from echo.config import EngineConfig
 from echo.core.request import Request
 from echo.core.scheduler import Scheduler
-from echo.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from echo.core.step_results import EngineCoreOutput
+from echo.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from echo.profiling import step_range
 
 

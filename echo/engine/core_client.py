@@ -19,12 +19,7 @@ import msgspec
 import zmq
 
 from echo.config import EngineConfig
-from echo.engine.messages import (
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    RequestType,
-    UtilityRequest,
-)
+from echo.engine.messages import EngineCoreOutputs, EngineCoreRequest, RequestType, UtilityRequest
 
 
 class EngineDeadError(RuntimeError):

@@ -19,9 +19,9 @@ import msgspec
 import zmq
 
 from echo.config import EngineConfig
+from echo.core.step_results import EngineCoreOutput
 from echo.engine.core import EngineCore
 from echo.engine.messages import (
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     RequestType,

@@ -1,14 +1,14 @@
-"""Messages between processes: msgpack-encoded msgspec Structs, no pickle.
+"""Messages between the frontend and the core process: msgpack-encoded msgspec Structs, no pickle.
 
-frontend -> core: EngineCoreRequest (with a one-byte request-type frame)
-core -> frontend: EngineCoreOutputs
-rank-0 worker -> core: ModelRunnerOutput
+frontend -> core: EngineCoreRequest (with a one-byte request-type frame), UtilityRequest
+core -> frontend: EngineCoreOutputs (the step results of echo/core/step_results.py, batched)
 """
 
 import enum
 
 import msgspec
 
+from echo.core.step_results import EngineCoreOutput, SchedulerStats
 from echo.sampling_params import SamplingParams
 
 
@@ -26,47 +26,6 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
-
-
-class LogprobsEntry(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Logprobs of one sampled token: its own, and the top-N alternatives."""
-
-    logprob: float
-    top_token_ids: list[int] = []
-    top_logprobs: list[float] = []
-
-
-class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    step_id: int
-    req_ids: list[str] = []
-    # per request: [] while its prefill is unfinished, else the one token sampled this step
-    sampled_token_ids: list[list[int]] = []
-    # per request, parallel to sampled_token_ids; None where no logprobs were asked for
-    logprobs: list[LogprobsEntry | None] = []
-
-
-class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # fraction of blocks in use
-    prefix_cache_queries: int = 0  # tokens looked up, cumulative
-    prefix_cache_hits: int = 0  # tokens found, cumulative
-    num_preemptions: int = 0  # cumulative
-    num_total_blocks: int = 0
-
-
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[LogprobsEntry] = []
-    finish_reason: str | None = None  # stop, length, abort, error
-    stop_reason: int | str | None = None  # the stop token id that ended it
-    num_cached_tokens: int = 0
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

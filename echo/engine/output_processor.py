@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from echo.core.step_results import EngineCoreOutput, LogprobsEntry
 from echo.engine.detokenizer import IncrementalDetokenizer
-from echo.engine.messages import EngineCoreOutput, EngineCoreRequest, LogprobsEntry
+from echo.engine.messages import EngineCoreRequest
 from echo.outputs import CompletionOutput, Logprob, RequestOutput
 from echo.sampling_params import SamplingParams
 

@@ -10,10 +10,11 @@ import msgspec
 from tqdm.auto import tqdm
 
 from echo.config import EngineConfig
+from echo.core.step_results import SchedulerStats
 from echo.engine.core import EngineCore
 from echo.engine.core_client import SyncCoreClient
 from echo.engine.input_processor import InputProcessor, Prompt, load_tokenizer
-from echo.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from echo.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from echo.engine.output_processor import OutputProcessor
 from echo.outputs import RequestOutput
 from echo.profiling import step_range

@@ -8,7 +8,7 @@ worker -> executor, over one ZMQ PUSH/PULL pair: one `WorkerReply` per message; 
 import msgspec
 
 from echo.core.sched_output import SchedulerOutput
-from echo.engine.messages import ModelRunnerOutput
+from echo.core.step_results import ModelRunnerOutput
 
 
 class _Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True,

@@ -24,7 +24,7 @@ import zmq
 from echo import envs
 from echo.config import EngineConfig
 from echo.core.sched_output import SchedulerOutput
-from echo.engine.messages import ModelRunnerOutput
+from echo.core.step_results import ModelRunnerOutput
 from echo.executor.messages import (
     DetermineNumBlocks,
     ExecuteModel,

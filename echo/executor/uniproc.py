@@ -2,7 +2,7 @@
 
 from echo.config import EngineConfig
 from echo.core.sched_output import SchedulerOutput
-from echo.engine.messages import ModelRunnerOutput
+from echo.core.step_results import ModelRunnerOutput
 from echo.worker.model_runner import ModelRunner
 
 

@@ -15,8 +15,8 @@ from echo import envs
 from echo.attention.backend import AttentionMetadata, KVCache, make_backend
 from echo.config import EngineConfig
 from echo.core.sched_output import SchedulerOutput
+from echo.core.step_results import LogprobsEntry, ModelRunnerOutput
 from echo.distributed.parallel_state import SINGLE, TPGroup
-from echo.engine.messages import LogprobsEntry, ModelRunnerOutput
 from echo.layers.attention import ForwardContext
 from echo.models.loader import build_model
 from echo.profiling import profiler_window, step_range

@@ -4,11 +4,11 @@ import zlib
 from collections import deque
 
 from echo.config import CacheConfig, SchedulerConfig
-from echo.core.fake_runner import FakeModelRunner
 from echo.core.request import Request
 from echo.core.scheduler import Scheduler
-from echo.engine.messages import EngineCoreOutput
+from echo.core.step_results import EngineCoreOutput
 from echo.sampling_params import SamplingParams
+from tests.core.fake_runner import FakeModelRunner
 
 EOS = 0
 

@@ -5,7 +5,7 @@ admission checks, finishing, stats. Token counts per step are computed by hand i
 import pytest
 
 from echo.core.request import RequestStatus
-from echo.engine.messages import ModelRunnerOutput
+from echo.core.step_results import ModelRunnerOutput
 from tests.core.scheduler_helpers import (
     EOS,
     make_request,

@@ -10,9 +10,9 @@ from collections import Counter, deque
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from echo.core.fake_runner import default_next_token
 from echo.core.request import RequestStatus
 from echo.core.scheduler import Scheduler
+from tests.core.fake_runner import default_next_token
 
 from .scheduler_helpers import EOS, make_request, make_runner, make_scheduler, merge
 

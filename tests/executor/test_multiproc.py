@@ -13,8 +13,9 @@ import pytest
 
 from echo.config import EngineConfig
 from echo.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from echo.core.step_results import ModelRunnerOutput
 from echo.engine.core import EngineCore
-from echo.engine.messages import EngineCoreRequest, ModelRunnerOutput
+from echo.engine.messages import EngineCoreRequest
 from echo.executor.multiproc import MultiprocExecutor
 from echo.executor.uniproc import UniprocExecutor
 from echo.sampling_params import SamplingParams

@@ -1,6 +1,6 @@
 """FakeModelRunner: the workers' side of the SchedulerOutput contract, without a model.
 
-For scheduler and engine tests and for tools/bench_scheduler.py. It keeps per-request state from
+For the scheduler and engine tests. It keeps per-request state from
 the diffs exactly as a model runner must (a new request's tokens and block table; running
 requests' new blocks; forgetting finished ids first), asserts the diffs agree with its own
 bookkeeping, and appends the tokens it samples itself, as real workers do.
@@ -17,7 +17,7 @@ same requests give the same outputs under any schedule: chunked, preempted, cach
 from collections.abc import Callable
 
 from echo.core.sched_output import SchedulerOutput
-from echo.engine.messages import LogprobsEntry, ModelRunnerOutput
+from echo.core.step_results import LogprobsEntry, ModelRunnerOutput
 from echo.sampling_params import SamplingParams
 
 

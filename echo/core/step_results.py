@@ -1,0 +1,49 @@
+"""What a step produces: the rank-0 worker's ModelRunnerOutput (to the core) and the scheduler's
+per-request EngineCoreOutput and SchedulerStats (to the frontend).
+
+They sit next to SchedulerOutput because the scheduler both consumes the one and produces the
+others; the engine layer above only carries them between processes.
+"""
+
+import msgspec
+
+
+class LogprobsEntry(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Logprobs of one sampled token: its own, and the top-N alternatives."""
+
+    logprob: float
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    step_id: int
+    req_ids: list[str] = []
+    # per request: [] while its prefill is unfinished, else the one token sampled this step
+    sampled_token_ids: list[list[int]] = []
+    # per request, parallel to sampled_token_ids; None where no logprobs were asked for
+    logprobs: list[LogprobsEntry | None] = []
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use
+    prefix_cache_queries: int = 0  # tokens looked up, cumulative
+    prefix_cache_hits: int = 0  # tokens found, cumulative
+    num_preemptions: int = 0  # cumulative
+    num_total_blocks: int = 0
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[LogprobsEntry] = []
+    finish_reason: str | None = None  # stop, length, abort, error
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
