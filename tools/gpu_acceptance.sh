@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # The GPU measurements behind the open acceptance points, staged so each fits one device call:
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
-# Stages: tests kernels sweeps latency offline profile profile-tail serving int8-probe int8-pool
-# l2-prefetch, and tp and profile-tp (two GPUs).
-# Rough minutes on an H200: tests 4, kernels 2, sweeps 5, latency 3, offline 5, profile 5,
-# profile-tail 2, serving 4, int8-probe 2, int8-pool 2, l2-prefetch 2, tp 6 (plus start-up):
+# Stages: tests kernels latency offline profile profile-tail serving int8-pool, and tp and
+# profile-tp (two GPUs). Rough minutes on an H200: tests 4, kernels 2, latency 3, offline 5,
+# profile 5, profile-tail 2, serving 4, int8-pool 2, tp 6 (plus start-up):
 # pick what fits the device budget. Logs and JSON go to a scratch folder that is packed into
 # $OUT/STAGE.tar.gz (the device tool returns few files), and the key lines are printed. Every
-# process started here is ended here, by PID.
+# process started here is ended here, by PID. The probes' runs: tools/dev/gpu_probes.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -22,12 +21,6 @@ run_stage() {
       $PY -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$dir/test_gpu.log" | tail -5 ;;
     kernels)
       $PY tools/bench_kernels.py --out "$dir/kernels.json" 2>&1 | tee "$dir/kernels.log" ;;
-    sweeps)  # tile candidates: int8 decode (the int8 issue's case) and small-M linears
-      $PY tools/bench_kernels.py --only decode --decode-cases 8:32768 --sweep \
-        --out "$dir/decode_sweep.json" > "$dir/decode_sweep.log" 2>&1
-      $PY tools/bench_kernels.py --only linear --sweep --out "$dir/linear_sweep.json" \
-        > "$dir/linear_sweep.log" 2>&1
-      $PY tools/sweep_summary.py "$dir/decode_sweep.json" "$dir/linear_sweep.json" ;;
     tp)  # PDL and the one-row GEMV tuning are on by default
       $PY -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_multiprocess.py -k gpu_worker \
         2>&1 | tail -2
@@ -62,25 +55,12 @@ run_stage() {
       ECHO_PDL=0 $PY tools/bench_offline.py --json "$dir/offline_pdl0.json" 2>&1 | tail -1
       $PY tools/bench_offline.py --model qwen3-8b --json "$dir/offline_qwen3_8b.json" 2>&1 | tail -1
       ;;
-    int8-probe)  # what paged_attention adds to the stripped loop: scales, PDL, launch order
-      $PY tools/int8_v_layout_probe.py --experiment overheads 2>&1 | tee "$dir/overheads.log"
-      for pdl in 1 0; do
-        echo "ECHO_PDL=$pdl"
-        ECHO_PDL=$pdl $PY tools/bench_kernels.py --only decode --decode-cases 8:32768,256:1024 \
-          2>&1 | grep "cuda graph"
-      done ;;
     int8-pool)  # offline-like decode (Qwen3-0.6B heads, its contexts at step 200) over a
       # cache just as large as the batch, and over pools just under and past 2^31 elements (the
       # engine's int8 pool on an H200 holds 138,234 blocks; offsets then count from its middle)
       for pool in 0 131000 140000; do
         $PY tools/bench_kernels.py --only decode --decode-heads 16:8 --decode-cases 256:300-1224 \
           --decode-pool-blocks $pool 2>&1 | grep "cuda graph"
-      done ;;
-    l2-prefetch)  # the next GEMV's weight prefetched into the L2 during a short kernel, whole
-      # rows or every row's first bytes (a probe: neither paid in the engine, docs/benchmarks.md)
-      for tp in 1 2; do
-        $PY tools/bench_l2_prefetch.py --tp $tp --json "$dir/l2_prefetch_tp$tp.json" 2>&1 \
-          | tee "$dir/l2_prefetch_tp$tp.log"
       done ;;
     latency)  # batch 1, with the one-row GEMV tuning (worker/linear_tuning.py) and PDL
       for model in llama-3.1-8b qwen3-8b; do

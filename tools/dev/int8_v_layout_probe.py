@@ -1,6 +1,6 @@
 """Probe for the int8 issue: where does int8 decode attention lose its bandwidth?
 
-    python tools/int8_v_layout_probe.py [--experiment v-layout|cache-layout|overheads]
+    python tools/dev/int8_v_layout_probe.py [--experiment v-layout|cache-layout|overheads]
 
 A stripped decode kernel (no masks, no split merge, int8 scales only where said; 32/8 heads,
 d=128, block 16, random block tables) times int8 K/V with V stored token-major, as echo's cache

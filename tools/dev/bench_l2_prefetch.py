@@ -1,6 +1,6 @@
 """Does prefetching a GEMV's weight into the L2, during the short kernel before it, pay?
 
-    python tools/bench_l2_prefetch.py [--tp 1|2] [--spin-us 2,5] [--json F]
+    python tools/dev/bench_l2_prefetch.py [--tp 1|2] [--spin-us 2,5] [--json F]
 
 At batch 1 every GEMV of a decode step follows a short latency-bound kernel (a norm, attention,
 SwiGLU, the all-reduce) during which HBM idles. Per Qwen3-8B weight shape (a TP rank's), in one
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
 
 from echo.worker.linear_tuning import cuda_graph_timer  # noqa: E402
 from echo_kernels.linear import small_m_linear  # noqa: E402

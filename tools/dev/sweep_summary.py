@@ -1,6 +1,6 @@
 """The best tile config of each swept case in bench_kernels.py JSON files, next to the default.
 
-    python tools/sweep_summary.py decode_sweep.json linear_sweep.json
+    python tools/dev/sweep_summary.py decode_sweep.json linear_sweep.json
 
 Sweep rows follow the default row of their case in the file (bench_kernels.py --sweep writes
 them in that order), so each is compared with the last default row before it.

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU runs behind the probes in this folder (README.md: what each answered), staged like
+# tools/gpu_acceptance.sh so each fits one device call:
+#   source .gpu/prelude.sh; tools/dev/gpu_probes.sh STAGE...
+# Stages, rough minutes on an H200 (plus start-up): sweeps 5, int8-probe 2, l2-prefetch 2.
+# Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz, and the key lines
+# are printed.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+
+run_stage() {
+  local stage=$1 dir
+  dir=$(mktemp -d)
+  case "$stage" in
+    sweeps)  # tile candidates: int8 decode (the int8 issue's case) and small-M linears
+      $PY tools/bench_kernels.py --only decode --decode-cases 8:32768 --sweep \
+        --out "$dir/decode_sweep.json" > "$dir/decode_sweep.log" 2>&1
+      $PY tools/bench_kernels.py --only linear --sweep --out "$dir/linear_sweep.json" \
+        > "$dir/linear_sweep.log" 2>&1
+      $PY tools/dev/sweep_summary.py "$dir/decode_sweep.json" "$dir/linear_sweep.json" ;;
+    int8-probe)  # what paged_attention adds to the stripped loop: scales, PDL, launch order
+      $PY tools/dev/int8_v_layout_probe.py --experiment overheads 2>&1 | tee "$dir/overheads.log"
+      for pdl in 1 0; do
+        echo "ECHO_PDL=$pdl"
+        ECHO_PDL=$pdl $PY tools/bench_kernels.py --only decode --decode-cases 8:32768,256:1024 \
+          2>&1 | grep "cuda graph"
+      done ;;
+    l2-prefetch)  # the next GEMV's weight prefetched into the L2 during a short kernel, whole
+      # rows or every row's first bytes (neither paid in the engine, docs/benchmarks.md)
+      for tp in 1 2; do
+        $PY tools/dev/bench_l2_prefetch.py --tp $tp --json "$dir/l2_prefetch_tp$tp.json" 2>&1 \
+          | tee "$dir/l2_prefetch_tp$tp.log"
+      done ;;
+    *)
+      echo "unknown stage $stage" >&2; return 2 ;;
+  esac
+  tar -czf "$OUT/$stage.tar.gz" -C "$dir" .
+  rm -rf "$dir"
+}
+
+for stage in "$@"; do
+  echo "=== $stage"
+  run_stage "$stage"
+done
