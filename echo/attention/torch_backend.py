@@ -7,8 +7,7 @@ quantized with the Triton kernel's rounding and dequantized one sequence's block
 import torch
 
 from echo.attention.backend import AttentionBackend, AttentionMetadata, KVCache, RopeInputs
-from echo.layers.rotary import rope_reference
-from echo_kernels.reference import gather_kv, store_kv_cache_ref
+from echo_kernels.reference import gather_kv, rms_norm_ref, store_kv_cache_ref
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -40,3 +39,20 @@ class TorchAttentionBackend(AttentionBackend):
             out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
             start += q_len
         return out
+
+
+def rotary_reference(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """x: [tokens, heads, head_dim] -> rotated copy, in x's dtype (math as Hugging Face's)."""
+    cos, sin = cos_sin_cache[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_reference(rope: RopeInputs, q: torch.Tensor, k: torch.Tensor):
+    """Rotated copies of q [tokens, heads, d] and k [tokens, kv_heads, d], as Hugging Face's
+    modules compute them."""
+    if rope.q_norm_weight is not None:
+        q = rms_norm_ref(q, rope.q_norm_weight, rope.eps)
+        k = rms_norm_ref(k, rope.k_norm_weight, rope.eps)
+    return (rotary_reference(rope.positions, q, rope.cos_sin_cache),
+            rotary_reference(rope.positions, k, rope.cos_sin_cache))

@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-import echo
+from echo import __version__
 from echo.engine.async_client import AsyncClient, EngineDeadError
 from echo.entrypoints.metrics import RequestTimer, ServerMetrics
 from echo.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -38,7 +38,7 @@ def error_response(status: int, message: str, param: str | None = None,
 
 def create_app(client: AsyncClient, served_model_names: list[str], api_key: str | None = None,
                max_request_bytes: int = 16 * 2**20) -> FastAPI:
-    app = FastAPI(title="echo", version=echo.__version__)
+    app = FastAPI(title="echo", version=__version__)
     metrics = ServerMetrics(served_model_names[0])
     max_model_len = client.config.model.max_model_len
 
@@ -168,7 +168,7 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
 
     @app.get("/version")
     async def version():
-        return {"version": echo.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus():

@@ -6,8 +6,7 @@ import torch
 from torch import nn
 
 from echo.attention.backend import RopeInputs
-from echo.models.arch import RopeScaling
-from echo_kernels.reference import rms_norm_ref
+from echo.layers.rope_scaling import RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -27,13 +26,6 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     return torch.where(is_medium, blended, scaled)
 
 
-def rotary_reference(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor):
-    """x: [tokens, heads, head_dim] -> rotated copy, in x's dtype (math as Hugging Face's)."""
-    cos, sin = cos_sin_cache[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: RopeScaling | None = None):
@@ -49,13 +41,3 @@ class RotaryEmbedding(nn.Module):
         """What the attention backend needs to rotate a step's q/k (Qwen3's per-head q/k
         RMSNorm first when its weights are given)."""
         return RopeInputs(positions, self.cos_sin_cache, q_norm_weight, k_norm_weight, eps)
-
-
-def rope_reference(rope: RopeInputs, q: torch.Tensor, k: torch.Tensor):
-    """Rotated copies of q [tokens, heads, d] and k [tokens, kv_heads, d], as Hugging Face's
-    modules compute them."""
-    if rope.q_norm_weight is not None:
-        q = rms_norm_ref(q, rope.q_norm_weight, rope.eps)
-        k = rms_norm_ref(k, rope.k_norm_weight, rope.eps)
-    return (rotary_reference(rope.positions, q, rope.cos_sin_cache),
-            rotary_reference(rope.positions, k, rope.cos_sin_cache))

@@ -8,18 +8,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from echo.layers.rope_scaling import RopeScaling
+
 # architectures[0] in config.json -> echo's model family
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 PRESETS_DIR = Path(__file__).parent / "presets"
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    rope_type: str  # "default" or "llama3"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,12 @@ from echo.core.sched_output import SchedulerOutput
 from echo.core.step_results import LogprobsEntry, ModelRunnerOutput
 from echo.distributed.parallel_state import SINGLE, TPGroup
 from echo.layers.attention import ForwardContext
-from echo.models.loader import build_model
 from echo.profiling import profiler_window, step_range
 from echo.worker.cuda_graphs import CudaGraphRunner
 from echo.worker.input_batch import InputBatch, StepInputs
 from echo.worker.kernel_warmup import warmup_batches, warmup_metadata, warmup_positions
 from echo.worker.kv_cache import KVCacheSpec
+from echo.worker.model_loader import build_model
 from echo.worker.sampler import Sampler, SamplerOutput
 from echo.worker.sampling_inputs import build_sampling_tensors, worst_case_sampling_tensors
 from echo.worker.step_buffers import StepBuffers

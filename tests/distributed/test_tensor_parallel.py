@@ -194,7 +194,7 @@ def test_a_rank_reads_only_its_slices_from_the_checkpoint(tiny_llama_kv1_odd_voc
     rank), and its weights equal the slices of the fully read tensors."""
     from echo.config import EngineConfig
     from echo.layers.checkpoint_tensor import CheckpointTensor
-    from echo.models.loader import build_model
+    from echo.worker.model_loader import build_model
 
     read = []  # elements of every read from a checkpoint file
 

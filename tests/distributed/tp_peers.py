@@ -19,7 +19,7 @@ from echo.attention.backend import AttentionMetadata, KVCache, make_backend
 from echo.config import EngineConfig
 from echo.distributed.parallel_state import SINGLE, TPGroup
 from echo.layers.attention import ForwardContext
-from echo.models.loader import build_model
+from echo.worker.model_loader import build_model
 
 BLOCK = 16
 MAX_BLOCKS_PER_SEQ = 8  # 128 tokens per sequence: enough for every prompt plus its output

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from echo.config import EngineConfig
-from echo.models.loader import build_model
+from echo.worker.model_loader import build_model
 from tests.helpers import load_hf
 
 
