@@ -12,6 +12,10 @@ under SLOs. Prompts are synthetic and seeded; nothing is downloaded.
 TPOT = (e2e - ttft) / (output_tokens - 1) per request; ITL = gaps between output chunks (a
 chunk carrying several tokens makes one longer gap). Output tokens come from the server's
 usage when it streams one (stream_options.include_usage), else from the chunk count.
+
+Every time is read from the event loop's clock (loop.time(), monotonic), the one the arrival
+schedule sleeps on. main() also takes an httpx transport and an event-loop factory: the tests
+run it against an in-process fake server on a loop whose clock is virtual.
 """
 
 import argparse
@@ -21,6 +25,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,14 +137,18 @@ async def first_model(client: httpx.AsyncClient, base_url: str, headers: dict) -
     return response.json()["data"][0]["id"]
 
 
-async def run(args: argparse.Namespace,
-              requests: list[BenchRequest]) -> tuple[str, list[RequestRecord], float]:
-    """Send every request on its schedule; returns the model, the records and the duration."""
+async def run(args: argparse.Namespace, requests: list[BenchRequest],
+              transport: httpx.AsyncBaseTransport | None = None,
+              ) -> tuple[str, list[RequestRecord], float]:
+    """Send every request on its schedule; returns the model, the records and the duration.
+    transport: httpx's own (None) or, in tests, an in-process server."""
     base_url = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+    clock = asyncio.get_running_loop().time
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False,
+                                 transport=transport) as client:
         model = args.model or await first_model(client, base_url, headers)
         url = base_url + args.endpoint
         gate = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
@@ -147,18 +156,18 @@ async def run(args: argparse.Namespace,
         async def one(request: BenchRequest, bench_start: float) -> RequestRecord:
             async with gate:
                 return await send_request(client, url, build_payload(args, model, request),
-                                          headers, request.prompt_len, bench_start)
+                                          headers, request.prompt_len, bench_start, clock)
 
         offsets = arrival_offsets(len(requests), args.request_rate, args.seed)
-        bench_start = time.perf_counter()
+        bench_start = clock()
         tasks = []
         for request, offset in zip(requests, offsets):
-            delay = bench_start + offset - time.perf_counter()
+            delay = bench_start + offset - clock()
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(request, bench_start)))
         records = await asyncio.gather(*tasks)
-        return model, records, time.perf_counter() - bench_start
+        return model, records, clock() - bench_start
 
 
 def write_plots(records: list[RequestRecord], timeline: list[float], duration: float,
@@ -261,11 +270,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, *, transport: httpx.AsyncBaseTransport | None = None,
+         loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> dict:
     args = parse_args(argv)
     make = random_requests if args.dataset == "random" else sharegpt_synthetic_requests
     requests = make(args, as_text=args.prompt_type == "text")
-    model, records, duration = asyncio.run(run(args, requests))
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        model, records, duration = runner.run(run(args, requests, transport))
     summary = summarize(records, duration, args.slos)
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
     title = f"{model} {args.dataset} rate={rate} concurrency={args.max_concurrency or '-'}"

@@ -3,7 +3,7 @@ server-sent-events parser and the request function tools/bench_serving.py runs m
 """
 
 import json
-import time
+from collections.abc import Callable
 
 import httpx
 from serving_metrics import RequestRecord
@@ -55,13 +55,14 @@ class StreamError(Exception):
 
 
 async def send_request(client: httpx.AsyncClient, url: str, payload: dict,
-                       headers: dict[str, str], prompt_tokens: int,
-                       bench_start: float) -> RequestRecord:
-    """POST a streaming request and time it: TTFT at the first chunk with output, one
-    inter-chunk gap for each later one, latency at the end of the response. Token counts come
-    from the final usage chunk when the server sends one. Never raises: errors are recorded."""
+                       headers: dict[str, str], prompt_tokens: int, bench_start: float,
+                       clock: Callable[[], float]) -> RequestRecord:
+    """POST a streaming request and time it with `clock` (seconds; bench_start was read from
+    it): TTFT at the first chunk with output, one inter-chunk gap for each later one, latency
+    at the end of the response. Token counts come from the final usage chunk when the server
+    sends one. Never raises: errors are recorded."""
     record = RequestRecord(prompt_tokens=prompt_tokens)
-    start = time.perf_counter()
+    start = clock()
     record.start = start - bench_start
     arrivals: list[float] = []
     usage: dict = {}
@@ -72,14 +73,14 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict,
                 raise StreamError(f"HTTP {response.status_code}: {body[:300]}")
             decoder = SSEDecoder()
             async for text in response.aiter_text():
-                now = time.perf_counter()
+                now = clock()
                 for data in decoder.feed(text):
                     _absorb(data, now, arrivals, usage)
             for data in decoder.flush():
-                _absorb(data, time.perf_counter(), arrivals, usage)
-        record.latency = time.perf_counter() - start
+                _absorb(data, clock(), arrivals, usage)
+        record.latency = clock() - start
     except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
-        record.latency = time.perf_counter() - start
+        record.latency = clock() - start
         record.error = str(e) if isinstance(e, StreamError) else f"{type(e).__name__}: {e}"
         return record
     record.output_tokens = usage.get("completion_tokens") or len(arrivals)
