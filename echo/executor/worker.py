@@ -20,7 +20,6 @@ from multiprocessing import shared_memory
 import msgspec
 import zmq
 
-from echo import envs
 from echo.config import EngineConfig
 from echo.executor.messages import (
     DetermineNumBlocks,
@@ -95,7 +94,7 @@ class Worker:
         self.context = context
         self.encoder = msgspec.msgpack.Encoder()
         self.ring: ShmRingReader | None = None
-        self.dist_initialized = False
+        self.tp = None  # the TPGroup, once torch.distributed is up
         self.runner = None
 
     def start(self) -> None:
@@ -111,59 +110,15 @@ class Worker:
         # executor does, for the entry point) stays cheap in the EngineCore process
         import torch
 
-        from echo.distributed.parallel_state import TPGroup
+        from echo.distributed.tp_setup import init_tp_group
         from echo.worker.model_runner import ModelRunner
 
         config = self.args.config
-        tp_size = config.parallel.tensor_parallel_size
-        if config.device.device == "cuda":
-            device = torch.device("cuda", self.rank)
-            torch.cuda.set_device(device)
-            backend = "nccl"
-        else:
-            device = torch.device("cpu")
-            backend = "gloo"
-            # the ranks share the host's cores: without this each would start one thread per core
-            cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                     else os.cpu_count() or 1)
-            torch.set_num_threads(max(1, cores // tp_size))
-        group = None
-        if tp_size > 1:
-            import torch.distributed as dist
-
-            # device_id binds NCCL to this rank's GPU and creates its communicator now, not
-            # lazily inside the first collective (which might be under CUDA graph capture)
-            dist.init_process_group(backend, init_method=self.args.dist_init_method,
-                                    world_size=tp_size, rank=self.rank,
-                                    device_id=device if backend == "nccl" else None)
-            self.dist_initialized = True
-            group = dist.group.WORLD
-        # peer-mapped buffers for the small all-reduces, on GPUs that can map each other's
-        peers = group is not None and backend == "nccl" and self._gpus_reach_each_other(tp_size)
-        dtype = getattr(torch, config.model.dtype)
-        small_all_reduce = None
-        if peers and envs.symm_mem_all_reduce():
-            from echo.distributed.symm_mem_all_reduce import SymmMemAllReduce
-
-            small_all_reduce = SymmMemAllReduce(group, device, dtype=dtype)
-        norm_all_reduce = None
-        if peers and envs.fused_norm_all_reduce():
-            from echo.distributed.norm_all_reduce import NormAllReduce
-
-            norm_all_reduce = NormAllReduce(group, device, config.model.arch.hidden_size, dtype)
-        tp = TPGroup(self.rank, tp_size, group, small_all_reduce,
-                     reduce_in_norm=norm_all_reduce is not None, norm_all_reduce=norm_all_reduce)
-        return ModelRunner(config, tp, device)
-
-    def _gpus_reach_each_other(self, tp_size: int) -> bool:
-        from echo.distributed.symm_mem_all_reduce import gpus_reach_each_other
-
-        if gpus_reach_each_other(tp_size):
-            return True
-        if self.rank == 0 and (envs.fused_norm_all_reduce() or envs.symm_mem_all_reduce()):
-            print(f"echo: GPUs 0-{tp_size - 1} cannot map each other's memory (no P2P): every "
-                  "all-reduce takes NCCL", file=sys.stderr, flush=True)
-        return False
+        device, self.tp = init_tp_group(
+            self.rank, config.parallel.tensor_parallel_size, config.device.device,
+            self.args.dist_init_method, config.model.arch.hidden_size,
+            getattr(torch, config.model.dtype))
+        return ModelRunner(config, self.tp, device)
 
     def serve(self) -> None:
         decoder = msgspec.msgpack.Decoder(WorkerCommand)
@@ -209,11 +164,11 @@ class Worker:
 
     def close(self, destroy_group: bool) -> None:
         try:
-            if self.dist_initialized and destroy_group:
-                import torch.distributed as dist
+            if self.tp is not None and destroy_group:
+                from echo.distributed.tp_setup import destroy_tp_group
 
-                dist.destroy_process_group()
-                self.dist_initialized = False
+                destroy_tp_group(self.tp)
+                self.tp = None
         finally:
             if self.ring is not None:
                 self.ring.close()  # else context.term() would wait for its socket forever
