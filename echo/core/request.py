@@ -74,14 +74,6 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.finished
-
-    @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 

@@ -1,4 +1,4 @@
-"""EngineCore: the scheduler and the executor, stepping together.
+"""EngineCore: the scheduler and the executor, stepping together, up to two steps in flight.
 
 The offline LLM drives it in its own process; the multi-process engine wraps the same object
 in a busy loop with IO threads.
@@ -13,20 +13,15 @@ from echo.core.request import Request
 from echo.core.scheduler import Scheduler
 from echo.core.step_results import EngineCoreOutput
 from echo.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from echo.executor.base import Executor, create_executor
 from echo.profiling import step_range
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor=None):
+    def __init__(self, config: EngineConfig, executor: Executor | None = None):
         self.config = config
-        if executor is None and config.parallel.tensor_parallel_size > 1:
-            from echo.executor.multiproc import MultiprocExecutor
-
-            executor = MultiprocExecutor(config)  # one worker process per rank
-        elif executor is None:
-            from echo.executor.uniproc import UniprocExecutor
-
-            executor = UniprocExecutor(config)
+        if executor is None:
+            executor = create_executor(config)
         self.executor = executor
         self.num_blocks = executor.determine_num_blocks()
         executor.init_kv_cache(self.num_blocks)
@@ -34,8 +29,7 @@ class EngineCore:
         self.eos_token_ids = config.model.arch.eos_token_ids
         # steps sent to the executor whose output has not been processed, oldest first
         self.in_flight: deque = deque()
-        overlap = config.scheduler.async_scheduling and hasattr(executor, "execute_model_async")
-        self.max_in_flight = 2 if overlap else 1
+        self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
         # NOTE: everything alive now (model, caches, tokenizer tables) lives as long as the
         # engine; freezing it keeps the garbage collector from rescanning it every few steps
         # (at 1,024 running requests that scan was a 10 ms p99 stall per step).
@@ -56,16 +50,6 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
-
-    def step(self) -> EngineCoreOutputs:
-        """Schedule, execute, update: one step, synchronously."""
-        with step_range("schedule", self.scheduler._step_id):
-            scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
-        with step_range("update", scheduler_output.step_id):
-            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
-                                 timestamp=time.time())
 
     def step_overlapped(self) -> EngineCoreOutputs | None:
         """Schedule and launch the next step before waiting for the oldest one in flight, so

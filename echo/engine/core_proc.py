@@ -28,6 +28,7 @@ from echo.engine.messages import (
     UtilityRequest,
     UtilityResult,
 )
+from echo.executor.base import create_executor
 
 # how long the idle busy loop waits for input before checking its parent again
 _IDLE_POLL_S = 0.5
@@ -35,9 +36,7 @@ _IDLE_POLL_S = 0.5
 
 class EngineCoreProc:
     def __init__(self, config: EngineConfig, input_address: str, output_address: str):
-        from echo.executor.multiproc import MultiprocExecutor
-
-        self.core = EngineCore(config, executor=MultiprocExecutor(config))
+        self.core = EngineCore(config, executor=create_executor(config, worker_processes=True))
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
         self.ctx = zmq.Context()

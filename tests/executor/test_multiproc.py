@@ -71,8 +71,9 @@ def greedy_tokens(core: EngineCore, prompts: list[list[int]]) -> dict[str, list[
     for i, prompt in enumerate(prompts):
         core.add_request(EngineCoreRequest(f"q{i}", prompt, GREEDY))
     tokens = {f"q{i}": [] for i in range(len(prompts))}
-    while core.has_unfinished_requests():
-        for output in core.step().outputs:
+    while core.has_work():
+        step = core.step_overlapped()
+        for output in step.outputs if step is not None else ():
             tokens[output.request_id] += output.new_token_ids
     return tokens
 
