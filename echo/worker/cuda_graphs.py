@@ -8,7 +8,7 @@ Attention is captured with max_seqlen_k = max_model_len, so its split count cove
 
 import torch
 
-from echo.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from echo.attention.backend import AttentionBackend, KVCache
 from echo.layers.attention import ForwardContext
 from echo.worker.step_buffers import StepBuffers
 
@@ -35,31 +35,12 @@ class CudaGraphRunner:
         self.sizes = bucket_sizes(max_num_seqs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def _static_inputs(self, bs: int):
-        buf, width = self.buffers, self.buffers.max_blocks_per_seq
-        # harmless values for capture and warm-up: one-token sequences that store nothing
-        buf.tensor("slot_mapping")[:bs].fill_(-1)
-        buf.tensor("seq_lens")[:bs].fill_(1)
-        buf.tensor("seq_order")[:bs].copy_(torch.arange(bs, dtype=torch.int32))
-        buf.tensor("block_table")[: bs * width].zero_()
-        buf.tensor("cu_seqlens_q")[: bs + 1].copy_(torch.arange(bs + 1, dtype=torch.int32))
-        meta = AttentionMetadata(
-            slot_mapping=buf.tensor("slot_mapping")[:bs],
-            block_table=buf.tensor("block_table")[: bs * width].view(bs, width),
-            cu_seqlens_q=buf.tensor("cu_seqlens_q")[: bs + 1],
-            seq_lens=buf.tensor("seq_lens")[:bs],
-            seq_order=buf.tensor("seq_order")[:bs],
-            max_seqlen_q=1,
-            max_seqlen_k=self.max_model_len,
-        )
-        ids, positions = buf.tensor("input_ids")[:bs], buf.tensor("positions")[:bs]
-        return ids, positions, ForwardContext(self.backend, meta, self.kv_caches)
-
     @torch.inference_mode()
     def capture(self) -> None:
         pool = None
         for bs in sorted(self.sizes, reverse=True):
-            ids, positions, ctx = self._static_inputs(bs)
+            ids, positions, meta = self.buffers.load_padding(bs, self.max_model_len)
+            ctx = ForwardContext(self.backend, meta, self.kv_caches)
             self.model(ids, positions, ctx)  # warm-up: compile and autotune outside capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

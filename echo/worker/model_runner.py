@@ -1,5 +1,8 @@
 """ModelRunner: owns the model, the KV cache and the persistent batch of one worker (one TP rank).
 
+Start-up (KV sizing, tuning, graph capture, warm-ups) is worker/startup.py's; this file is the
+step.
+
 `launch(scheduler_output)` applies the step's diff, runs the forward pass over the mixed batch
 and samples for the requests whose tokens are all computed, without waiting for the device;
 `collect()` returns the oldest launched step's tokens. `execute_model` is the two in a row.
@@ -12,20 +15,20 @@ import numpy as np
 import torch
 
 from echo import envs
-from echo.attention.backend import AttentionMetadata, KVCache, make_backend
+from echo.attention.backend import KVCache, make_backend
 from echo.config import EngineConfig
 from echo.core.sched_output import SchedulerOutput
 from echo.core.step_results import LogprobsEntry, ModelRunnerOutput
 from echo.distributed.parallel_state import SINGLE, TPGroup
 from echo.layers.attention import ForwardContext
 from echo.profiling import profiler_window, step_range
+from echo.worker import startup
 from echo.worker.cuda_graphs import CudaGraphRunner
 from echo.worker.input_batch import InputBatch, StepInputs
-from echo.worker.kernel_warmup import warmup_batches, warmup_metadata, warmup_positions
 from echo.worker.kv_cache import KVCacheSpec
 from echo.worker.model_loader import build_model
 from echo.worker.sampler import Sampler, SamplerOutput
-from echo.worker.sampling_inputs import build_sampling_tensors, worst_case_sampling_tensors
+from echo.worker.sampling_inputs import build_sampling_tensors
 from echo.worker.step_buffers import StepBuffers
 
 
@@ -59,60 +62,17 @@ class ModelRunner:
         self.in_flight: deque[ModelRunnerOutput | _StepInFlight] = deque()
         self.profile_window = profiler_window(f"rank{tp.rank}")  # ECHO_PROFILE_STEPS
 
-    # ---- KV cache -------------------------------------------------------------------------
+    # ---- start-up (echo/worker/startup.py) ------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:
         return self.kv_cache_spec.bytes_per_block()
 
     def determine_num_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_gpu_blocks_override is not None:
-            return cache.num_gpu_blocks_override
-        if self.device.type != "cuda":
-            budget = envs.cpu_kv_cache_gib() * 2**30
-        else:
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            peak = self.profile_activation_bytes()
-            budget = total * cache.gpu_memory_utilization - (total - free) - peak
-        num_blocks = int(budget // self.kv_bytes_per_block())
-        if num_blocks < 1:
-            raise RuntimeError("no memory left for the KV cache: raise gpu_memory_utilization "
-                               "or lower max_num_batched_tokens")
-        return num_blocks
-
-    def profile_activation_bytes(self) -> int:
-        """Peak activation memory of the largest step: every token a one-token sequence."""
-        sched = self.config.scheduler
-        self.kv_caches = self._allocate_kv_cache(1)
-        num_tokens = sched.max_num_batched_tokens
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        ones = torch.ones(num_tokens, dtype=torch.int32, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
-            block_table=torch.zeros((num_tokens, 1), dtype=torch.int32, device=self.device),
-            cu_seqlens_q=torch.arange(num_tokens + 1, dtype=torch.int32, device=self.device),
-            seq_lens=ones, max_seqlen_q=1, max_seqlen_k=1,
-            query_lens_cpu=(1,) * num_tokens, seq_lens_cpu=(1,) * num_tokens)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        with torch.inference_mode():
-            hidden = self.model(ids, ids, ForwardContext(self.backend, meta, self.kv_caches))
-            logits = self.model.compute_logits(hidden[: sched.max_num_seqs])
-            self.sampler(logits, worst_case_sampling_tensors(sched.max_num_seqs,
-                                                             self.vocab_size, self.device))
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        self.kv_caches = []
-        torch.cuda.empty_cache()
-        return peak
-
-    def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
-        return self.kv_cache_spec.allocate(num_blocks, self.device)
+        return startup.determine_num_blocks(self)
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the cache and the step state; capture CUDA graphs where they apply."""
-        self.kv_caches = self._allocate_kv_cache(num_blocks)
+        """Allocate the cache and the step state, then tune, capture and warm up (startup.py)."""
+        self.kv_caches = self.kv_cache_spec.allocate(num_blocks, self.device)
         if self.tp.rank == 0:  # every rank holds the same number of blocks
             print(f"echo: {self.kv_cache_spec.describe(num_blocks, self.tp.size)}",
                   file=sys.stderr, flush=True)
@@ -123,87 +83,7 @@ class ModelRunner:
                                       self.config.cache.block_size, self.config.model.seed)
         self.buffers = StepBuffers(sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks,
                                    self.device)
-        if self.device.type == "cuda" and envs.tune_small_m():
-            self._tune_one_row_linears()  # before capture: the graphs record the choice
-        self.graphs = None
-        if self.use_cuda_graphs:
-            self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_caches, self.buffers,
-                                          sched.max_num_seqs, sched.max_model_len)
-            self.graphs.capture()
-        if self.device.type == "cuda":
-            if self.backend.name == "triton":
-                self.warm_up_step_shapes()
-                self.warm_up_kernel_variants()
-            self._warm_up_logits(sched.max_num_seqs)
-
-    @torch.inference_mode()
-    def _tune_one_row_linears(self) -> None:
-        from echo.worker.linear_tuning import cuda_graph_timer, tune_one_row_linears
-
-        for choice in tune_one_row_linears(self.model, cuda_graph_timer):
-            if self.tp.rank == 0:
-                print(f"echo: one-row linear {choice.describe()}", file=sys.stderr, flush=True)
-        # the timing graphs' private pools stay cached after the graphs are gone; with the KV
-        # cache already allocated, eager steps would have to free them first
-        torch.cuda.empty_cache()
-
-    @torch.inference_mode()
-    def warm_up_step_shapes(self) -> list[torch.Tensor]:
-        """Run the eager step shapes of kernel_warmup once, so their kernels compile now; returns
-        each batch's logits at its sequences' last tokens. Stores nothing in the cache."""
-        sched = self.config.scheduler
-        all_logits = []
-        for batch in warmup_batches(sched.max_model_len, sched.max_num_batched_tokens,
-                                    sched.max_num_seqs):
-            meta = warmup_metadata(batch, self.config.cache.block_size, self.device)
-            positions = warmup_positions(batch, self.device)
-            hidden = self.model(torch.zeros_like(positions), positions,
-                                ForwardContext(self.backend, meta, self.kv_caches))
-            logits = self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
-            self.sampler(logits, worst_case_sampling_tensors(len(batch.query_lens),
-                                                             self.vocab_size, self.device))
-            all_logits.append(logits)
-        return all_logits
-
-    @torch.inference_mode()
-    def warm_up_kernel_variants(self) -> None:
-        """Compile every attention and sampling kernel variant a step can need, which the
-        step shapes above do not all reach (echo_kernels.attention.warmup)."""
-        from echo_kernels.attention.warmup import (
-            warm_up_paged_attention,
-            warm_up_varlen_attention,
-        )
-        from echo_kernels.sampling import warm_up_gumbel_sample
-
-        cache, attn = self.kv_caches[0], self.model.model.layers[0].self_attn
-        # decode batches rotate and store their K/V in the attention launch (triton backend)
-        rope = attn.rope_inputs(torch.zeros(1, dtype=torch.long, device=self.device))
-        warm_up_paged_attention(attn.num_heads, cache.k, cache.v, cache.k_scale, cache.v_scale,
-                                self.config.scheduler.max_model_len, self.dtype,
-                                qk_norm=rope.q_norm_weight is not None)
-        warm_up_varlen_attention(attn.num_heads, self.num_kv_heads, self.head_dim, self.dtype,
-                                 self.device)
-        # the sampler reads the LM head's logits, or float32 ones after filters and penalties
-        warm_up_gumbel_sample(self.config.scheduler.max_num_seqs, self.vocab_size,
-                              [self.dtype, torch.float32], self.device)
-
-    @torch.inference_mode()
-    def _warm_up_logits(self, max_rows: int) -> None:
-        """Run the LM head once at every row count a step can sample. cuBLAS picks a different
-        kernel for many row counts and loads each on first use; measured on an H200, such a
-        load stalled the host ~8 ms inside the step while the GPU ran dry (4 ms idle gaps every
-        ~10 steps of the offline benchmark). Start-up is the place to pay for it."""
-        hidden = torch.zeros(max_rows, self.arch.hidden_size, dtype=self.dtype,
-                             device=self.device)
-        for rows in range(1, max_rows + 1):
-            self.model.compute_logits(hidden[:rows])
-        torch.cuda.synchronize(self.device)
-
-    @property
-    def use_cuda_graphs(self) -> bool:
-        # the torch backend loops over sequences on the host: it cannot be captured
-        return (self.device.type == "cuda" and not self.config.device.enforce_eager
-                and self.backend.name == "triton")
+        self.graphs = startup.prepare_step_path(self)
 
     # ---- one step -------------------------------------------------------------------------
 

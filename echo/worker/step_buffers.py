@@ -62,12 +62,26 @@ class StepBuffers:
         """Upload a step's inputs. With pad_seqs_to (CUDA-graph replay of a decode batch) the
         batch is padded with one-token dummy sequences that store nothing, and the block table
         keeps its full static width."""
-        num_seqs = len(inp.seq_lens)
         query_lens = np.diff(inp.cu_seqlens_q)
-        input_ids, positions, slots = inp.input_ids, inp.positions, inp.slot_mapping
-        seq_lens, cu, table = inp.seq_lens, inp.cu_seqlens_q, inp.block_table
+        return self._upload(
+            inp.input_ids, inp.positions, inp.slot_mapping, inp.seq_lens, inp.cu_seqlens_q,
+            inp.block_table, pad_seqs_to, max_seqlen_q=int(query_lens.max()),
+            max_seqlen_k=int(inp.seq_lens.max()),
+            no_cached_prefix=bool((query_lens == inp.seq_lens).all()),
+            query_lens_cpu=tuple(query_lens.tolist()), seq_lens_cpu=tuple(inp.seq_lens.tolist()))
+
+    def load_padding(self, num_seqs: int, max_seqlen_k: int):
+        """A decode batch of padding only (one-token sequences that store nothing), planned for
+        contexts up to max_seqlen_k: the inputs CUDA graphs are captured on."""
+        no_tokens = np.zeros(0, np.int64)
+        return self._upload(no_tokens, no_tokens, no_tokens, np.zeros(0, np.int32),
+                            np.zeros(1, np.int32), np.zeros((0, 1), np.int32), num_seqs,
+                            max_seqlen_q=1, max_seqlen_k=max_seqlen_k)
+
+    def _upload(self, input_ids, positions, slots, seq_lens, cu, table, pad_seqs_to, **meta):
         width = table.shape[1]
         if pad_seqs_to is not None:
+            num_seqs = len(seq_lens)
             pad = pad_seqs_to - num_seqs
             input_ids = np.concatenate([input_ids, np.zeros(pad, np.int64)])
             positions = np.concatenate([positions, np.zeros(pad, np.int64)])
@@ -79,16 +93,12 @@ class StepBuffers:
             full[:num_seqs, : table.shape[1]] = table
             table = full
         rows = len(seq_lens)
-        meta = AttentionMetadata(
+        attention = AttentionMetadata(
             slot_mapping=self.put("slot_mapping", slots),
             block_table=self.put("block_table", table).view(rows, width),
             cu_seqlens_q=self.put("cu_seqlens_q", cu),
             seq_lens=self.put("seq_lens", seq_lens),
             seq_order=self.put("seq_order", longest_first(seq_lens)),
-            max_seqlen_q=int(query_lens.max()),
-            max_seqlen_k=int(inp.seq_lens.max()),
-            no_cached_prefix=bool((query_lens == inp.seq_lens).all()),
-            query_lens_cpu=tuple(query_lens.tolist()),
-            seq_lens_cpu=tuple(inp.seq_lens.tolist()),
+            **meta,
         )
-        return self.put("input_ids", input_ids), self.put("positions", positions), meta
+        return self.put("input_ids", input_ids), self.put("positions", positions), attention

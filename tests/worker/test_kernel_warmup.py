@@ -11,6 +11,7 @@ from echo.worker.kernel_warmup import (
     warmup_positions,
 )
 from echo.worker.model_runner import ModelRunner
+from echo.worker.startup import warm_up_step_shapes
 
 
 def test_batches_respect_the_limits():
@@ -42,7 +43,7 @@ def test_triton_kernels_match_the_reference_and_store_nothing(tiny_qwen3):
         runner = ModelRunner(config)
         runner.init_kv_cache(8)
         before = [c.k.clone() for c in runner.kv_caches]
-        logits = runner.warm_up_step_shapes()
+        logits = warm_up_step_shapes(runner)
         assert all(torch.equal(b, c.k) for b, c in zip(before, runner.kv_caches, strict=True))
         return logits
 
