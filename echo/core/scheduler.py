@@ -27,10 +27,11 @@ from collections.abc import Iterable
 
 from echo.config import CacheConfig, SchedulerConfig
 from echo.core.kv_cache_manager import KVCacheManager
+from echo.core.length_limit import check_request_length, length_limit
 from echo.core.request import Request, RequestStatus
 from echo.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from echo.core.step_results import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
-from echo.core.stop_checker import check_stop, max_num_tokens
+from echo.core.stop_checker import check_stop
 
 
 class Scheduler:
@@ -71,12 +72,11 @@ class Scheduler:
         if rid in self.requests:
             raise ValueError(f"request {rid!r} is already queued or running")
         num_prompt = request.num_prompt_tokens
-        if num_prompt == 0:
-            raise ValueError(f"request {rid!r}: the prompt is empty")
-        if num_prompt > self.max_model_len:
-            raise ValueError(f"request {rid!r}: prompt length {num_prompt} exceeds "
-                             f"max_model_len {self.max_model_len}")
-        request.token_limit = max_num_tokens(request, self.max_model_len)
+        try:
+            check_request_length(num_prompt, self.max_model_len)
+        except ValueError as e:
+            raise ValueError(f"request {rid!r}: {e}") from None
+        request.token_limit = length_limit(num_prompt, request.max_tokens, self.max_model_len)
         num_tokens = max(num_prompt, request.token_limit)
         num_blocks = self.kv.num_blocks_for(num_tokens)
         if num_blocks > self.kv.num_blocks:

@@ -6,14 +6,6 @@ Stop strings are not checked here: the frontend detokenizes, finds them, and abo
 from echo.core.request import Request, RequestStatus
 
 
-def max_num_tokens(request: Request, max_model_len: int) -> int:
-    """The token count (prompt + output) at which a request stops for length. A prompt of
-    max_model_len tokens still yields one token: its KV never has to be computed."""
-    if request.max_tokens is None:
-        return max_model_len
-    return min(request.num_prompt_tokens + request.max_tokens, max_model_len)
-
-
 def check_stop(request: Request) -> RequestStatus | None:
     """The finished status the last appended token gives the request, or None to go on.
     Sets request.stop_reason for a stop token id. A stop token that arrives on the length

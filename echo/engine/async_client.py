@@ -104,8 +104,7 @@ class AsyncClient:
         self._check_alive()
         params = sampling_params or SamplingParams()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            text = self.input_processor.apply_chat_template(prompt)
-            prompt = list(self.tokenizer.encode(text, add_special_tokens=False))
+            prompt = self.input_processor.chat_to_ids(prompt)
         text, ids = self.input_processor.tokenize(prompt)
         self.input_processor.validate(ids, params)
         request_id = request_id or uuid.uuid4().hex

@@ -37,13 +37,10 @@ class EngineCore:
         gc.freeze()
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        params = request.sampling_params
-        room = self.config.model.max_model_len - len(request.prompt_token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.scheduler.add_request(Request(
-            request.request_id, request.prompt_token_ids, params,
+            request.request_id, request.prompt_token_ids, request.sampling_params,
             eos_token_ids=self.eos_token_ids, arrival_time=request.arrival_time or time.time(),
-            cache_salt=request.cache_salt, max_tokens=max_tokens))
+            cache_salt=request.cache_salt))
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         return self.scheduler.abort_requests(request_ids)

@@ -6,6 +6,7 @@ Every check runs before anything is queued, and each error names what was wrong.
 from collections.abc import Sequence
 
 from echo.config import ModelConfig
+from echo.core.length_limit import check_request_length
 from echo.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -66,13 +67,18 @@ class InputProcessor:
                                              add_generation_prompt=add_generation_prompt,
                                              **kwargs)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        max_len = self.config.max_model_len
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt: must not be empty")
-        if n >= max_len:
-            raise ValueError(f"prompt: {n} tokens leave no room to generate within "
-                             f"max_model_len={max_len}")
+    def chat_to_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                    **template_kwargs) -> list[int]:
+        """A conversation's prompt token ids: the chat template, then the tokenizer without
+        special tokens (the template already holds them, BOS included)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 max_tokens_must_fit: bool = False) -> None:
+        """What the engine would refuse; with max_tokens_must_fit (the OpenAI server), also a
+        max_tokens that would run past max_model_len instead of stopping there."""
+        check_request_length(len(prompt_token_ids), self.config.max_model_len,
+                             params.max_tokens if max_tokens_must_fit else None)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: expected SamplingParams, got {type(params)}")

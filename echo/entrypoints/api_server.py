@@ -83,16 +83,9 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
             _, ids = client.input_processor.tokenize(prompt)
         except ValueError as e:
             raise APIError(400, str(e), "prompt") from None
-        if max_tokens is not None and len(ids) + max_tokens > max_model_len or \
-                len(ids) >= max_model_len:
-            raise APIError(400, f"This model's maximum context length is {max_model_len} "
-                           f"tokens. However, you requested {len(ids) + (max_tokens or 0)} "
-                           f"tokens ({len(ids)} in the prompt, {max_tokens or 0} in the "
-                           "completion). Please reduce the length of the prompt or completion.",
-                           "max_tokens" if max_tokens else "prompt")
         try:
             params = body.sampling_params(max_tokens, logprobs)
-            client.input_processor.validate(ids, params)  # what the engine would refuse
+            client.input_processor.validate(ids, params, max_tokens_must_fit=True)
         except ValueError as e:
             field = str(e).split(":")[0].removeprefix("SamplingParams.")
             raise APIError(400, str(e), field) from None
@@ -146,11 +139,10 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
     async def chat_completions(body: ChatCompletionRequest):
         check_supported(body)
         try:
-            text = client.input_processor.apply_chat_template(
-                body.message_dicts(), body.add_generation_prompt)
+            ids = client.input_processor.chat_to_ids(body.message_dicts(),
+                                                     body.add_generation_prompt)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
-        ids = list(client.tokenizer.encode(text, add_special_tokens=False))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await serve("chat.completion", body, [ids], body.limit(), logprobs, chat=True)
 

@@ -98,10 +98,8 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {'role', 'content'}) or a list of them."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        texts = [self.input_processor.apply_chat_template(c, add_generation_prompt)
-                 for c in conversations]
-        # the template already holds the special tokens (BOS included)
-        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        ids = [self.input_processor.chat_to_ids(c, add_generation_prompt)
+               for c in conversations]
         return self.generate(ids, sampling_params, use_tqdm)
 
     def _run(self, inputs, params, use_tqdm: bool) -> list[RequestOutput]:
