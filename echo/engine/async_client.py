@@ -10,7 +10,6 @@ loop early (break, cancellation) aborts the request in the core.
 """
 
 import asyncio
-import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,9 +20,9 @@ import zmq.asyncio
 
 from echo.config import EngineConfig
 from echo.core.step_results import SchedulerStats
-from echo.engine.core_client import CoreProcess, EngineDeadError
+from echo.engine.core_client import CoreChannel, CoreProcess, EngineDeadError, engine_error
 from echo.engine.input_processor import InputProcessor, Prompt, load_tokenizer
-from echo.engine.messages import EngineCoreOutputs, RequestType, UtilityRequest
+from echo.engine.messages import EngineCoreOutputs
 from echo.engine.output_processor import OutputProcessor
 from echo.outputs import RequestOutput
 from echo.profiling import step_range
@@ -40,14 +39,12 @@ class AsyncClient:
         self.startup_timeout_s = startup_timeout_s
         self.queues: dict[str, asyncio.Queue] = {}
         self.utility_waiters: dict[int, asyncio.Future] = {}
-        self.call_ids = itertools.count()
         self.latest_stats = SchedulerStats()
         self.engine_info: dict = {}
         self.dead_error: str | None = None
         self.core: CoreProcess | None = None
-        self.ctx: zmq.asyncio.Context | None = None
+        self.channel: CoreChannel | None = None
         self.output_task: asyncio.Task | None = None
-        self.encoder = msgspec.msgpack.Encoder()
 
     @property
     def proc(self):
@@ -65,11 +62,7 @@ class AsyncClient:
         except BaseException:
             await self.shutdown()
             raise
-        self.ctx = zmq.asyncio.Context()
-        self.input_socket = self.ctx.socket(zmq.PUSH)
-        self.input_socket.connect(self.core.input_address)
-        self.output_socket = self.ctx.socket(zmq.PULL)
-        self.output_socket.connect(self.core.output_address)
+        self.channel = CoreChannel(zmq.asyncio.Context(), self.core)
         self.output_task = asyncio.create_task(self._output_loop())
         return self
 
@@ -84,13 +77,11 @@ class AsyncClient:
         if self.output_task is not None:
             self.output_task.cancel()
             self.output_task = None
-        if self.ctx is not None:
+        if self.channel is not None:
             if self.proc is not None and self.proc.is_alive():
-                await self.input_socket.send_multipart([RequestType.SHUTDOWN.value, b""])
-            self.input_socket.close(linger=200)
-            self.output_socket.close(linger=0)
-            self.ctx.term()
-            self.ctx = None
+                await self.channel.input.send_multipart(CoreChannel.SHUTDOWN_FRAMES)
+            self.channel.close()
+            self.channel = None
         if self.core is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.core.join, timeout_s)
         self._fail_all("the engine was shut down")
@@ -114,8 +105,7 @@ class AsyncClient:
         finished = False
         try:
             for request in requests:
-                await self.input_socket.send_multipart(
-                    [RequestType.ADD.value, self.encoder.encode(request)])
+                await self.channel.input.send_multipart(self.channel.add_frames(request))
             while True:
                 item = await out_queue.get()
                 if isinstance(item, BaseException):
@@ -134,9 +124,8 @@ class AsyncClient:
     async def abort(self, request_id: str) -> None:
         child_ids = self.output_processor.child_ids(request_id)
         self.output_processor.abort(request_id)
-        if child_ids and self.ctx is not None:
-            await self.input_socket.send_multipart(
-                [RequestType.ABORT.value, self.encoder.encode(child_ids)])
+        if child_ids and self.channel is not None:
+            await self.channel.input.send_multipart(self.channel.abort_frames(child_ids))
 
     async def wait_until_dead(self) -> str:
         """Return (with the reason) once the engine has died; never returns while it serves.
@@ -158,11 +147,10 @@ class AsyncClient:
 
     async def _utility(self, method: str, timeout_s: float = 30.0):
         self._check_alive()
-        call_id = next(self.call_ids)
+        call_id, frames = self.channel.utility_frames(method)
         future = asyncio.get_running_loop().create_future()
         self.utility_waiters[call_id] = future
-        await self.input_socket.send_multipart(
-            [RequestType.UTILITY.value, self.encoder.encode(UtilityRequest(call_id, method))])
+        await self.channel.input.send_multipart(frames)
         try:
             return await asyncio.wait_for(future, timeout_s)
         finally:
@@ -171,18 +159,17 @@ class AsyncClient:
     # ---- the output task ------------------------------------------------------------------
 
     async def _output_loop(self) -> None:
-        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        channel = self.channel
         try:
             while True:
-                if not await self.output_socket.poll(1000):
-                    if not self.proc.is_alive():
-                        raise EngineDeadError(
-                            f"EngineCore exited with code {self.proc.exitcode}")
+                if not await channel.output.poll(1000):
+                    if (error := self.core.exit_error()) is not None:
+                        raise error
                     continue
-                outputs = decoder.decode(await self.output_socket.recv())
+                outputs = channel.decode(await channel.output.recv())
                 self._dispatch(outputs)
-                if outputs.engine_error:
-                    raise EngineDeadError(f"EngineCore failed:\n{outputs.engine_error}")
+                if (error := engine_error(outputs)) is not None:
+                    raise error
         except asyncio.CancelledError:
             raise
         except BaseException as e:
@@ -208,8 +195,7 @@ class AsyncClient:
             if out_queue is not None:
                 out_queue.put_nowait(result)
         if to_abort:
-            self.input_socket.send_multipart([RequestType.ABORT.value,
-                                              self.encoder.encode(to_abort)])
+            self.channel.input.send_multipart(self.channel.abort_frames(to_abort))
 
     def _fail_all(self, message: str) -> None:
         for out_queue in self.queues.values():
@@ -221,5 +207,5 @@ class AsyncClient:
     def _check_alive(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
-        if self.ctx is None:
+        if self.channel is None:
             raise RuntimeError("AsyncClient is not started: use `async with` or await start()")

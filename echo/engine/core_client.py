@@ -66,6 +66,12 @@ class CoreProcess:
                          "ready (a script starting the engine needs `if __name__ == "
                          "'__main__':`, since engine processes are spawned)")
 
+    def exit_error(self) -> "EngineDeadError | None":
+        """The error pending requests get once the process has exited, else None."""
+        if self.proc.is_alive():
+            return None
+        return EngineDeadError(f"EngineCore exited with code {self.proc.exitcode}")
+
     def join(self, timeout_s: float) -> None:
         """Wait for the core to exit, then kill it (by its own PID) if it did not; remove the
         ipc files. Idempotent."""
@@ -83,6 +89,50 @@ class CoreProcess:
             self.ipc_dir = None
 
 
+class CoreChannel:
+    """The two sockets to a CoreProcess and the frames that cross them, for both clients: with
+    a zmq.Context the sockets block, with a zmq.asyncio.Context their calls are awaited."""
+
+    SHUTDOWN_FRAMES = (RequestType.SHUTDOWN.value, b"")
+
+    def __init__(self, ctx: zmq.Context, core: CoreProcess):
+        self.ctx = ctx
+        self.input = ctx.socket(zmq.PUSH)
+        self.input.connect(core.input_address)
+        self.output = ctx.socket(zmq.PULL)
+        self.output.connect(core.output_address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._call_ids = itertools.count()
+
+    def add_frames(self, request: EngineCoreRequest) -> list[bytes]:
+        return [RequestType.ADD.value, self._encoder.encode(request)]
+
+    def abort_frames(self, request_ids: list[str]) -> list[bytes]:
+        return [RequestType.ABORT.value, self._encoder.encode(request_ids)]
+
+    def utility_frames(self, method: str) -> tuple[int, list[bytes]]:
+        """A new call id, and the frames that ask the core to run `method` under it."""
+        call_id = next(self._call_ids)
+        return call_id, [RequestType.UTILITY.value,
+                         self._encoder.encode(UtilityRequest(call_id, method))]
+
+    def decode(self, message: bytes) -> EngineCoreOutputs:
+        return self._decoder.decode(message)
+
+    def close(self) -> None:
+        self.input.close(linger=200)
+        self.output.close(linger=0)
+        self.ctx.term()
+
+
+def engine_error(outputs: EngineCoreOutputs) -> EngineDeadError | None:
+    """The error the core reported before exiting, if this message carries one."""
+    if outputs.engine_error:
+        return EngineDeadError(f"EngineCore failed:\n{outputs.engine_error}")
+    return None
+
+
 class SyncCoreClient:
     """Blocking sockets to a CoreProcess: send requests, aborts and utility calls, receive the
     core's outputs one message at a time."""
@@ -94,42 +144,33 @@ class SyncCoreClient:
         except BaseException:
             self.core.join(10)
             raise
-        self.ctx = zmq.Context()
-        self.input_socket = self.ctx.socket(zmq.PUSH)
-        self.input_socket.connect(self.core.input_address)
-        self.output_socket = self.ctx.socket(zmq.PULL)
-        self.output_socket.connect(self.core.output_address)
-        self.encoder = msgspec.msgpack.Encoder()
-        self.decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
-        self.call_ids = itertools.count()
+        self.channel: CoreChannel | None = CoreChannel(zmq.Context(), self.core)
         # outputs that arrived while a utility call waited for its result
         self.pending: list[EngineCoreOutputs] = []
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.input_socket.send_multipart([RequestType.ADD.value, self.encoder.encode(request)])
+        self.channel.input.send_multipart(self.channel.add_frames(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
-            self.input_socket.send_multipart([RequestType.ABORT.value,
-                                              self.encoder.encode(request_ids)])
+            self.channel.input.send_multipart(self.channel.abort_frames(request_ids))
 
     def get_outputs(self) -> EngineCoreOutputs:
         """The core's next message; EngineDeadError if the core died or failed."""
         if self.pending:
             return self.pending.pop(0)
-        while not self.output_socket.poll(1000):
-            if not self.core.proc.is_alive():
-                raise EngineDeadError(f"EngineCore exited with code {self.core.proc.exitcode}")
-        outputs = self.decoder.decode(self.output_socket.recv())
-        if outputs.engine_error:
-            raise EngineDeadError(f"EngineCore failed:\n{outputs.engine_error}")
+        while not self.channel.output.poll(1000):
+            if (error := self.core.exit_error()) is not None:
+                raise error
+        outputs = self.channel.decode(self.channel.output.recv())
+        if (error := engine_error(outputs)) is not None:
+            raise error
         return outputs
 
     def utility(self, method: str):
         """Call a core method by name (stats, reset_prefix_cache) and wait for its result."""
-        call_id = next(self.call_ids)
-        self.input_socket.send_multipart(
-            [RequestType.UTILITY.value, self.encoder.encode(UtilityRequest(call_id, method))])
+        call_id, frames = self.channel.utility_frames(method)
+        self.channel.input.send_multipart(frames)
         held = []
         try:
             while True:
@@ -144,11 +185,9 @@ class SyncCoreClient:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the core (it stops its workers) and wait for it; idempotent."""
-        if self.ctx is not None:
+        if self.channel is not None:
             if self.core.proc.is_alive():
-                self.input_socket.send_multipart([RequestType.SHUTDOWN.value, b""])
-            self.input_socket.close(linger=200)
-            self.output_socket.close(linger=0)
-            self.ctx.term()
-            self.ctx = None
+                self.channel.input.send_multipart(CoreChannel.SHUTDOWN_FRAMES)
+            self.channel.close()
+            self.channel = None
         self.core.join(timeout_s)
