@@ -3,8 +3,15 @@
 `EngineConfig.create(**kwargs)` takes the argument names vLLM users already type (model, dtype,
 max_model_len, block_size, ...), resolves the model (a folder, a preset, or the embedded
 default), and validates every field with an error that names it.
+
+Every engine argument is written once, here: a field of a part (CacheConfig, SchedulerConfig,
+ParallelConfig, DeviceConfig) with its help, choices and command-line aliases in the field's
+metadata, or an EngineArg in MODEL_ARGS for the model-level ones. `engine_arg_specs()` lists
+them all; the command line (echo/entrypoints/cli.py) builds its flags from that list.
 """
 
+import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -39,6 +46,43 @@ def _check_bool(value, name: str) -> None:
 
 
 @dataclass(frozen=True)
+class EngineArg:
+    """One engine argument as users pass it: an EngineConfig.create keyword, or a flag."""
+
+    name: str  # the create() keyword; the flag is --name-with-dashes
+    type: type  # int, float, str or bool (the type of a given value; None means "not given")
+    default: object  # what applies when it is not given (None: derived, see help)
+    help: str
+    choices: tuple | None = None
+    aliases: tuple[str, ...] = ()  # other command-line spellings (vLLM's, SGLang's)
+
+
+def _arg(default, help: str, choices: tuple | None = None, aliases: tuple[str, ...] = ()):
+    """A part's field that is also an engine argument: its metadata is the rest of EngineArg."""
+    return field(default=default,
+                 metadata={"help": help, "choices": choices, "aliases": aliases})
+
+
+# the create() arguments that go into ModelConfig, whose fields are the resolved values
+MODEL_ARGS = (
+    EngineArg("tokenizer", str, None,
+              "local Hugging Face folder to load the tokenizer from (default: the model's)"),
+    EngineArg("dtype", str, "auto",
+              "weights and activations dtype; auto: float32 on CPU, else the model's "
+              "bfloat16/float16 (bfloat16 for float32 models)", choices=DTYPES),
+    EngineArg("max_model_len", int, None,
+              "longest sequence, prompt plus output, in tokens (default: the model's "
+              "max_position_embeddings)"),
+    EngineArg("load_format", str, "auto",
+              "weights format; dummy: random weights of the model's shapes (presets, "
+              "benchmarks)", choices=LOAD_FORMATS),
+    EngineArg("seed", int, 0,
+              "engine seed: dummy weights and the sampling of requests that give no seed"),
+)
+_MODEL_DEFAULTS = {a.name: a.default for a in MODEL_ARGS}
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model: str  # what the user asked for: a folder, a preset name or "default"
     path: Path | None  # the folder weights and tokenizer come from; None for presets
@@ -46,8 +90,8 @@ class ModelConfig:
     dtype: str  # resolved: bfloat16, float16 or float32
     max_model_len: int
     tokenizer: Path | None = None
-    load_format: str = "auto"
-    seed: int = 0
+    load_format: str = _MODEL_DEFAULTS["load_format"]
+    seed: int = _MODEL_DEFAULTS["seed"]
 
     def __post_init__(self):
         _check_choice(self.dtype, "dtype", DTYPES[1:])
@@ -59,11 +103,16 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"
+    block_size: int = _arg(16, "tokens per KV cache block: 8, 16, 32, 64 or 128")
+    gpu_memory_utilization: float = _arg(
+        0.9, "fraction of the GPU's memory the engine may use (weights, activations, KV cache)")
+    num_gpu_blocks_override: int | None = _arg(
+        None, "number of KV cache blocks, instead of sizing the cache by profiling")
+    enable_prefix_caching: bool = _arg(
+        True, "reuse the KV cache blocks of a shared prompt prefix")
+    kv_cache_dtype: str = _arg(
+        "auto", "KV cache dtype; auto and bf16: the model dtype; int8: half the bytes per "
+        "token (about twice the context), with per-token-head scales", choices=KV_CACHE_DTYPES)
 
     def __post_init__(self):
         _check_int(self.block_size, "block_size")
@@ -83,10 +132,12 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 4096
-    async_scheduling: bool = True
+    max_num_seqs: int = _arg(256, "most sequences in one step")
+    max_num_batched_tokens: int = _arg(
+        8192, "most tokens in one step; when not given, raised to max_num_seqs if that is larger")
+    max_model_len: int = 4096  # not an argument of its own: the model's, copied by create()
+    async_scheduling: bool = _arg(
+        True, "schedule the next step while the current one runs on the device")
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -99,7 +150,10 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
+    # -tp is vLLM's short form, --tp-size SGLang's
+    tensor_parallel_size: int = _arg(
+        1, "number of tensor-parallel ranks (GPUs on cuda, processes on cpu)",
+        aliases=("--tp", "-tp", "--tp-size"))
 
     def __post_init__(self):
         _check_int(self.tensor_parallel_size, "tensor_parallel_size")
@@ -109,9 +163,12 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    device: str = "auto"  # resolved by create(): cuda when available, else cpu
-    attention_backend: str = "auto"  # resolved: triton on cuda, torch elsewhere
-    enforce_eager: bool = False
+    # both resolved by create()
+    device: str = _arg("auto", "auto: cuda when available, else cpu", choices=DEVICES)
+    attention_backend: str = _arg(
+        "auto", "attention kernels; auto: triton on cuda, torch elsewhere",
+        choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = _arg(False, "run the model eagerly, without CUDA graphs")
 
     def __post_init__(self):
         _check_choice(self.device, "device", DEVICES)
@@ -155,13 +212,33 @@ class EngineConfig:
         return _create(model, **kwargs)
 
 
-_ALIASES = {"tp": "tensor_parallel_size"}
+ENGINE_PARTS = (CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig)
+_ALIASES = {"tp": "tensor_parallel_size"}  # create() keywords; the flags' are in the metadata
 # max_model_len is a model argument; the scheduler's copy is filled from the resolved value
-_PART_FIELDS = {
-    part: {f.name for f in fields(part)} - {"max_model_len"}
-    for part in (CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig)
-}
-_MODEL_KWARGS = {"tokenizer", "dtype", "max_model_len", "load_format", "seed"}
+_PART_FIELDS = {part: {f.name for f in fields(part)} - _MODEL_DEFAULTS.keys()
+                for part in ENGINE_PARTS}
+
+
+def _value_type(annotation) -> type:
+    """int for `int | None`: None is "not given", never a value of its own."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+def engine_arg_specs() -> Iterator[EngineArg]:
+    """Every argument EngineConfig.create takes besides the model: MODEL_ARGS, then the parts'
+    fields in their order (the command line offers them in this order)."""
+    yield from MODEL_ARGS
+    for part, names in _PART_FIELDS.items():
+        hints = typing.get_type_hints(part)
+        for f in fields(part):
+            if f.name not in names:
+                continue
+            if "help" not in f.metadata:
+                raise TypeError(f"{part.__name__}.{f.name}: an engine argument needs its "
+                                "metadata (declare it with _arg)")
+            yield EngineArg(f.name, _value_type(hints[f.name]), f.default, f.metadata["help"],
+                            f.metadata["choices"], f.metadata["aliases"])
 
 
 def _resolve_model(model: str | None, load_format: str) -> tuple[Path | None, dict]:
@@ -209,7 +286,7 @@ def _create(model: str | None, **kwargs) -> EngineConfig:
     parts = {}
     for part, names in _PART_FIELDS.items():
         parts[part] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
-    model_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _MODEL_KWARGS}
+    model_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _MODEL_DEFAULTS}
     if kwargs:
         raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
 
@@ -218,7 +295,7 @@ def _create(model: str | None, **kwargs) -> EngineConfig:
     cache = CacheConfig(**parts[CacheConfig])
     parallel = ParallelConfig(**parts[ParallelConfig])
     device_cfg = DeviceConfig(**parts[DeviceConfig])
-    load_format = model_kwargs.get("load_format", "auto")
+    load_format = model_kwargs.get("load_format", _MODEL_DEFAULTS["load_format"])
     _check_choice(load_format, "load_format", LOAD_FORMATS)
     given = {**model_kwargs, **parts[SchedulerConfig]}
     for name in ("max_model_len", "max_num_seqs"):  # compared below, before their parts check
@@ -244,14 +321,16 @@ def _create(model: str | None, **kwargs) -> EngineConfig:
         model=str(model or "default"),
         path=path,
         arch=arch,
-        dtype=_resolve_dtype(model_kwargs.get("dtype", "auto"), arch, device),
+        dtype=_resolve_dtype(model_kwargs.get("dtype", _MODEL_DEFAULTS["dtype"]), arch, device),
         max_model_len=max_model_len,
         tokenizer=Path(tokenizer).expanduser() if tokenizer else path,
         load_format=load_format,
-        seed=model_kwargs.get("seed", 0),
+        seed=model_kwargs.get("seed", _MODEL_DEFAULTS["seed"]),
     )
     sched = parts[SchedulerConfig]
-    sched.setdefault("max_num_batched_tokens", max(8192, sched.get("max_num_seqs", 256)))
+    default = SchedulerConfig()
+    sched.setdefault("max_num_batched_tokens", max(
+        default.max_num_batched_tokens, sched.get("max_num_seqs", default.max_num_seqs)))
     return EngineConfig(
         model=model_cfg,
         cache=cache,

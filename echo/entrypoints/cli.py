@@ -3,49 +3,41 @@
 import argparse
 import sys
 
-from echo.config import KV_CACHE_DTYPES
+from echo.config import EngineArg, engine_arg_specs
 from echo.sampling_params import SamplingParams
 
 
+def _flag_options(spec: EngineArg) -> dict:
+    """argparse options for one engine argument; its default is None, meaning "not given", so
+    that the config's own default applies. Bools as vLLM's: a True default can be turned off
+    (--no-...), a False one is a switch."""
+    shown = ("on" if spec.default else "off") if spec.type is bool else spec.default
+    text = spec.help if spec.default is None else f"{spec.help} (default: {shown})"
+    options = {"dest": spec.name, "default": None, "help": text.replace("%", "%%")}
+    if spec.type is bool:
+        options["action"] = argparse.BooleanOptionalAction if spec.default else "store_true"
+    else:
+        options["type"] = spec.type
+    if spec.choices is not None:
+        options["choices"] = list(spec.choices)
+    return options
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags with the names vLLM users type; each maps to an EngineConfig.create kwarg."""
+    """Engine flags with the names vLLM users type, made from the config's engine arguments
+    (echo.config.engine_arg_specs): --max-model-len for max_model_len, plus its aliases."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default="default",
                    help="local Hugging Face folder, a preset (with --load-format dummy), or "
                         "'default' (embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--tokenizer")
-    g.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"])
-    g.add_argument("--max-model-len", type=int)
-    g.add_argument("--block-size", type=int)
-    g.add_argument("--gpu-memory-utilization", type=float)
-    g.add_argument("--num-gpu-blocks-override", type=int)
-    g.add_argument("--max-num-seqs", type=int)
-    g.add_argument("--max-num-batched-tokens", type=int)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=None)
-    # -tp is vLLM's short form, --tp-size SGLang's
-    g.add_argument("--tensor-parallel-size", "--tp", "-tp", "--tp-size", type=int,
-                   dest="tensor_parallel_size")
-    g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES))
-    g.add_argument("--enforce-eager", action="store_true", default=None)
-    g.add_argument("--load-format", choices=["auto", "safetensors", "dummy"])
-    g.add_argument("--seed", type=int)
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--device", choices=["auto", "cuda", "cpu"])
-    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
-
-
-ENGINE_ARG_NAMES = (
-    "tokenizer", "dtype", "max_model_len", "block_size", "gpu_memory_utilization",
-    "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens",
-    "enable_prefix_caching", "tensor_parallel_size", "kv_cache_dtype", "enforce_eager",
-    "load_format", "seed", "async_scheduling", "device", "attention_backend",
-)
+    for spec in engine_arg_specs():
+        g.add_argument("--" + spec.name.replace("_", "-"), *spec.aliases, **_flag_options(spec))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES
-            if getattr(args, name, None) is not None}
+    """EngineConfig.create keyword arguments: only the flags that were given."""
+    return {spec.name: getattr(args, spec.name) for spec in engine_arg_specs()
+            if getattr(args, spec.name, None) is not None}
 
 
 def _generate(args: argparse.Namespace) -> int:

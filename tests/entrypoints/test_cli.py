@@ -1,9 +1,12 @@
 """The command line: `python -m echo generate` and its errors."""
 
+import re
 import subprocess
 import sys
 
 import pytest
+
+from echo.config import engine_arg_specs
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -39,3 +42,86 @@ def test_tp_flags_of_vllm_and_sglang_are_understood(flag):
 
     args = build_parser().parse_args(["serve", flag, "2"])
     assert engine_kwargs(args) == {"tensor_parallel_size": 2}
+
+
+def _engine_flags() -> dict:
+    import argparse
+
+    from echo.entrypoints.cli import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return {a.dest: a for a in parser._actions}
+
+
+def test_every_engine_argument_has_a_flag_with_the_config_choices():
+    import argparse
+    import dataclasses
+    import typing
+
+    from echo.config import ENGINE_PARTS, MODEL_ARGS
+
+    flags = _engine_flags()
+    # from the dataclasses themselves: a field added without its metadata, or without a flag,
+    # fails here
+    expected = {a.name: (a.type, a.default, a.choices) for a in MODEL_ARGS}
+    for part in ENGINE_PARTS:
+        hints = typing.get_type_hints(part)
+        for f in dataclasses.fields(part):
+            if f.name in expected:  # max_model_len: the model's, copied into the scheduler
+                continue
+            value_type = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
+            expected[f.name] = (value_type[0] if value_type else hints[f.name], f.default,
+                                f.metadata["choices"])
+            assert f.metadata["help"], f.name
+    for name, (value_type, default, choices) in expected.items():
+        action = flags[name]
+        assert f"--{name.replace('_', '-')}" in action.option_strings
+        assert action.default is None, name  # not given: the config's default applies
+        assert action.choices == (list(choices) if choices is not None else None), name
+        if value_type is bool:
+            boolean = argparse.BooleanOptionalAction if default else argparse._StoreTrueAction
+            assert isinstance(action, boolean), name
+        else:
+            assert action.type is value_type, name
+    assert set(flags) - {"help", "model"} == set(expected)
+
+
+@pytest.mark.parametrize("spec", [s for s in engine_arg_specs() if s.choices],
+                         ids=lambda s: s.name)
+def test_the_flags_choices_are_the_ones_the_config_checks(tiny_llama, spec):
+    from echo.config import EngineConfig
+
+    assert _engine_flags()[spec.name].choices == list(spec.choices)
+    message = f"{spec.name}: 'bogus' is not one of {list(spec.choices)}"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        EngineConfig.create(str(tiny_llama), **{"device": "cpu", spec.name: "bogus"})
+
+
+def test_a_command_line_gives_the_python_calls_config(tiny_llama):
+    from echo.config import EngineConfig
+    from echo.entrypoints.cli import build_parser, engine_kwargs
+
+    python_kwargs = dict(
+        tokenizer=str(tiny_llama), dtype="float32", max_model_len=128, load_format="dummy",
+        seed=3, block_size=32, gpu_memory_utilization=0.5, num_gpu_blocks_override=64,
+        enable_prefix_caching=False, kv_cache_dtype="int8", max_num_seqs=4,
+        max_num_batched_tokens=512, async_scheduling=False, tensor_parallel_size=1,
+        device="cpu", attention_backend="torch", enforce_eager=True,
+    )
+    argv = ["serve", "--model", str(tiny_llama), "--tokenizer", str(tiny_llama),
+            "--dtype", "float32", "--max-model-len", "128", "--load-format", "dummy",
+            "--seed", "3", "--block-size", "32", "--gpu-memory-utilization", "0.5",
+            "--num-gpu-blocks-override", "64", "--no-enable-prefix-caching",
+            "--kv-cache-dtype", "int8", "--max-num-seqs", "4", "--max-num-batched-tokens", "512",
+            "--no-async-scheduling", "-tp", "1", "--device", "cpu",
+            "--attention-backend", "torch", "--enforce-eager"]
+    args = build_parser().parse_args(argv)
+    assert engine_kwargs(args) == python_kwargs
+    assert (EngineConfig.create(args.model, **engine_kwargs(args))
+            == EngineConfig.create(str(tiny_llama), **python_kwargs))
+    # a flag that is not given is not passed: the config's default applies, as in Python
+    bare = build_parser().parse_args(["generate", "--model", str(tiny_llama), "--device", "cpu"])
+    assert engine_kwargs(bare) == {"device": "cpu"}
+    on = build_parser().parse_args(["serve", "--enable-prefix-caching", "--async-scheduling"])
+    assert engine_kwargs(on) == {"enable_prefix_caching": True, "async_scheduling": True}
