@@ -9,13 +9,10 @@
 # process started here is ended here, by PID. The probes' runs: tools/dev/gpu_probes.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-OUT=${OUT:-out}
-mkdir -p "$OUT"
+source tools/gpu_stages.sh
 
-run_stage() {
-  local stage=$1 dir
-  dir=$(mktemp -d)
+stage_commands() {
+  local stage=$1 dir=$2
   case "$stage" in
     tests)
       $PY -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$dir/test_gpu.log" | tail -5 ;;
@@ -121,11 +118,6 @@ run_stage() {
     *)
       echo "unknown stage $stage" >&2; return 2 ;;
   esac
-  tar -czf "$OUT/$stage.tar.gz" -C "$dir" .
-  rm -rf "$dir"
 }
 
-for stage in "$@"; do
-  echo "=== $stage"
-  run_stage "$stage"
-done
+run_stages "$@"

@@ -7,13 +7,10 @@
 # are printed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-PY=${PYTHON:-python3}
-OUT=${OUT:-out}
-mkdir -p "$OUT"
+source tools/gpu_stages.sh
 
-run_stage() {
-  local stage=$1 dir
-  dir=$(mktemp -d)
+stage_commands() {
+  local stage=$1 dir=$2
   case "$stage" in
     sweeps)  # tile candidates: int8 decode (the int8 issue's case) and small-M linears
       $PY tools/bench_kernels.py --only decode --decode-cases 8:32768 --sweep \
@@ -37,11 +34,6 @@ run_stage() {
     *)
       echo "unknown stage $stage" >&2; return 2 ;;
   esac
-  tar -czf "$OUT/$stage.tar.gz" -C "$dir" .
-  rm -rf "$dir"
 }
 
-for stage in "$@"; do
-  echo "=== $stage"
-  run_stage "$stage"
-done
+run_stages "$@"

@@ -1,0 +1,19 @@
+# Sourced by tools/gpu_acceptance.sh and tools/dev/gpu_probes.sh, from the repository root: runs
+# each stage named on the command line through the caller's `stage_commands STAGE DIR`, in a
+# scratch folder DIR that is then packed into $OUT/STAGE.tar.gz (the device tool returns few
+# files).
+PY=${PYTHON:-python3}
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+
+run_stages() {
+  local stage dir
+  for stage in "$@"; do
+    echo "=== $stage"
+    dir=$(mktemp -d)
+    stage_commands "$stage" "$dir"
+    if [ $? -eq 2 ]; then rm -rf "$dir"; continue; fi  # an unknown stage: nothing to pack
+    tar -czf "$OUT/$stage.tar.gz" -C "$dir" .
+    rm -rf "$dir"
+  done
+}
