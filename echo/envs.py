@@ -62,15 +62,16 @@ def profile_out() -> Path | None:
 
 def symm_mem_all_reduce() -> bool:
     """Tensor-parallel all-reduces of small messages on CUDA use a one-shot all-reduce over
-    symmetric memory instead of NCCL (ECHO_SYMM_MEM_ALL_REDUCE=1; off until measured)."""
+    symmetric memory instead of NCCL (ECHO_SYMM_MEM_ALL_REDUCE=1; off: on two GPUs it was
+    slower per call than NCCL, docs/benchmarks.md, What was tried and dropped)."""
     return os.environ.get("ECHO_SYMM_MEM_ALL_REDUCE", "0") == "1"
 
 
 def fused_norm_all_reduce() -> bool:
     """Tensor-parallel all-reduces before an RMSNorm run fused with the residual add and the
     norm, as one-shot writes into peer-mapped inboxes (CUDA; default 1,
-    ECHO_FUSED_NORM_ALL_REDUCE=0 turns it off). On two H200s its first versions took a batch-1
-    Qwen3-8B step from 3.26 to 2.95 ms."""
+    ECHO_FUSED_NORM_ALL_REDUCE=0 turns it off). On two H200s it made a batch-1 Qwen3-8B step
+    faster than NCCL (docs/benchmarks.md, Tensor parallelism on two H200s)."""
     return os.environ.get("ECHO_FUSED_NORM_ALL_REDUCE", "1") == "1"
 
 

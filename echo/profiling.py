@@ -5,7 +5,8 @@ both as an NVTX range (what Nsight Systems records) and as a torch.profiler user
 (what the PyTorch-profiler fallback records), so tools/overlap_report.py reads the same names
 from either trace. ECHO_NVTX=1 turns ranges on; it is read once, when this module is imported,
 because reading os.environ on every use would cost about as much as the phases being measured.
-Off, step_range returns one shared no-op context manager (~0.2 µs a use).
+Off, step_range returns one shared no-op context manager (its cost: docs/benchmarks.md,
+Host-side cost of a step).
 
 `ProfilerWindow` starts and stops a profiler around steps START..START+COUNT-1 of the process
 that owns the ModelRunner (ECHO_PROFILE_STEPS, ECHO_PROFILE_OUT; see echo/envs.py). The

@@ -2,12 +2,13 @@
 that follow it, over buffers every rank can write (CUDA peer mapping; no NVLink multicast).
 
 A tensor-parallel decode step at batch 1 all-reduces a few KiB per layer twice, and each NCCL
-all-reduce then costs ~10 µs inside a CUDA graph, most of it latency. Here each program owns
-rows pid, pid + P, ... (P programs, at most one per SM, so all are resident together). It
-writes its rows' partial sums straight into every peer's inbox, waits until every peer's rows
-have arrived in its own, sums all ranks' values in rank order (every rank gets the same bits
-and so samples the same token) and then does what `fused_add_rms_norm` does: one launch
-instead of an all-reduce and a norm. Each rank sends its rows once and reads only local memory.
+all-reduce is then latency bound inside a CUDA graph (docs/benchmarks.md, All-reduce). Here each
+program owns rows pid, pid + P, ... (P programs, at most one per SM, so all are resident
+together). It writes its rows' partial sums straight into every peer's inbox, waits until every
+peer's rows have arrived in its own, sums all ranks' values in rank order (every rank gets the
+same bits and so samples the same token) and then does what `fused_add_rms_norm` does: one
+launch instead of an all-reduce and a norm. Each rank sends its rows once and reads only local
+memory.
 
 No flags (Lamport's scheme): an inbox element holding -0.0 has not arrived yet. Senders turn
 -0.0 into +0.0 (a sum that was -0.0 comes out +0.0), a reader polls its rows until none is

@@ -249,8 +249,8 @@ def rotary_embedding(
     if num_tokens == 0:
         return
     # NOTE: measured on an H200 at 8192 tokens, 32/8 heads, d=128: the plain rotation is fastest
-    # with one program of 8 warps per token (87% of copy bandwidth); with the norm's per-head
-    # reductions, two programs of 2 warps per token (82%, against 79% for one).
+    # with one program of 8 warps per token; with the norm's per-head reductions, two programs
+    # of 2 warps per token beat one (docs/benchmarks.md, Kernels; History 148e3a5).
     chunks = min(2 if has_norm else 1, num_heads)
     q_block = triton.next_power_of_2(triton.cdiv(num_heads, chunks))
     k_block = triton.next_power_of_2(triton.cdiv(num_kv_heads, chunks))

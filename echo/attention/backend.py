@@ -64,8 +64,8 @@ def cache_scales(num_blocks: int, block_size: int, num_kv_heads: int, device: to
     """One int8 cache's per-token, per-KV-head scales, indexed [num_blocks, block_size,
     num_kv_heads] but stored [num_blocks, num_kv_heads, block_size]. A decode program reads one
     KV head: stored that way, a block's 16 scales of its head are one 64-byte piece rather than
-    16 floats 32 bytes apart (int8 decode at B=8 x 32K on an H200: 193.2 -> 187.4 us). Kernels
-    take the strides, so the layout is this function's alone."""
+    16 floats 32 bytes apart, which made int8 decode faster (docs/benchmarks.md, History
+    4d4a42e). Kernels take the strides, so the layout is this function's alone."""
     return torch.full((num_blocks, num_kv_heads, block_size), fill, dtype=SCALE_DTYPE,
                       device=device).transpose(1, 2)
 

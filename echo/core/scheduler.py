@@ -1,4 +1,4 @@
-"""Scheduler: one rule, no phases (DESIGN.md section 3).
+"""Scheduler: one rule, no phases (docs/ARCHITECTURE.md, Scheduling).
 
 Every request has num_tokens (prompt + generated) and num_computed_tokens; each step hands out
 a token budget so requests catch up. Running requests go first, in admission order: a decode

@@ -1,13 +1,15 @@
 """A one-shot all-reduce for small messages over peer-mapped (symmetric) memory, multicast off.
 
-NCCL's all-reduce of one decode step's hidden state (8 KiB at batch 1) is latency bound: ~10 µs
-inside a CUDA graph on two NVLinked H200s, and a TP=2 decode step of Qwen3-8B runs 72 of them.
+NCCL's all-reduce of one decode step's hidden state (8 KiB at batch 1) is latency bound inside
+a CUDA graph on two NVLinked H200s, and a TP=2 decode step of Qwen3-8B runs 72 of them.
 In a one-shot all-reduce each rank copies its input into a buffer every peer can read, waits at
 a barrier on signal pads, and sums all peers' buffers itself: one kernel, no ring. torch's
 symmetric-memory ops provide it (torch.ops.symm_mem.one_shot_all_reduce); larger messages stay
 on NCCL, whose bandwidth-optimal algorithms win there.
 
-Off by default until measured on the two-GPU machine (ECHO_SYMM_MEM_ALL_REDUCE=1 turns it on).
+Off by default (ECHO_SYMM_MEM_ALL_REDUCE=1 turns it on): on the two-GPU machine it was slower
+per call than NCCL + norm, and the fused all-reduce + norm became the TP default
+(docs/benchmarks.md, What was tried and dropped).
 """
 
 import torch

@@ -32,7 +32,8 @@ class EngineCore:
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
         # NOTE: everything alive now (model, caches, tokenizer tables) lives as long as the
         # engine; freezing it keeps the garbage collector from rescanning it every few steps
-        # (at 1,024 running requests that scan was a 10 ms p99 stall per step).
+        # (with many running requests that scan was the step's p99 stall: docs/benchmarks.md,
+        # Scheduler CPU cost).
         gc.collect()
         gc.freeze()
 

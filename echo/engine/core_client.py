@@ -4,9 +4,9 @@
 waits for its ready message or its traceback, and ends it by PID. `SyncCoreClient` is the
 blocking frontend of echo.LLM(engine_process=True), as vLLM's LLM has: the scheduler and
 the workers' host work then run in other processes than the caller's tokenizing and
-detokenizing (through the AsyncClient, that measured 28% more offline throughput than one
-process: docs/benchmarks.md). AsyncClient is the asyncio frontend over the same process and
-sockets.
+detokenizing (offline figures of the split processes against one: docs/benchmarks.md,
+Offline throughput and History e20d1fd). AsyncClient is the asyncio frontend over the same
+process and sockets.
 """
 
 import itertools

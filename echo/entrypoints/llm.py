@@ -27,12 +27,11 @@ class LLM:
     model: a local Hugging Face folder, a preset name (with load_format="dummy"), or "default"
     (the embedded SmolLM2-135M-Instruct). Engine arguments: see EngineConfig.create.
 
-    engine_process=True runs the EngineCore (scheduler) and the model in their own processes,
-    as `echo serve` does, while this process tokenizes and detokenizes: the host work of a step
-    is then split three ways (through the AsyncClient, the same processes gave 28% more offline
-    throughput than one process for Qwen3-0.6B on the H200). With
-    tensor_parallel_size > 1 the ranks always run in worker processes. Processes are ended by
-    `shutdown()`, when the LLM is garbage collected, or at exit.
+    engine_process=True runs the EngineCore (scheduler) and the model in their own processes, as
+    `echo serve` does, while this process tokenizes and detokenizes: the host work of a step is
+    then split three ways (offline figures of both: docs/benchmarks.md, Offline throughput and
+    History e20d1fd). With tensor_parallel_size > 1 the ranks always run in worker processes.
+    Processes are ended by `shutdown()`, when the LLM is garbage collected, or at exit.
     """
 
     def __init__(self, model: str | None = "default", engine_process: bool = False,

@@ -4,8 +4,8 @@ variants before the first request rather than inside it.
 Triton compiles a kernel once per combination of its compile-time parameters. Decode batches
 are compiled while their CUDA graphs are captured; prefills, prefill chunks mixed with decodes
 and eager decodes pick among a handful of attention tile classes, with and without key splits,
-each compiled at its first appearance. A serving run on a freshly started H200 (Qwen3-8B,
-docs/benchmarks.md) showed inter-token gaps of up to 1.3 s, the size of such compilations.
+each compiled at its first appearance. A serving run on a freshly started H200 (Qwen3-8B)
+showed inter-token gaps the size of such compilations (docs/benchmarks.md, History 7939db3).
 """
 
 from dataclasses import dataclass

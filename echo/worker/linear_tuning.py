@@ -1,14 +1,14 @@
 """Pick, per linear-layer shape, the faster of cuBLAS and echo's GEMV for one-row decode steps.
 
 At batch 1 a linear layer is a read of its weight, and cuBLAS streams the small decode shapes
-at 60-75% of the H200's bandwidth (docs/benchmarks.md). `small_m_linear` beats it on some
-shapes and loses on others, by amounts that depend on the card and the shape, so the runner
-measures instead of guessing: for each distinct (N, K) it times F.linear and a few GEMV tiles
-over all the layers of that shape (the weights a decode step really streams, past the L2) and
-gives those layers the GEMV only where it is faster by a margin. On by default on CUDA
-(ECHO_TUNE_SMALL_M=0 turns it off): with PDL it took a batch-1 Llama-3.1-8B step from 4.43 to
-4.28 ms on an H200. The choice is per machine, so logits may differ in the last bits between
-machines, as they do between cuBLAS versions.
+well below the H200's bandwidth (docs/benchmarks.md, History e20d1fd). `small_m_linear` beats it
+on some shapes and loses on others, by amounts that depend on the card and the shape, so the
+runner measures instead of guessing: for each distinct (N, K) it times F.linear and a few GEMV
+tiles over all the layers of that shape (the weights a decode step really streams, past the L2)
+and gives those layers the GEMV only where it is faster by a margin. On by default on CUDA
+(ECHO_TUNE_SMALL_M=0 turns it off): with PDL it made batch-1 Llama-3.1-8B and Qwen3-8B steps
+faster on an H200 (docs/benchmarks.md, History 6340cc9). The choice is per machine, so logits
+may differ in the last bits between machines, as they do between cuBLAS versions.
 """
 
 import functools
@@ -24,8 +24,7 @@ from echo.layers.linear import LinearBase
 
 # (block_n, block_k, prefetch, num_warps): the fastest tiles of bench_kernels.py's sweeps on an
 # H200, for Llama-3.1-8B and Qwen3-8B (TP=1 and 2) shapes. Warps other than 4 won on the small
-# shapes: Qwen3-8B qkv 13.9 us at 4x512 with 2 warps against 14.3 at 8x512 with 4, TP=2 qkv 8.3
-# (8 warps) against 8.6, TP=2 o_proj 5.3 (2 warps) against 5.6 (docs/benchmarks.md).
+# shapes: Qwen3-8B qkv, TP=2 qkv and TP=2 o_proj (docs/benchmarks.md, Kernels).
 GEMV_CANDIDATES = ((8, 512, False, 4), (8, 512, True, 4), (4, 512, False, 4), (4, 512, True, 4),
                    (4, 1024, False, 4), (16, 256, False, 4), (4, 512, False, 2),
                    (4, 512, True, 2), (4, 512, True, 8))

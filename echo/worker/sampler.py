@@ -98,8 +98,8 @@ class Sampler:
         if t.all_greedy and not logits.is_cuda:
             token_ids = logits.argmax(dim=-1)  # the twin would draw noise nobody uses
         elif t.all_greedy:
-            # the kernel's argmax spreads a small batch's rows over the SMs; torch's took
-            # 35 µs for one 128k-token row on an H200 (a Llama-3.1-8B decode step is 4.5 ms)
+            # the kernel's argmax spreads a small batch's rows over the SMs; torch's argmax of
+            # one row was slower (docs/benchmarks.md, What was tried and dropped: Sampling)
             token_ids = gumbel_sample(logits, t.temperature, t.seeds, t.steps)
         elif t.need_top_k or t.need_top_p or t.need_min_p:
             # the filters act on the temperature-scaled distribution

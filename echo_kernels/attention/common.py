@@ -65,22 +65,22 @@ def tile_config(rows_per_seq: int, head_dim: int, is_int8: bool = False) -> Tile
     if rows_per_seq <= _DECODE_ROWS:
         # decode: one warp per program. A 16-row query tile is one MMA row block, so one warp
         # keeps the scores, softmax and P in registers (no shared-memory exchange or barrier
-        # between warps each tile); many small programs per SM hide the latency. On an H200
-        # (bench_kernels.py --sweep and finer split sweeps), against the earlier 4-warp tiles:
-        # bf16 B=8 x 32K 266.8 -> ~250 us, B=256 x 1K 257.6 -> ~250, B=64 x 4K 278.5 -> 250.0.
-        # int8 with V read as pairs (attend_key_range) fits 3 stages at 193 registers: B=8 x 32K
-        # 155 us at 2 stages -> 147 at 3, B=256 x 1K 153 -> 143, B=64 x 4K 156 -> 148.
-        # programs_per_sm is the split target, not the fit: int8 fits 10 per SM, but a target
-        # of 10 (41 splits at B=8 x 32K) ran 154.7 us against 146.7 at 8 (33 splits). bf16 fits
+        # between warps each tile); many small programs per SM hide the latency. One-warp tiles
+        # beat the earlier 4-warp ones in every uniform-context case swept, bf16 and int8. int8
+        # with V read as pairs (attend_key_range) fits 3 stages at 193 registers, and 3 stages
+        # beat 2 in every case measured. programs_per_sm is the split target, not the fit: int8
+        # fits 10 per SM, but a target of 10 was slower where it changed the splits. bf16 fits
         # 4 per SM by shared memory; with 3 stages it was as fast at full grids but fits 6, and
-        # B=64 x 4K (512 programs) then ran 316 us unsplit.
+        # B=64 x 4K (512 programs) then ran unsplit and slower. Figures: docs/benchmarks.md
+        # (Kernels, int8 KV cache, What was tried and dropped; History 00075d0, 2613bfa).
         if is_int8:
             return TileConfig(16, 32, 1, 3, programs_per_sm=8)
         return TileConfig(16, 32 if head_dim > 64 else 64, 1, 4, programs_per_sm=4)
     if rows_per_seq <= _SHORT_RUN_ROWS:
         # short runs, or decode-heavy mixes where 128-row tiles would mostly hold padding
         return TileConfig(64, 64, 4, 3)
-    # long runs: causal S=4096 prefill at 447 TFLOP/s contiguous, 419 paged (wgmma, 3 stages)
+    # long runs (wgmma, 3 stages): causal S=4096 prefill meets its TFLOP/s target contiguous
+    # and paged (docs/benchmarks.md, Kernels)
     return TileConfig(128, 64 if head_dim > 64 else 128, 8, 3)
 
 
@@ -213,8 +213,8 @@ def int8_to_fp16(x):
     """int8 tile as exact float16 values (the dot dtype of int8 caches).
 
     Without I2F instructions (16 per clock per SM on Hopper), by the bit trick of
-    _bytes_to_halves_asm. Exact for every int8. Measured on an H200, int8 decode at B=8 x 32K:
-    303 -> 289 us with the default tiles, 201 -> 190 us with the best."""
+    _bytes_to_halves_asm. Exact for every int8. On an H200 it made int8 decode faster with
+    the default tiles and with the best swept (docs/benchmarks.md, History 7939db3)."""
     if _FAST_INT8_TO_FP16:
         # four int8 in one 32-bit register become two registers of two halves
         return tl.inline_asm_elementwise(_INT8_QUAD_ASM, "=r,=r,r", [x], dtype=tl.float16,

@@ -222,9 +222,9 @@ def _store_new_kv(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v
 
 
 # K/V offsets are int32. In a cache past 2^31 elements they count from its middle block, which
-# reaches 2^32 elements; only larger caches take int64 offsets, which cost the one-warp decode
-# loop 4% more instructions with int8 and 35% with bf16 (sm_90 SASS). The int8 cache of
-# Qwen3-0.6B fills an H200 with 138,234 blocks: 2.26e9 elements per layer.
+# reaches 2^32 elements; only larger caches take int64 offsets, which lengthen the one-warp
+# decode loop (sm_90 SASS counts: docs/benchmarks.md, History 18273cb). The engine-sized int8
+# cache of Qwen3-0.6B on an H200 is past 2^31 elements per layer.
 _INT32_OFFSETS = 2**31
 
 
@@ -242,11 +242,11 @@ def cache_offsets(k_cache: torch.Tensor) -> tuple[int, bool]:
 # split at least MIN_SPLIT_LEN keys so the partials' write and merge stay small next to the K/V
 # reads. Two waves, not one: within one wave nothing shortens the longest context's program,
 # which in a batch of mixed lengths runs long after the rest; over two, programs start longest
-# first (seq_order) and the short ones fill in around the long ones. NOTE: measured on an H200,
-# B=128 decode over contexts of 100-4096 keys: int8 280.5 us at one wave in batch order, 208.9
-# us at two waves longest first (bf16 289.4 / 252.8). The split count rounds down: at B=8 x
-# 32K, 5 splits (320 programs for 264 places) once left a partial second wave, 289 us against
-# 200 us.
+# first (seq_order) and the short ones fill in around the long ones. NOTE: on an H200, two
+# waves longest first beat one wave in batch order on a mixed-length decode batch, int8 and
+# bf16. The split count rounds down: at B=8 x 32K, 5 splits (320 programs for 264 places) once
+# left a partial second wave, much slower than 4. Figures: docs/benchmarks.md (History
+# 00075d0, 7939db3).
 _MIN_SPLIT_LEN = 256
 _MAX_SPLITS = 128
 _WAVES = 2
@@ -306,9 +306,9 @@ def plan_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, h
     split_len = triton.cdiv(triton.cdiv(max_seqlen_k, num_splits), config.block_n) * config.block_n
     num_splits = max(1, triton.cdiv(max_seqlen_k, split_len))
     # NOTE: only past one wave: an ordered program's first load waits on seq_order, which costs
-    # latency and gains nothing when every program starts at once. On an H200, B=256 int8
-    # decode over contexts of 300-1224 keys (unsplit): 168.7 us in batch order, 131.0 us longest
-    # first (bf16 188.9 / 179.6).
+    # latency and gains nothing when every program starts at once. Past one wave, longest
+    # first beat batch order on a mixed-length decode batch, int8 and bf16 (docs/benchmarks.md,
+    # History 00075d0).
     ordered = (has_seq_order and one_tile and num_seqs > 1
                and num_tiles * num_kv_heads * num_splits > wave)
     # one token per sequence whose GQA group fits a tile: that tile's programs rotate it

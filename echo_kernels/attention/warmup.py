@@ -3,11 +3,11 @@
 Triton compiles a kernel once per combination of its compile-time flags. Which combination a
 step needs depends on its batch: tile class, one tile per sequence or not, longest-first order,
 key splits, rotating the step's K/V in the launch (decode) or not and, after a split, the
-merge's padded split count. A variant first met while
-serving compiles inside that step (1-3 s on an H200, every stream stalled): on a Qwen3-8B
-server a concurrency-64 benchmark compiled 11 attention variants after start-up. These
-functions launch each variant once on dummy sequences (one key each, in cache block 0; nothing
-is stored) instead.
+merge's padded split count. A variant first met while serving compiles inside that step (every
+stream stalls for the compilation): on a Qwen3-8B server a concurrency-64 benchmark compiled
+attention variants after start-up (docs/benchmarks.md, History 58437c0). These functions launch
+each variant once on dummy sequences (one key each, in cache block 0; nothing is stored)
+instead.
 """
 
 import itertools
