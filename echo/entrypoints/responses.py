@@ -15,6 +15,9 @@ class ChoiceState:
         self.token_ids: list[int] = []  # whole output when absorbed; unused when streaming
         self.num_tokens = 0
         self.logprobs: list[dict[int, Logprob]] = []
+        # the sampled token of each entry of `logprobs` (a logprobs dict also holds the top-N
+        # alternatives, so the sampled token is known only from the completion's token ids)
+        self.logprob_token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason = None
 
@@ -24,12 +27,20 @@ class ChoiceState:
         self.token_ids = list(completion.token_ids)
         self.num_tokens = len(completion.token_ids)
         self.logprobs = list(completion.logprobs or [])
+        self.logprob_token_ids = list(completion.token_ids[:len(self.logprobs)])
         self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
 
     def delta(self, completion: CompletionOutput) -> dict | None:
-        """The streamed choice for what is new in `completion` (None if nothing is)."""
-        new_logprobs = (completion.logprobs or [])[len(self.logprobs):]
+        """The streamed choice for what is new in `completion` (None if nothing is). Once a
+        choice's finish chunk is sent, nothing more is: with n > 1 the request's outputs keep
+        carrying a finished choice until its siblings finish."""
+        if self.finish_reason is not None:
+            return None
+        sent = len(self.logprobs)
+        new_logprobs = (completion.logprobs or [])[sent:]
+        new_logprob_ids = list(completion.token_ids[sent:sent + len(new_logprobs)])
         self.logprobs.extend(new_logprobs)
+        self.logprob_token_ids.extend(new_logprob_ids)
         new_ids = list(completion.token_ids[self.num_tokens:]) if self.return_token_ids else []
         self.num_tokens = len(completion.token_ids)
         text = completion.delta_text
@@ -38,19 +49,21 @@ class ChoiceState:
         if not text and finish is None and not new_logprobs and not new_ids:
             return None
         self.finish_reason, self.stop_reason = finish, completion.stop_reason
-        return self._choice(text, new_logprobs, finish, completion.stop_reason, delta=True,
-                            token_ids=new_ids)
+        return self._choice(text, list(zip(new_logprob_ids, new_logprobs)), finish,
+                            completion.stop_reason, delta=True, token_ids=new_ids)
 
     def role_delta(self) -> dict:
         return {"index": self.index, "delta": {"role": "assistant", "content": ""},
                 "logprobs": None, "finish_reason": None}
 
     def final_choice(self) -> dict:
-        return self._choice(self.text, self.logprobs, self.finish_reason, self.stop_reason,
+        return self._choice(self.text, list(zip(self.logprob_token_ids, self.logprobs)),
+                            self.finish_reason, self.stop_reason,
                             delta=False, token_ids=self.token_ids)
 
-    def _choice(self, text, logprobs, finish, stop_reason, delta: bool,
-                token_ids: list[int]) -> dict:
+    def _choice(self, text, logprobs: list[tuple[int, dict[int, Logprob]]], finish, stop_reason,
+                delta: bool, token_ids: list[int]) -> dict:
+        """`logprobs`: (sampled token id, its logprobs dict) per token."""
         choice = {"index": self.index, "logprobs": None, "finish_reason": finish,
                   "stop_reason": stop_reason}
         if self.return_token_ids:
@@ -59,7 +72,7 @@ class ChoiceState:
             message = {"content": text} if delta else {"role": "assistant", "content": text}
             choice["delta" if delta else "message"] = message
             if logprobs:
-                choice["logprobs"] = {"content": [self._chat_logprob(e) for e in logprobs]}
+                choice["logprobs"] = {"content": [self._chat_logprob(t, e) for t, e in logprobs]}
         else:
             choice["text"] = text
             if logprobs:
@@ -71,13 +84,10 @@ class ChoiceState:
             return lp.decoded_token
         return self.tokenizer.decode([token_id]) if self.tokenizer else f"token_id:{token_id}"
 
-    def _sampled(self, entry: dict[int, Logprob]) -> tuple[int, Logprob]:
-        # the sampled token is the one without a rank, or else the best-ranked
-        unranked = [(t, lp) for t, lp in entry.items() if lp.rank is None]
-        return unranked[0] if unranked else min(entry.items(), key=lambda kv: kv[1].rank)
-
-    def _chat_logprob(self, entry: dict[int, Logprob]) -> dict:
-        token_id, lp = self._sampled(entry)
+    def _chat_logprob(self, token_id: int, entry: dict[int, Logprob]) -> dict:
+        # the sampled token's entry: ranked when it is in the top-N (at temperature > 0 not
+        # necessarily rank 1), unranked when outside it
+        lp = entry[token_id]
         token = self._token(token_id, lp)
         top = [{"token": self._token(t, p), "logprob": p.logprob,
                 "bytes": list(self._token(t, p).encode())}
@@ -85,10 +95,10 @@ class ChoiceState:
         return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode()),
                 "top_logprobs": top}
 
-    def _completion_logprobs(self, entries: list[dict[int, Logprob]]) -> dict:
+    def _completion_logprobs(self, entries: list[tuple[int, dict[int, Logprob]]]) -> dict:
         tokens, token_logprobs, top = [], [], []
-        for entry in entries:
-            token_id, lp = self._sampled(entry)
+        for token_id, entry in entries:
+            lp = entry[token_id]
             tokens.append(self._token(token_id, lp))
             token_logprobs.append(lp.logprob)
             top.append({self._token(t, p): p.logprob for t, p in entry.items()

@@ -229,3 +229,66 @@ def test_return_token_ids_streams_every_token_of_a_model_without_tokenizer(tiny_
     assert sum(ids, []) == expected
     assert whole.json()["choices"][0]["token_ids"] == expected
     assert "token_ids" not in plain.json()["choices"][0]
+
+
+def test_sampled_logprobs_report_the_sampled_token_and_n3_stream_finishes_once():
+    # the real SmolLM2: at temperature 1 it often samples a top-5 token that is not the argmax
+    # (a tiny random model is near uniform: its sampled token is almost never in the top-5)
+    from transformers import AutoTokenizer
+
+    from echo.models.default_model import ensure_default_model
+
+    folder = ensure_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": "Tell me a story about a dragon."}]
+    common = {"model": NAME, "temperature": 1, "seed": 3, "ignore_eos": True,
+              "return_token_ids": True}
+
+    async def test(http, client):
+        chat = await http.post("/v1/chat/completions", json={
+            **common, "messages": messages, "max_completion_tokens": 50, "logprobs": True,
+            "top_logprobs": 5})
+        completion = await http.post("/v1/completions", json={
+            **common, "prompt": "Once upon a time, a dragon", "max_tokens": 50, "logprobs": 5})
+        # choices end at different steps (at their first "."), so the finished ones ride
+        # along in the request's outputs while the others go on
+        streamed = await http.post("/v1/chat/completions", json={
+            "model": NAME, "messages": messages, "max_completion_tokens": 40,
+            "temperature": 1, "seed": 5, "n": 3, "stop": ["."], "stream": True})
+        return chat, completion, streamed
+
+    chat, completion, streamed = with_server(folder, test)
+    assert chat.status_code == 200 and completion.status_code == 200, (chat.text,
+                                                                        completion.text)
+    # (token, logprob, top-5 as {token: logprob}) per generated token, per format
+    choice = chat.json()["choices"][0]
+    chat_rows = [(c["token"], c["logprob"], {t["token"]: t["logprob"] for t in c["top_logprobs"]})
+                 for c in choice["logprobs"]["content"]]
+    formats = [(choice["token_ids"], chat_rows)]
+    choice = completion.json()["choices"][0]
+    lp = choice["logprobs"]
+    formats.append((choice["token_ids"], list(zip(lp["tokens"], lp["token_logprobs"],
+                                                   lp["top_logprobs"]))))
+    for ids, rows in formats:
+        assert len(ids) == len(rows) == 50
+        below_rank_1 = 0
+        for token_id, (token, logprob, top) in zip(ids, rows):
+            assert token == tokenizer.decode([token_id])
+            assert len(top) == 5 and logprob <= 0
+            if token in top:
+                assert logprob == top[token]
+                below_rank_1 += token != max(top, key=top.get)
+        assert below_rank_1 > 0  # the case the bug got wrong was exercised
+
+    events = sse_events(streamed.text)
+    assert events[-1] == "[DONE]"
+    choices = [c["choices"][0] for c in events[:-1]]
+    finishes = {i: [c["finish_reason"] for c in choices
+                    if c["index"] == i and c["finish_reason"] is not None] for i in range(3)}
+    assert all(len(f) == 1 for f in finishes.values()), finishes
+    # the finish chunk is each choice's last
+    last = {c["index"]: c for c in choices}
+    assert all(last[i]["finish_reason"] is not None for i in range(3))
+    # the choices finished at different steps: the case the bug got wrong was exercised
+    lengths = [sum(c["index"] == i for c in choices) for i in range(3)]
+    assert len(set(lengths)) > 1, lengths
