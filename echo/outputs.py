@@ -37,3 +37,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None
+    # seconds from arrival to first scheduling in the core (the first of its n samples to be
+    # scheduled); None until the core has reported it
+    queue_time: float | None = None

@@ -326,6 +326,8 @@ class Scheduler:
             output = EngineCoreOutput(rid, new_token_ids,
                                       [entry] if entry is not None else [],
                                       None, None, request.num_cached_tokens)
+            if len(request.output_token_ids) == len(new_token_ids):  # its first output
+                output.queue_time = request.first_scheduled_time - request.arrival_time
             if status is not None:
                 was_running = request.status == RequestStatus.RUNNING
                 request.status = status

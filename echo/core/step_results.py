@@ -43,6 +43,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0
     error: str | None = None
+    # seconds from the request's arrival to its first scheduling; on its first output only
+    queue_time: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -54,6 +54,7 @@ class _Parent:
     child_ids: list[str] = field(default_factory=list)  # the core's ids, parallel to children
     num_cached_tokens: int = 0
     error: str | None = None
+    queue_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -157,6 +158,8 @@ class OutputProcessor:
             child.parent.num_cached_tokens = out.num_cached_tokens
         if out.error:
             child.parent.error = out.error
+        if out.queue_time is not None and child.parent.queue_time is None:
+            child.parent.queue_time = out.queue_time
         comp.token_ids.extend(out.new_token_ids)
         if comp.logprobs is not None:
             for token, entry in zip(out.new_token_ids, out.new_logprobs):
@@ -210,6 +213,7 @@ class OutputProcessor:
             finished=parent.finished,
             num_cached_tokens=parent.num_cached_tokens,
             error=parent.error,
+            queue_time=parent.queue_time,
         )
 
 
