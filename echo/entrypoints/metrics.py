@@ -1,83 +1,244 @@
-"""Prometheus metrics of one server: latency histograms observed per request in the frontend,
-engine gauges refreshed from the core's latest SchedulerStats at scrape time."""
+"""Prometheus metrics of one server, under vLLM's names, types, labels and buckets
+(vllm/v1/metrics/loggers.py), so vLLM's Grafana dashboard and other vLLM tooling work unchanged.
+
+Every series carries model_name (the first served name) and engine (the core's index, "0" while
+there is one core; with data parallelism each core's stats get their own index).
+
+- Engine state comes from each core's latest SchedulerStats, read at scrape time by a collector:
+  vllm:num_requests_running / num_requests_waiting / kv_cache_usage_perc are gauges, and
+  vllm:prefix_cache_queries / prefix_cache_hits / num_preemptions are counters whose value is the
+  core's cumulative total.
+- Requests are observed in the frontend by a RequestTimer, one per prompt (one stream of
+  RequestOutputs): vllm:prompt_tokens and vllm:generation_tokens count tokens (so they add up to
+  the usage the responses report); vllm:request_success{finished_reason} counts each finished
+  choice (stop, length, abort, error; a client that leaves early aborts the unfinished ones);
+  the histograms observe one value per prompt once the engine finished it: TTFT and the gaps
+  between outputs while it runs, then end-to-end latency, queue, prefill, decode and inference
+  time, per-request time per output token, prompt and generation lengths. With n > 1 the
+  generation length is the choices' total and the max-generation and per-token figures use the
+  longest choice.
+"""
 
 import time
+from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from echo.core.step_results import SchedulerStats
+from echo.outputs import RequestOutput
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    7.5, 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
-                0.25, 0.5, 1.0, 2.5)
+LABELS = ["model_name", "engine"]
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# token-count buckets stop at max_model_len; without one, at a bound no model reaches
+DEFAULT_MAX_MODEL_LEN = 1 << 20
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return buckets
+            buckets.append(m * scale)
+        scale *= 10
+
+
+class _EngineCollector:
+    """Yields the engine gauges and cumulative counters from each core's latest stats."""
+
+    def __init__(self, metrics: "ServerMetrics"):
+        self.metrics = metrics
+
+    def collect(self):
+        model = self.metrics.model_name
+        families = [
+            (GaugeMetricFamily("vllm:num_requests_running",
+                               "Number of requests in model execution batches.", labels=LABELS),
+             lambda s: s.num_running),
+            (GaugeMetricFamily("vllm:num_requests_waiting",
+                               "Number of requests waiting to be processed.", labels=LABELS),
+             lambda s: s.num_waiting),
+            (GaugeMetricFamily("vllm:kv_cache_usage_perc",
+                               "KV-cache usage. 1 means 100 percent usage.", labels=LABELS),
+             lambda s: s.kv_cache_usage),
+            (CounterMetricFamily("vllm:prefix_cache_queries",
+                                 "Prefix cache queries, in terms of number of queried tokens.",
+                                 labels=LABELS),
+             lambda s: s.prefix_cache_queries),
+            (CounterMetricFamily("vllm:prefix_cache_hits",
+                                 "Prefix cache hits, in terms of number of cached tokens.",
+                                 labels=LABELS),
+             lambda s: s.prefix_cache_hits),
+            (CounterMetricFamily("vllm:num_preemptions",
+                                 "Cumulative number of preemption from the engine.",
+                                 labels=LABELS),
+             lambda s: s.num_preemptions),
+        ]
+        for family, value in families:
+            for engine, stats in enumerate(self.metrics.engine_stats):
+                family.add_metric([model, str(engine)], value(stats))
+            yield family
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
-        self.registry = CollectorRegistry()
-        labels = {"model_name": model_name}
-        r = self.registry
+    def __init__(self, model_name: str, max_model_len: int | None = None, num_engines: int = 1):
+        self.model_name = model_name
+        self.engine_stats: list[SchedulerStats] = [SchedulerStats() for _ in range(num_engines)]
+        self.registry = r = CollectorRegistry()
+        token_buckets = build_1_2_5_buckets(max_model_len or DEFAULT_MAX_MODEL_LEN)
+        engines = [str(i) for i in range(num_engines)]
 
-        def histogram(name, doc, buckets):
-            return Histogram(name, doc, labelnames=["model_name"], buckets=buckets,
-                             registry=r).labels(**labels)
+        def per_engine(metric) -> list:
+            # children made up front, so every series is exposed (at zero) before any request
+            return [metric.labels(model_name, e) for e in engines]
 
-        def gauge(name, doc):
-            return Gauge(name, doc, labelnames=["model_name"], registry=r).labels(**labels)
+        def histogram(name: str, doc: str, buckets) -> list:
+            return per_engine(Histogram(name, doc, LABELS, buckets=buckets, registry=r))
 
-        def counter(name, doc):
-            return Counter(name, doc, labelnames=["model_name"], registry=r).labels(**labels)
+        def counter(name: str, doc: str) -> list:
+            return per_engine(Counter(name, doc, LABELS, registry=r))
 
-        self.ttft = histogram("echo_time_to_first_token_seconds", "Time to first token",
-                              _LATENCY_BUCKETS)
-        self.itl = histogram("echo_inter_token_latency_seconds", "Time between output chunks",
-                             _ITL_BUCKETS)
-        self.e2e = histogram("echo_e2e_request_latency_seconds", "End-to-end request latency",
-                             _LATENCY_BUCKETS)
-        self.queue_time = histogram("echo_request_queue_time_seconds",
-                                    "Arrival to first scheduling in the core", _LATENCY_BUCKETS)
-        self.prompt_tokens = counter("echo_prompt_tokens", "Prompt tokens processed")
-        self.generation_tokens = counter("echo_generation_tokens", "Tokens generated")
-        self.requests = counter("echo_requests", "Finished requests")
-        self.running = gauge("echo_num_requests_running", "Requests running in the core")
-        self.waiting = gauge("echo_num_requests_waiting", "Requests waiting in the core")
-        self.kv_usage = gauge("echo_kv_cache_usage_perc", "Fraction of KV blocks in use")
-        self.prefix_hit_rate = gauge("echo_prefix_cache_hit_rate",
-                                     "Prefix-cache hits / queries, in tokens, since start")
-        self.preemptions = gauge("echo_num_preemptions", "Preemptions since start")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens",
+                                         "Number of generation tokens processed.")
+        self.success = Counter("vllm:request_success",
+                               "Count of successfully processed requests.",
+                               LABELS + ["finished_reason"], registry=r)
+        self.request_success = [{reason: self.success.labels(model_name, e, reason)
+                                 for reason in FINISH_REASONS} for e in engines]
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.request_tpot = histogram("vllm:request_time_per_output_token_seconds",
+                                      "Histogram of time_per_output_token_seconds per request.",
+                                      ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.",
+                                    REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.",
+                                        REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.",
+                                     REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                               "Number of prefill tokens processed.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.",
+                                                   token_buckets)
+        self.request_max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", token_buckets)
+        r.register(_EngineCollector(self))
 
-    def update_engine(self, stats: SchedulerStats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
-        queries = stats.prefix_cache_queries
-        self.prefix_hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
-        self.preemptions.set(stats.num_preemptions)
+    def update_engines(self, stats: Sequence[SchedulerStats]) -> None:
+        """Each core's latest stats, by engine index."""
+        for engine, s in enumerate(stats):
+            self.engine_stats[engine] = s
 
-    def render(self, stats: SchedulerStats) -> bytes:
-        self.update_engine(stats)
+    def render(self, stats: Sequence[SchedulerStats] = ()) -> bytes:
+        self.update_engines(stats)
         return generate_latest(self.registry)
+
+    def request(self, num_prompt_tokens: int, n: int = 1, engine: int = 0) -> "RequestTimer":
+        return RequestTimer(self, num_prompt_tokens, n, engine)
 
 
 class RequestTimer:
-    """Observes one request's TTFT, inter-token latencies and end-to-end latency."""
+    """Observes one prompt's stream of RequestOutputs (all its n choices).
 
-    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int):
-        self.metrics = metrics
-        self.start = self.last = time.perf_counter()
-        self.first = True
-        metrics.prompt_tokens.inc(num_prompt_tokens)
+    Times are the frontend's, from this timer's creation (the request's arrival); the queue time
+    is the core's (arrival to first scheduling, RequestOutput.queue_time); prefill is the rest of
+    the time to the first token, decode the time from the first token to the last."""
 
-    def on_tokens(self, num_new_tokens: int) -> None:
-        if num_new_tokens <= 0:
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, n: int = 1,
+                 engine: int = 0):
+        self.m, self.engine = metrics, engine
+        self.num_prompt_tokens = num_prompt_tokens
+        self.start = time.perf_counter()
+        self.first_token: float | None = None
+        self.last_token = self.start
+        self.queue_time: float | None = None
+        self.finished_choices: set[int] = set()
+        self.num_choices = n
+        self.done = False
+
+    def on_output(self, out: RequestOutput) -> None:
+        if self.done:
             return
         now = time.perf_counter()
-        (self.metrics.ttft if self.first else self.metrics.itl).observe(now - self.last)
-        self.first = False
-        self.last = now
-        self.metrics.generation_tokens.inc(num_new_tokens)
+        m, e = self.m, self.engine
+        if self.queue_time is None and out.queue_time is not None:
+            self.queue_time = max(0.0, out.queue_time)
+        num_new = 0
+        for choice in out.outputs:
+            num_new += len(choice.delta_token_ids)
+            if choice.finish_reason is not None and choice.index not in self.finished_choices:
+                self.finished_choices.add(choice.index)
+                self._count_finished(choice.finish_reason)
+        if num_new:
+            if self.first_token is None:  # the prefill is done
+                self.first_token = now
+                m.prompt_tokens[e].inc(self.num_prompt_tokens)
+                m.ttft[e].observe(now - self.start)
+            else:
+                m.itl[e].observe(now - self.last_token)
+            self.last_token = now
+            m.generation_tokens[e].inc(num_new)
+        if out.finished:
+            self._finish(out, now)
 
-    def on_finish(self) -> None:
-        self.metrics.e2e.observe(time.perf_counter() - self.start)
-        self.metrics.requests.inc()
+    def end(self, reason: str) -> None:
+        """The stream stopped before the engine finished it: its unfinished choices end with
+        `reason` (abort: the client left; error: the engine failed). A no-op once finished."""
+        if self.done:
+            return
+        self.done = True
+        for index in range(self.num_choices):
+            if index not in self.finished_choices:
+                self.finished_choices.add(index)
+                self._count_finished(reason)
+
+    def _count_finished(self, reason: str) -> None:
+        counters = self.m.request_success[self.engine]
+        if reason not in counters:  # not one the core sends today; still counted, by name
+            counters[reason] = self.m.success.labels(self.m.model_name, str(self.engine), reason)
+        counters[reason].inc()
+
+    def _finish(self, out: RequestOutput, now: float) -> None:
+        self.done = True
+        m, e = self.m, self.engine
+        m.e2e[e].observe(now - self.start)
+        lengths = [len(c.token_ids) for c in out.outputs] or [0]
+        m.request_prompt_tokens[e].observe(self.num_prompt_tokens)
+        m.request_generation_tokens[e].observe(sum(lengths))
+        m.request_max_generation_tokens[e].observe(max(lengths))
+        if self.first_token is None:
+            return  # finished without a token (aborted in the core): no phases to time
+        queue = self.queue_time
+        if queue is not None:
+            m.queue_time[e].observe(queue)
+        prefill = max(0.0, self.first_token - self.start - (queue or 0.0))
+        decode = self.last_token - self.first_token
+        m.prefill_time[e].observe(prefill)
+        m.decode_time[e].observe(decode)
+        m.inference_time[e].observe(prefill + decode)
+        longest = max(lengths)
+        m.request_tpot[e].observe(decode / (longest - 1) if longest > 1 else 0.0)

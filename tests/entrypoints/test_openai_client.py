@@ -145,9 +145,9 @@ def test_200_streams_with_50_disconnects_leave_the_server_clean(smol_server):
         metrics = httpx.get(f"{base}/metrics").text
         values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
                   for line in metrics.splitlines()
-                  if line.startswith(("echo_num_requests_running", "echo_kv_cache_usage"))}
-        if values["echo_num_requests_running"] == 0 and values["echo_kv_cache_usage_perc"] == 0:
+                  if line.startswith(("vllm:num_requests_running", "vllm:kv_cache_usage_perc"))}
+        if values["vllm:num_requests_running"] == 0 and values["vllm:kv_cache_usage_perc"] == 0:
             break
         asyncio.run(asyncio.sleep(0.1))
-    assert values == {"echo_num_requests_running": 0.0, "echo_kv_cache_usage_perc": 0.0}
+    assert values == {"vllm:num_requests_running": 0.0, "vllm:kv_cache_usage_perc": 0.0}
     assert httpx.get(f"{base}/health").status_code == 200
