@@ -187,9 +187,9 @@ def test_api_key_body_limit_models_health_metrics(tiny_chat_model):
     assert big.status_code == 413
     assert ok.status_code == 200 and health.status_code == 200
     text = metrics.text
-    assert 'echo_generation_tokens_total{model_name="tiny"} 3.0' in text
-    assert "echo_time_to_first_token_seconds_count" in text
-    assert "echo_kv_cache_usage_perc" in text
+    assert 'vllm:generation_tokens_total{engine="0",model_name="tiny"} 3.0' in text
+    assert "vllm:time_to_first_token_seconds_count" in text
+    assert "vllm:kv_cache_usage_perc" in text
 
 
 def test_health_is_503_when_the_engine_is_dead(tiny_chat_model):
