@@ -4,6 +4,8 @@ A msgspec Struct so it crosses process boundaries as-is; validated on constructi
 that name the field, so bad input fails before any work is queued.
 """
 
+import math
+
 import msgspec
 
 _GREEDY_EPS = 1e-5
@@ -31,6 +33,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):  # JSON parsers accept NaN and 1e999
+            value = getattr(self, name)
+            _require(math.isfinite(value), name, f"must be a finite number, got {value}")
         _require(self.n >= 1, "n", f"must be >= 1, got {self.n}")
         _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -39,6 +45,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
         _require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
                  f"must be >= 1, got {self.max_tokens}")
         _require(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+                 f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _require(-2 <= self.presence_penalty <= 2, "presence_penalty",
                  f"must be in [-2, 2], got {self.presence_penalty}")
         _require(-2 <= self.frequency_penalty <= 2, "frequency_penalty",

@@ -28,3 +28,18 @@ def length_limit(num_prompt_tokens: int, max_tokens: int | None, max_model_len: 
     if max_tokens is None:
         return max_model_len
     return min(num_prompt_tokens + max_tokens, max_model_len)
+
+
+def check_kv_cache_holds(max_model_len: int, block_size: int, num_blocks: int) -> None:
+    """At start-up: one sequence of max_model_len tokens must fit in the KV cache, else a
+    request the frontend accepts could never be scheduled (vLLM refuses to start likewise).
+    Refusing rather than clamping: the frontends validate against max_model_len before the
+    engine has sized its cache, so a smaller value found then would reach them too late."""
+    needed = -(-max_model_len // block_size)
+    if needed > num_blocks:
+        raise ValueError(
+            f"max_model_len: {max_model_len} tokens need {needed} KV-cache blocks of "
+            f"{block_size}, but the cache holds {num_blocks} ({num_blocks * block_size} "
+            f"tokens): pass max_model_len <= {num_blocks * block_size}, or raise "
+            "gpu_memory_utilization (or ECHO_CPU_KV_CACHE_GIB on a CPU), or use "
+            "kv_cache_dtype='int8'")

@@ -9,6 +9,7 @@ import time
 from collections import deque
 
 from echo.config import EngineConfig
+from echo.core.length_limit import check_kv_cache_holds
 from echo.core.request import Request
 from echo.core.scheduler import Scheduler
 from echo.core.step_results import EngineCoreOutput
@@ -23,8 +24,15 @@ class EngineCore:
         if executor is None:
             executor = create_executor(config)
         self.executor = executor
-        self.num_blocks = executor.determine_num_blocks()
-        executor.init_kv_cache(self.num_blocks)
+        try:
+            self.num_blocks = executor.determine_num_blocks()
+            if config.cache.num_gpu_blocks_override is None:  # an override is deliberate
+                check_kv_cache_holds(config.model.max_model_len, config.cache.block_size,
+                                     self.num_blocks)
+            executor.init_kv_cache(self.num_blocks)
+        except BaseException:
+            executor.shutdown()
+            raise
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)
         self.eos_token_ids = config.model.arch.eos_token_ids
         # steps sent to the executor whose output has not been processed, oldest first

@@ -57,33 +57,42 @@ class EngineCoreProc:
         add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         ids_decoder = msgspec.msgpack.Decoder(list[str])
         utility_decoder = msgspec.msgpack.Decoder(UtilityRequest)
-        while not self.stopping.is_set():
-            if not sock.poll(100):
-                continue
-            kind, payload = sock.recv_multipart(copy=False)
-            kind = RequestType(bytes(kind.buffer))
-            if kind is RequestType.ADD:
-                self.input_queue.put((kind, add_decoder.decode(payload.buffer)))
-            elif kind is RequestType.ABORT:
-                self.input_queue.put((kind, ids_decoder.decode(payload.buffer)))
-            elif kind is RequestType.UTILITY:
-                self.input_queue.put((kind, utility_decoder.decode(payload.buffer)))
-            else:
-                self.input_queue.put((kind, None))
-        sock.close(linger=0)
+        try:
+            while not self.stopping.is_set():
+                if not sock.poll(100):
+                    continue
+                kind, payload = sock.recv_multipart(copy=False)
+                kind = RequestType(bytes(kind.buffer))
+                if kind is RequestType.ADD:
+                    self.input_queue.put((kind, add_decoder.decode(payload.buffer)))
+                elif kind is RequestType.ABORT:
+                    self.input_queue.put((kind, ids_decoder.decode(payload.buffer)))
+                elif kind is RequestType.UTILITY:
+                    self.input_queue.put((kind, utility_decoder.decode(payload.buffer)))
+                else:
+                    self.input_queue.put((kind, None))
+        except zmq.ContextTerminated:
+            pass  # shutdown() gave up waiting for this thread: leave quietly
+        finally:
+            sock.close(linger=0)
 
     def _output_loop(self, address: str) -> None:
         sock = self.ctx.socket(zmq.PUSH)
         sock.bind(address)
         encoder = msgspec.msgpack.Encoder()
         buffer = bytearray()  # reused: encoding allocates nothing per message
-        while True:
-            outputs = self.output_queue.get()
-            if outputs is None:
-                break
-            encoder.encode_into(outputs, buffer)
-            sock.send(buffer)
-        sock.close(linger=1000)
+        linger_ms = 1000
+        try:
+            while True:
+                outputs = self.output_queue.get()
+                if outputs is None:
+                    break
+                encoder.encode_into(outputs, buffer)
+                sock.send(buffer)
+        except zmq.ContextTerminated:
+            linger_ms = 0  # a frontend that stopped reading: shutdown() stopped waiting for it
+        finally:
+            sock.close(linger=linger_ms)
 
     # ---- busy loop ------------------------------------------------------------------------
 

@@ -4,6 +4,9 @@ Every check runs before anything is queued, and each error names what was wrong.
 """
 
 from collections.abc import Sequence
+from pathlib import Path
+
+import jinja2
 
 from echo.config import ModelConfig
 from echo.core.length_limit import check_request_length
@@ -26,10 +29,25 @@ def load_tokenizer(config: ModelConfig):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
+def read_chat_template(template: str) -> str:
+    """`--chat-template`: a file holding a Jinja template, or the template itself."""
+    try:
+        is_file = Path(template).expanduser().is_file()
+    except OSError:  # too long to be a path
+        is_file = False
+    if is_file:
+        return Path(template).expanduser().read_text()
+    if "{{" in template or "{%" in template:
+        return template
+    raise FileNotFoundError(f"chat_template: {template!r} is neither a file nor a template")
+
+
 class InputProcessor:
-    def __init__(self, config: ModelConfig, tokenizer):
+    def __init__(self, config: ModelConfig, tokenizer, chat_template: str | None = None):
+        """chat_template: a Jinja template used instead of the tokenizer's own."""
         self.config = config
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
 
     def _need_tokenizer(self, what: str):
         if self.tokenizer is None:
@@ -58,14 +76,20 @@ class InputProcessor:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs) -> str:
         tokenizer = self._need_tokenizer("messages")
-        if not tokenizer.chat_template:
-            raise ValueError(f"messages: model {self.config.model!r} has no chat template")
+        template = self.chat_template or tokenizer.chat_template
+        if not template:
+            raise ValueError(f"messages: model {self.config.model!r} has no chat template "
+                             "(pass one with --chat-template)")
         if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("messages: must be a list of {'role': ..., 'content': ...}")
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             **kwargs)
+        try:
+            return tokenizer.apply_chat_template(messages, chat_template=template,
+                                                 tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 **kwargs)
+        except jinja2.TemplateError as e:  # e.g. the template's raise_exception(): bad roles
+            raise ValueError(f"messages: the chat template refused them: {e}") from None
 
     def chat_to_ids(self, messages: list[dict], add_generation_prompt: bool = True,
                     **template_kwargs) -> list[int]:

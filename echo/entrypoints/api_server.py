@@ -6,18 +6,29 @@ Routes: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models, /heal
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from echo import __version__
 from echo.engine.async_client import AsyncClient, EngineDeadError
+from echo.engine.generation_config import GenerationDefaults
+from echo.entrypoints.http_guards import ClientDisconnected, HTTPGuard, unless_disconnected
 from echo.entrypoints.metrics import RequestTimer, ServerMetrics
-from echo.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from echo.entrypoints.openai_protocol import (
+    NO_DEFAULTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from echo.entrypoints.request_limits import RequestLimits
 from echo.entrypoints.responses import ChoiceState, chunk_json, final_json, usage_json
 from echo.outputs import RequestOutput
 from echo.sampling_params import SamplingParams
@@ -30,17 +41,60 @@ class APIError(Exception):
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
+def bad_request(e: ValueError) -> APIError:
+    """A 400 for a ValueError worded 'FIELD: message', as echo's checks word them."""
+    message = str(e).removeprefix("SamplingParams.")
+    field, sep, _ = message.partition(": ")
+    return APIError(400, message, field if sep and " " not in field else None)
+
+
 def error_response(status: int, message: str, param: str | None = None,
                    kind: str = "invalid_request_error") -> JSONResponse:
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
 
 
+_ERROR_KINDS = {401: "authentication_error", 404: "not_found_error",
+                405: "invalid_request_error", 413: "invalid_request_error",
+                503: "service_unavailable"}
+log = logging.getLogger("echo.api_server")
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token's text can hold (1 without a tokenizer: prompts are
+    then token ids)."""
+    return max(map(len, tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """What `echo serve`'s flags set beyond the engine and the checks of every request."""
+
+    generation_defaults: GenerationDefaults = NO_DEFAULTS  # --generation-config
+    log_requests: bool = False
+    # CORS, as vLLM's --allowed-origins/methods/headers and --allow-credentials
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
 def create_app(client: AsyncClient, served_model_names: list[str], api_key: str | None = None,
-               max_request_bytes: int = 16 * 2**20) -> FastAPI:
+               max_request_bytes: int = 16 * 2**20,
+               options: ServerOptions = ServerOptions()) -> FastAPI:
     app = FastAPI(title="echo", version=__version__)
-    metrics = ServerMetrics(served_model_names[0])
+    metrics = ServerMetrics(served_model_names[0], client.config.model.max_model_len)
     max_model_len = client.config.model.max_model_len
+    limits = RequestLimits.create(client.config.scheduler.max_num_seqs, max_model_len,
+                                  client.config.model.arch.vocab_size,
+                                  longest_token_chars(client.tokenizer))
+    app.add_middleware(HTTPGuard, error_response=error_response, api_key=api_key,
+                       max_request_bytes=max_request_bytes)
+    # outermost: a browser's preflight is answered before the API-key check, as in vLLM
+    app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                       allow_methods=list(options.allowed_methods),
+                       allow_headers=list(options.allowed_headers),
+                       allow_credentials=options.allow_credentials)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -50,17 +104,26 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
     async def _validation_error(_, e: RequestValidationError):
         first = e.errors()[0]
         field = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
-        return error_response(400, f"{field}: {first['msg']}", field)
+        if first["type"] == "json_invalid":  # its loc is a character offset, not a field
+            field = "body"
+        message = str(first["msg"]).removeprefix("Value error, ")
+        if field == "body" and ": " in message:  # a whole-body check names its own field
+            field = message.split(": ", 1)[0]
+            return error_response(400, message, field)
+        return error_response(400, f"{field}: {message}", field)
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return error_response(401, "invalid API key", kind="authentication_error")
-        length = request.headers.get("content-length")
-        if length is not None and int(length) > max_request_bytes:
-            return error_response(413, f"request body over {max_request_bytes} bytes")
-        return await call_next(request)
+    @app.exception_handler(HTTPException)
+    async def _http_error(_, e: HTTPException):  # unknown routes, bodies that do not parse
+        return error_response(e.status_code, str(e.detail),
+                              kind=_ERROR_KINDS.get(e.status_code, "invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):
+        error_id = uuid.uuid4().hex
+        log.error("internal error %s on %s %s", error_id, request.method, request.url.path,
+                  exc_info=e)
+        return error_response(500, f"internal error {error_id} (logged by the server)",
+                              kind="internal_server_error")
 
     def check_model(name: str | None) -> str:
         if name is not None and name not in served_model_names:
@@ -72,11 +135,15 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
         if not await client.health():
             raise APIError(503, "the engine is not running", kind="service_unavailable")
 
-    def check_supported(body) -> None:
+    def check_request(body) -> None:
         """Once per request, before any prompt is templated or tokenized."""
         field = body.unsupported()
         if field:
             raise APIError(400, f"{field}: not supported by this server", field)
+        try:
+            limits.check_sampling(body)
+        except ValueError as e:
+            raise bad_request(e) from None
 
     def prepare(prompt, body, max_tokens: int | None, logprobs: int | None):
         try:
@@ -84,25 +151,32 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
         except ValueError as e:
             raise APIError(400, str(e), "prompt") from None
         try:
-            params = body.sampling_params(max_tokens, logprobs)
+            params = body.sampling_params(max_tokens, logprobs, options.generation_defaults)
             client.input_processor.validate(ids, params, max_tokens_must_fit=True)
         except ValueError as e:
-            field = str(e).split(":")[0].removeprefix("SamplingParams.")
-            raise APIError(400, str(e), field) from None
+            raise bad_request(e) from None
         return ids, params
 
     async def stream_outputs(ids: list[int], params: SamplingParams, request_id: str
                              ) -> AsyncIterator[RequestOutput]:
-        timer = RequestTimer(metrics, len(ids))
+        timer = RequestTimer(metrics, len(ids), params.n)
         try:
             async for out in client.generate(ids, params, request_id):
-                timer.on_tokens(sum(len(c.delta_token_ids) for c in out.outputs))
+                timer.on_output(out)
                 yield out
         except EngineDeadError as e:
+            timer.end("error")
             raise APIError(503, f"the engine died: {e}", kind="service_unavailable") from None
-        timer.on_finish()
+        except ValueError as e:  # the engine refused the request (a limit only it knows)
+            timer.end("error")
+            raise bad_request(e) from None
+        except Exception:
+            timer.end("error")
+            raise
+        finally:
+            timer.end("abort")  # stopped early: the client left (a no-op once it finished)
 
-    async def serve(kind: str, body, prompts: list, max_tokens: int | None,
+    async def serve(request: Request, kind: str, body, prompts: list, max_tokens: int | None,
                     logprobs: int | None, chat: bool):
         await check_engine()
         model = check_model(body.model)
@@ -116,12 +190,19 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
         streams = [stream_outputs(ids, params, f"{request_id}-{i}")
                    for i, (ids, params) in enumerate(prepared)]
         prompt_tokens = sum(len(ids) for ids, _ in prepared)
+        if options.log_requests:
+            for i, (ids, params) in enumerate(prepared):
+                log.info("request %s-%d: %d prompt tokens, %s", request_id, i, len(ids), params)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
                 sse(kind, request_id, created, model, streams, states, body.n, chat,
                     include_usage, prompt_tokens), media_type="text/event-stream")
-        finals = await asyncio.gather(*(drain(s) for s in streams))
+        try:
+            finals = await unless_disconnected(request,
+                                               asyncio.gather(*(drain(s) for s in streams)))
+        except ClientDisconnected:
+            return Response(status_code=499)  # nobody reads it: the requests were aborted
         cached = sum(f.num_cached_tokens for f in finals)
         for i, final in enumerate(finals):
             for c, completion in enumerate(final.outputs):
@@ -130,21 +211,28 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
                                        usage_json(prompt_tokens, states, cached)))
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        check_supported(body)
-        return await serve("text_completion", body, body.prompts(), body.max_tokens,
+    async def completions(request: Request, body: CompletionRequest):
+        check_request(body)
+        prompts = body.prompts()
+        try:
+            limits.check_prompts(prompts, body.n)
+        except ValueError as e:
+            raise bad_request(e) from None
+        return await serve(request, "text_completion", body, prompts, body.max_tokens,
                            body.logprobs, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        check_supported(body)
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        check_request(body)
         try:
-            ids = client.input_processor.chat_to_ids(body.message_dicts(),
-                                                     body.add_generation_prompt)
+            messages = body.message_dicts()
+            limits.check_messages(messages)
+            ids = client.input_processor.chat_to_ids(messages, body.add_generation_prompt)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await serve("chat.completion", body, [ids], body.limit(), logprobs, chat=True)
+        return await serve(request, "chat.completion", body, [ids], body.limit(), logprobs,
+                           chat=True)
 
     @app.get("/v1/models")
     async def models():
@@ -164,7 +252,7 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(client.latest_stats),
+        return Response(metrics.render([client.latest_stats]),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

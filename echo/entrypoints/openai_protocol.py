@@ -8,9 +8,42 @@ differently from what was asked.
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from echo.engine.generation_config import GenerationDefaults
 from echo.sampling_params import SamplingParams
+
+NO_DEFAULTS = GenerationDefaults()
+
+
+def first_non_utf8(value, path: str = "") -> str | None:
+    """The path of the first string under value that UTF-8 cannot encode (JSON lets a client
+    send a lone surrogate, "\\ud800", which no tokenizer or response can carry). Iterative:
+    an extra field may nest as deep as the JSON parser allows."""
+    stack = [(path, value)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+            continue
+        if isinstance(value, BaseModel):
+            items = {**value.__dict__, **(value.__pydantic_extra__ or {})}.items()
+        elif isinstance(value, dict):
+            items = value.items()
+        elif isinstance(value, list):
+            items = ((f"[{i}]", v) for i, v in enumerate(value))
+        else:
+            continue
+        children = []
+        for key, item in items:
+            key = str(key)
+            children.append((f"{path}{key}" if key.startswith("[") or not path
+                             else f"{path}.{key}", item))
+        stack.extend(reversed(children))
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -31,7 +64,7 @@ class _SamplingFields(BaseModel):
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -43,6 +76,13 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     user: str | None = None
+
+    @model_validator(mode="after")
+    def _utf8_only(self):
+        path = first_non_utf8(self, "")
+        if path is not None:
+            raise ValueError(f"{path}: not valid UTF-8 (a lone surrogate)")
+        return self
 
     @field_validator("stream_options")
     @classmethod
@@ -62,23 +102,33 @@ class _SamplingFields(BaseModel):
             return "response_format"  # JSON modes need constrained decoding
         return None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
+        """The request's SamplingParams; a field it leaves out takes the model's generation
+        config default (`defaults`), else echo's."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+        def pick(name: str, fallback):
+            value = getattr(self, name)
+            return defaults.get(name, fallback) if value is None else value
+
+        stop_token_ids = list(self.stop_token_ids or [])
+        stop_token_ids += [t for t in defaults.extra_eos_token_ids if t not in stop_token_ids]
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", -1),
+            min_p=pick("min_p", 0.0),
             seed=self.seed,
-            max_tokens=max_tokens,
+            max_tokens=max_tokens if max_tokens is not None else defaults.get("max_tokens", None),
             min_tokens=self.min_tokens,
             stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []),
+            stop_token_ids=stop_token_ids,
             ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,

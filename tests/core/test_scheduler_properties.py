@@ -28,7 +28,7 @@ request_specs = st.tuples(
     st.booleans(),  # ignore_eos
     st.booleans(),  # stop on STOP_TOKEN
     st.sampled_from([None, "tenant"]),  # cache salt
-)
+).filter(lambda spec: spec[3] <= spec[2])  # SamplingParams refuses min_tokens > max_tokens
 step_events = st.tuples(
     st.lists(request_specs, max_size=2),  # arrivals before this step
     st.lists(st.integers(0, 40), max_size=1),  # aborts: indexes into all requests so far

@@ -18,12 +18,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, *extra: str):
-    """Start `python -m echo serve` and wait until /health answers; yields (proc, base url)."""
+def start_server(model: str, *extra: str, names: tuple[str, ...] = ("tiny",),
+                 model_flag: bool = True):
+    """Start `python -m echo serve` (the model as --model, or positional as `vllm serve MODEL`)
+    and wait until /health answers; yields (proc, base url)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "echo", "serve", "--model", model, "--device", "cpu",
-           "--port", str(port), "--served-model-name", "tiny", "--max-model-len", "512",
-           "--shutdown-timeout", "20", "--log-level", "warning", *extra]
+    cmd = [sys.executable, "-m", "echo", "serve", *(["--model"] if model_flag else []), model,
+           "--device", "cpu", "--port", str(port), "--served-model-name", *names,
+           "--max-model-len", "512", "--shutdown-timeout", "20", "--log-level", "warning",
+           *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -53,7 +56,7 @@ def stats(base: str) -> dict:
     text = httpx.get(f"{base}/metrics").text
     values = {}
     for line in text.splitlines():
-        if line.startswith("echo_num_requests_running") or line.startswith("echo_kv_cache"):
+        if line.startswith(("vllm:num_requests_running", "vllm:kv_cache_usage_perc")):
             name, value = line.rsplit(" ", 1)
             values[name.split("{")[0]] = float(value)
     return values
@@ -63,7 +66,7 @@ def wait_idle(base: str, timeout_s: float = 10.0) -> bool:
     """Whether /metrics reaches zero running requests (stats arrive with the core's outputs)."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        if stats(base).get("echo_num_requests_running") == 0:
+        if stats(base).get("vllm:num_requests_running") == 0:
             return True
         time.sleep(0.1)
     return False
