@@ -31,10 +31,11 @@ from echo.sampling_params import SamplingParams
 
 class AsyncClient:
     def __init__(self, model: str | None = "default", startup_timeout_s: float = 600.0,
-                 **engine_args):
+                 chat_template: str | None = None, **engine_args):
+        """chat_template: a Jinja template to use instead of the tokenizer's."""
         self.config = EngineConfig.create(model, **engine_args)
         self.tokenizer = load_tokenizer(self.config.model)
-        self.input_processor = InputProcessor(self.config.model, self.tokenizer)
+        self.input_processor = InputProcessor(self.config.model, self.tokenizer, chat_template)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_timeout_s = startup_timeout_s
         self.queues: dict[str, asyncio.Queue] = {}

@@ -1,6 +1,7 @@
 """Command line: `python -m echo generate ...` (console script `echollm`)."""
 
 import argparse
+import json
 import sys
 
 from echo.config import EngineArg, engine_arg_specs
@@ -27,9 +28,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags with the names vLLM users type, made from the config's engine arguments
     (echo.config.engine_arg_specs): --max-model-len for max_model_len, plus its aliases."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default="default",
+    g.add_argument("--model", default=None,
                    help="local Hugging Face folder, a preset (with --load-format dummy), or "
-                        "'default' (embedded SmolLM2-135M-Instruct)")
+                        "'default' (embedded SmolLM2-135M-Instruct, the default)")
     for spec in engine_arg_specs():
         g.add_argument("--" + spec.name.replace("_", "-"), *spec.aliases, **_flag_options(spec))
 
@@ -40,10 +41,66 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             if getattr(args, spec.name, None) is not None}
 
 
+def _json_list(text: str) -> list:
+    value = json.loads(text)
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError(f"expected a JSON list, got {text!r}")
+    return value
+
+
+def add_server_args(srv: argparse.ArgumentParser) -> None:
+    """vLLM's `serve` flags, where echo does the same thing."""
+    srv.add_argument("model_tag", nargs="?", metavar="MODEL",
+                     help="the model, as `vllm serve MODEL` takes it (or --model)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", nargs="+", action="extend",
+                     help="name(s) clients use for the model; the first is reported "
+                          "(default: the model argument)")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
+                     "(default: $ECHO_API_KEY)")
+    srv.add_argument("--chat-template",
+                     help="a Jinja chat template, or a file holding one, instead of the model's")
+    srv.add_argument("--generation-config", default="auto",
+                     help="'auto': request defaults (temperature, top_p, top_k, min_p, "
+                          "repetition_penalty, max_new_tokens, extra EOS ids) from the model "
+                          "folder's generation_config.json; a folder: from its file; 'vllm': "
+                          "none (default: auto)")
+    srv.add_argument("--trust-remote-code", action="store_true",
+                     help="accepted for vLLM command lines; echo never runs a model's code")
+    logs = srv.add_mutually_exclusive_group()
+    logs.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
+                      default=False, help="log each request's id, prompt size and parameters")
+    logs.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                      help="do not log requests (the default)")
+    srv.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
+                     choices=["critical", "error", "warning", "info", "debug", "trace"])
+    srv.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                     help='CORS: a JSON list of origins (default: ["*"])')
+    srv.add_argument("--allowed-methods", type=_json_list, default=["*"])
+    srv.add_argument("--allowed-headers", type=_json_list, default=["*"])
+    srv.add_argument("--allow-credentials", action="store_true")
+    srv.add_argument("--ssl-keyfile")
+    srv.add_argument("--ssl-certfile")
+    srv.add_argument("--root-path", default="",
+                     help="the path prefix a proxy serves this server under")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests may finish after SIGTERM")
+    srv.add_argument("--max-request-bytes", type=int, default=16 * 2**20)
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    """The model from `serve MODEL` or --model (one of them, or both the same)."""
+    tag = getattr(args, "model_tag", None)
+    if tag and args.model and tag != args.model:
+        raise ValueError(f"model: given twice, as {tag!r} and --model {args.model!r}")
+    return tag or args.model or "default"
+
+
 def _generate(args: argparse.Namespace) -> int:
     from echo.entrypoints.llm import LLM
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(resolve_model(args), **engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
                             ignore_eos=args.ignore_eos)
@@ -61,7 +118,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from echo.entrypoints.serve import serve
 
-    return serve(args, engine_kwargs(args))
+    return serve(args, resolve_model(args), engine_kwargs(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,16 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(srv)
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--served-model-name", action="append",
-                     help="name(s) clients use for the model (default: --model)")
-    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
-                     "(default: $ECHO_API_KEY)")
-    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="seconds in-flight requests may finish after SIGTERM")
-    srv.add_argument("--max-request-bytes", type=int, default=16 * 2**20)
-    srv.add_argument("--log-level", default="info")
+    add_server_args(srv)
     srv.set_defaults(handler=_serve)
     return parser
 

@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import contextlib
+import logging
 import signal
 import sys
 
@@ -33,25 +34,52 @@ async def _stop_when_engine_dies(client, server: _Server) -> None:
     server.begin_shutdown()
 
 
-async def _run(args: argparse.Namespace, engine_args: dict) -> int:
-    from echo.engine.async_client import AsyncClient
-    from echo.entrypoints.api_server import create_app
+def _log_to_stderr(level: str) -> None:
+    """echo's own loggers (requests with --enable-log-requests, internal errors) at the
+    server's log level."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("echo")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if level == "trace" else level.upper())
 
-    client = AsyncClient(args.model, **engine_args)
+
+async def _run(args: argparse.Namespace, model: str, engine_args: dict) -> int:
+    from echo.engine.async_client import AsyncClient
+    from echo.engine.generation_config import load_generation_defaults
+    from echo.engine.input_processor import read_chat_template
+    from echo.entrypoints.api_server import ServerOptions, create_app
+
+    _log_to_stderr(args.log_level)
+    if args.trust_remote_code:
+        print("echo: --trust-remote-code has no effect: echo never runs a model's own code",
+              file=sys.stderr, flush=True)
+    chat_template = read_chat_template(args.chat_template) if args.chat_template else None
+    client = AsyncClient(model, chat_template=chat_template, **engine_args)
+    options = ServerOptions(
+        generation_defaults=load_generation_defaults(
+            args.generation_config, client.config.model.path,
+            client.config.model.arch.eos_token_ids),
+        log_requests=args.log_requests, allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods), allowed_headers=tuple(args.allowed_headers),
+        allow_credentials=args.allow_credentials)
     await client.start()
     try:
-        names = args.served_model_name or [args.model or "default"]
-        app = create_app(client, names, args.api_key or envs.api_key(), args.max_request_bytes)
+        names = args.served_model_name or [model]
+        app = create_app(client, names, args.api_key or envs.api_key(), args.max_request_bytes,
+                         options)
         # uvicorn handles SIGINT/SIGTERM: stop accepting, let requests finish for up to
         # timeout_graceful_shutdown seconds, then cancel them (their generators abort)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout, loop="none",
-                                lifespan="off")
+                                lifespan="off", root_path=args.root_path,
+                                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
         server = _Server(config)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, server.begin_shutdown)
-        print(f"echo: serving {names[0]!r} on http://{args.host}:{args.port}", file=sys.stderr,
+        scheme = "https" if args.ssl_certfile else "http"
+        print(f"echo: serving {names[0]!r} on {scheme}://{args.host}:{args.port}", file=sys.stderr,
               flush=True)
         watcher = asyncio.create_task(_stop_when_engine_dies(client, server))
         await server.serve()
@@ -62,10 +90,10 @@ async def _run(args: argparse.Namespace, engine_args: dict) -> int:
         await client.shutdown()
 
 
-def serve(args: argparse.Namespace, engine_args: dict) -> int:
+def serve(args: argparse.Namespace, model: str, engine_args: dict) -> int:
     """Exit status: 0 after SIGINT/SIGTERM, 1 when the engine died."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return asyncio.run(_run(args, engine_args))
-    return uvloop.run(_run(args, engine_args))
+        return asyncio.run(_run(args, model, engine_args))
+    return uvloop.run(_run(args, model, engine_args))
