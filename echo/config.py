@@ -23,6 +23,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 KV_CACHE_DTYPES = ("auto", "bf16", "int8")
 DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 DEFAULT_MODEL_NAMES = (None, "", "default")
 
 
@@ -138,14 +139,28 @@ class SchedulerConfig:
     max_model_len: int = 4096  # not an argument of its own: the model's, copied by create()
     async_scheduling: bool = _arg(
         True, "schedule the next step while the current one runs on the device")
+    scheduling_policy: str = _arg(
+        "fcfs", "fcfs: requests are served in arrival order, and a request's priority must be "
+        "0; priority: by each request's priority (lower first), then arrival, and preemption "
+        "takes the running request of the worst priority", choices=SCHEDULING_POLICIES)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             _check_int(getattr(self, name), name)
         _check_bool(self.async_scheduling, "async_scheduling")
+        _check_choice(self.scheduling_policy, "scheduling_policy", SCHEDULING_POLICIES)
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
                f"must be >= max_num_seqs ({self.max_num_seqs}), got {self.max_num_batched_tokens}")
+
+    def check_priority(self, priority) -> None:
+        """A request's priority, as vLLM takes it: any 64-bit integer under the priority
+        policy (lower is served first), only 0 under fcfs."""
+        _check(type(priority) is int and -2**63 <= priority < 2**63, "priority",
+               f"must be a 64-bit integer, got {priority!r}")
+        _check(priority == 0 or self.scheduling_policy == "priority", "priority",
+               f"{priority} given, but the engine schedules fcfs: start it with "
+               "scheduling_policy='priority' (--scheduling-policy priority) to use priorities")
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         max_tokens: int | None = None,
+        priority: int = 0,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -47,6 +48,7 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
+        self.priority = priority  # lower is served first (scheduling_policy="priority" only)
         # the generation limit after clamping to max_model_len (set by the engine)
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         # prompt + output length at which it stops for length; set by the scheduler on admission

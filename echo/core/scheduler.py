@@ -6,6 +6,13 @@ needs one token, an unfinished prefill takes a chunk. Then waiting requests are 
 arrival order, within max_num_seqs. Chunked prefill, mixed batches and prefix caching all
 follow from this.
 
+scheduling_policy="priority" (vLLM's): the waiting queue is a heap by (priority, arrival), lower
+first, and the running list is kept in that order too (sorted insertion on admission), so
+running requests go first in priority order, and preemption, which takes the last running
+request, takes the one of the worst priority (latest arrival among equals). Under fcfs the
+waiting queue is a deque, running is in admission order, and the victim is the most recently
+admitted request.
+
 Two rules keep long prompts from hurting others:
 - every running request keeps one token of the budget reserved for each running request after
   it, so a long prefill admitted early never starves later decodes;
@@ -22,6 +29,7 @@ placeholders into tokens and ignores requests that finished meanwhile.
 """
 
 import time
+from bisect import insort
 from collections import deque
 from collections.abc import Iterable
 
@@ -29,6 +37,7 @@ from echo.config import CacheConfig, SchedulerConfig
 from echo.core.kv_cache_manager import KVCacheManager
 from echo.core.length_limit import check_request_length, length_limit
 from echo.core.request import Request, RequestStatus
+from echo.core.request_queue import PriorityWaitingQueue, priority_key
 from echo.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from echo.core.step_results import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from echo.core.stop_checker import check_stop
@@ -57,8 +66,12 @@ class Scheduler:
         self.kv = KVCacheManager(num_gpu_blocks, self.block_size,
                                  cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}  # every unfinished request
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order
+        self.by_priority = scheduler_config.scheduling_policy == "priority"
+        self._check_priority = scheduler_config.check_priority
+        # fcfs: a deque in arrival order; priority: a heap by (priority, arrival)
+        self.waiting: deque[Request] | PriorityWaitingQueue = (
+            PriorityWaitingQueue() if self.by_priority else deque())
+        self.running: list[Request] = []  # in admission order; by priority_key under priority
         # ids the workers must forget before the next step
         self._finished_req_ids: list[str] = []
         self._step_id = 0
@@ -71,6 +84,7 @@ class Scheduler:
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request {rid!r} is already queued or running")
+        self._check_priority(request.priority)
         num_prompt = request.num_prompt_tokens
         try:
             check_request_length(num_prompt, self.max_model_len)
@@ -112,7 +126,8 @@ class Scheduler:
         if aborted_running:
             self.running = [r for r in self.running if r.request_id not in aborted_running]
         if aborted_waiting:
-            self.waiting = deque(r for r in self.waiting if r.request_id not in aborted_waiting)
+            self.waiting = type(self.waiting)(
+                r for r in self.waiting if r.request_id not in aborted_waiting)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -162,7 +177,9 @@ class Scheduler:
                 num_new = limit
             blocks = allocate_slots(request, num_new)
             while blocks is None:
-                victim = running.pop()  # most recently admitted; never one scheduled already
+                # the most recently admitted (fcfs) or the worst priority: the last, never one
+                # scheduled already
+                victim = running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -200,9 +217,12 @@ class Scheduler:
             if held_back:  # leave room for the requests behind it
                 num_new = self.long_prefill_token_threshold
             if self.kv.allocate_slots(request, num_new, computed) is None:
-                break  # first come, first served: nobody overtakes the head of the queue
+                break  # nobody overtakes the head of the queue
             waiting.popleft()
-            running.append(request)
+            if self.by_priority:
+                insort(running, request, key=priority_key)  # after its equals
+            else:
+                running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = computed.num_tokens
             if request.num_cached_tokens < 0:
@@ -289,8 +309,9 @@ class Scheduler:
             request.num_output_placeholders += 1  # this step samples a token
 
     def _preempt(self, request: Request) -> None:
-        """Free a running request's blocks and requeue it at the front, to be recomputed (its
-        prefix is reused if still cached). A token it has in flight is kept when it arrives."""
+        """Free a running request's blocks and requeue it at the front (under priority: where
+        its priority and arrival put it), to be recomputed (its prefix is reused if still
+        cached). A token it has in flight is kept when it arrives."""
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

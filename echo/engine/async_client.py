@@ -91,16 +91,20 @@ class AsyncClient:
 
     async def generate(self, prompt: Prompt | list[dict],
                        sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream outputs for a prompt (text, token ids, or chat messages)."""
+                       request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream outputs for a prompt (text, token ids, or chat messages). priority: lower is
+        served first; other than 0 only with scheduling_policy="priority" (else ValueError)."""
         self._check_alive()
+        self.config.scheduler.check_priority(priority)
         params = sampling_params or SamplingParams()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = self.input_processor.chat_to_ids(prompt)
         text, ids = self.input_processor.tokenize(prompt)
         self.input_processor.validate(ids, params)
         request_id = request_id or uuid.uuid4().hex
-        requests = self.output_processor.add_request(request_id, text, ids, params, time.time())
+        requests = self.output_processor.add_request(request_id, text, ids, params, time.time(),
+                                                     priority)
         out_queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = out_queue
         finished = False

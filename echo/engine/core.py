@@ -49,7 +49,7 @@ class EngineCore:
         self.scheduler.add_request(Request(
             request.request_id, request.prompt_token_ids, request.sampling_params,
             eos_token_ids=self.eos_token_ids, arrival_time=request.arrival_time or time.time(),
-            cache_salt=request.cache_salt))
+            cache_salt=request.cache_salt, priority=request.priority))
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         return self.scheduler.abort_requests(request_ids)

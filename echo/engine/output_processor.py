@@ -85,7 +85,8 @@ class OutputProcessor:
         return list(parent.child_ids) if parent is not None else []
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float) -> list[EngineCoreRequest]:
+                    params: SamplingParams, arrival_time: float,
+                    priority: int = 0) -> list[EngineCoreRequest]:
         """Register a request; return the core requests (one per sample) to send."""
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -109,7 +110,7 @@ class OutputProcessor:
             parent.child_ids.append(child_id)
             self._children[child_id] = child
             core_requests.append(EngineCoreRequest(child_id, list(prompt_token_ids),
-                                                   child_params, arrival_time))
+                                                   child_params, arrival_time, priority))
         return core_requests
 
     def process_outputs(self, outputs: list[EngineCoreOutput]

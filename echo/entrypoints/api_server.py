@@ -142,6 +142,7 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
             raise APIError(400, f"{field}: not supported by this server", field)
         try:
             limits.check_sampling(body)
+            client.config.scheduler.check_priority(body.priority)
         except ValueError as e:
             raise bad_request(e) from None
 
@@ -157,11 +158,11 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
             raise bad_request(e) from None
         return ids, params
 
-    async def stream_outputs(ids: list[int], params: SamplingParams, request_id: str
-                             ) -> AsyncIterator[RequestOutput]:
+    async def stream_outputs(ids: list[int], params: SamplingParams, request_id: str,
+                             priority: int = 0) -> AsyncIterator[RequestOutput]:
         timer = RequestTimer(metrics, len(ids), params.n)
         try:
-            async for out in client.generate(ids, params, request_id):
+            async for out in client.generate(ids, params, request_id, priority):
                 timer.on_output(out)
                 yield out
         except EngineDeadError as e:
@@ -187,7 +188,7 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
         created = int(time.time())
         states = [ChoiceState(i * body.n + c, client.tokenizer, chat, body.return_token_ids)
                   for i in range(len(prepared)) for c in range(body.n)]
-        streams = [stream_outputs(ids, params, f"{request_id}-{i}")
+        streams = [stream_outputs(ids, params, f"{request_id}-{i}", body.priority)
                    for i, (ids, params) in enumerate(prepared)]
         prompt_tokens = sum(len(ids) for ids, _ in prepared)
         if options.log_requests:

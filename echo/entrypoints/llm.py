@@ -71,8 +71,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Prompts as text or token-id lists; one SamplingParams for all or one per prompt."""
+                 use_tqdm: bool = True,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Prompts as text or token-id lists; one SamplingParams for all or one per prompt.
+        priority: one per prompt, as vLLM's (lower first; needs scheduling_policy="priority"
+        unless all are 0)."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -86,11 +89,16 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for "
                                  f"{len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority: {len(priorities)} given for {len(prompts)} prompts")
+        for value in priorities:
+            self.config.scheduler.check_priority(value)
         # tokenize and validate everything before anything is queued
         inputs = [self.input_processor.tokenize(p) for p in prompts]
         for (_, ids), p in zip(inputs, params):
             self.input_processor.validate(ids, p)
-        return self._run(inputs, params, use_tqdm)
+        return self._run(inputs, params, use_tqdm, priorities)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -101,16 +109,17 @@ class LLM:
                for c in conversations]
         return self.generate(ids, sampling_params, use_tqdm)
 
-    def _run(self, inputs, params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, inputs, params, use_tqdm: bool, priorities: list[int]) -> list[RequestOutput]:
         processor = OutputProcessor(self.tokenizer, stream=False)
         order = []
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(inputs), desc="generate", disable=not use_tqdm, unit="req")
         try:
-            for (text, ids), p in zip(inputs, params):
+            for (text, ids), p, priority in zip(inputs, params, priorities):
                 request_id = str(next(self._ids))
                 order.append(request_id)
-                for core_request in processor.add_request(request_id, text, ids, p, time.time()):
+                for core_request in processor.add_request(request_id, text, ids, p, time.time(),
+                                                          priority):
                     self._add(core_request)
             while processor.has_unfinished():
                 outputs = self._next_outputs()

@@ -70,6 +70,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # vLLM's extension: choices carry their output token ids
+    priority: int = 0  # vLLM's: lower first; other than 0 needs --scheduling-policy priority
     stream: bool = False
     stream_options: StreamOptions | None = None
     best_of: int | None = None
