@@ -29,6 +29,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
     logprobs: int | None = None  # number of top logprobs per token (0: only the sampled one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token rules, applied to the logits before penalties, temperature and top-k/top-p/min-p;
+    # reported logprobs stay those of the raw logits, as vLLM's (logprobs_mode=raw_logprobs)
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words that may not be generated
+    # bad_words as token-id sequences, filled in the frontend (update_from_tokenizer): the
+    # last token of each is banned when the output so far ends with the ones before it
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -59,15 +67,89 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
                  f"must be in [0, 2**63), got {self.seed}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop",
                  "must be non-empty strings")
+        self._check_token_rules()
+
+    def _check_token_rules(self) -> None:
+        if self.logit_bias is not None:
+            _require(isinstance(self.logit_bias, dict), "logit_bias",
+                     "must map token ids to biases")
+            for token, bias in self.logit_bias.items():
+                _require(_is_id(token), "logit_bias", f"keys must be token ids, got {token!r}")
+                _require(_is_number(bias) and -100 <= bias <= 100, "logit_bias",
+                         f"biases must be in [-100, 100], got {bias!r} for token {token}")
+        if self.allowed_token_ids is not None:
+            _require(isinstance(self.allowed_token_ids, list) and self.allowed_token_ids,
+                     "allowed_token_ids", "must be a non-empty list of token ids")
+            _require(all(_is_id(t) for t in self.allowed_token_ids), "allowed_token_ids",
+                     "must be token ids (integers >= 0)")
+        if self.bad_words is not None:
+            _require(isinstance(self.bad_words, list) and all(
+                isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
+                "must be a list of non-blank strings")
+        if self.bad_words_token_ids is not None:
+            _require(isinstance(self.bad_words_token_ids, list) and all(
+                isinstance(ids, list) and ids and all(_is_id(t) for t in ids)
+                for ids in self.bad_words_token_ids), "bad_words_token_ids",
+                "must be non-empty lists of token ids")
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Resolve bad_words into bad_words_token_ids as vLLM does: each word is tokenized
+        as given (leading spaces stripped) and, where it tokenizes differently into as many
+        tokens, with one leading space too, so it is banned mid-text as well as at the
+        start. Called by the frontend on every request (InputProcessor.validate)."""
+        if not self.bad_words:
+            return
+        _require(tokenizer is not None, "bad_words",
+                 "this model has no tokenizer to turn them into tokens")
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            _require(bool(plain), "bad_words", f"{word!r} tokenizes to no tokens")
+            sequences.append(plain)
+            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        self.bad_words_token_ids = sequences
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Every token id of the token rules is in the model's vocabulary."""
+        def check(name: str, ids) -> None:
+            bad = sorted({t for t in ids if not 0 <= t < vocab_size})
+            _require(not bad, name, f"token ids must be in [0, {vocab_size}), got {bad[:8]}")
+
+        if self.logit_bias:
+            _require(len(self.logit_bias) <= vocab_size, "logit_bias",
+                     f"at most {vocab_size} (the vocabulary size) entries")
+            check("logit_bias", self.logit_bias)
+        if self.allowed_token_ids:
+            check("allowed_token_ids", self.allowed_token_ids)
+        if self.bad_words_token_ids:
+            check("bad_words" if self.bad_words else "bad_words_token_ids",
+                  (t for ids in self.bad_words_token_ids for t in ids))
+
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
 
     @property
+    def has_token_rules(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids is not None
+                    or self.bad_words_token_ids)
+
+    @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 def _require(ok: bool, name: str, message: str) -> None:

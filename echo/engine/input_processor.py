@@ -106,3 +106,5 @@ class InputProcessor:
                              params.max_tokens if max_tokens_must_fit else None)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: expected SamplingParams, got {type(params)}")
+        params.update_from_tokenizer(self.tokenizer)  # bad_words into token ids, as vLLM
+        params.check_token_ids(self.config.arch.vocab_size)

@@ -1,7 +1,7 @@
 """OpenAI request bodies (pydantic) and their translation into SamplingParams.
 
 Unknown fields are ignored, as OpenAI-compatible servers commonly do; known fields that echo
-cannot honour (echo=True, best_of > n, logit_bias, suffix, tools, a structured response_format,
+cannot honour (echo=True, best_of > n, suffix, tools, a structured response_format,
 non-text message parts) are rejected with a 400 that names them, so nothing silently behaves
 differently from what was asked.
 """
@@ -74,7 +74,9 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string) -> bias
+    allowed_token_ids: list[int] | None = None  # vLLM's extensions
+    bad_words: list[str] | None = None
     response_format: dict[str, Any] | None = None
     user: str | None = None
 
@@ -97,8 +99,6 @@ class _SamplingFields(BaseModel):
         """The name of a field echo cannot honour, if one was set."""
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
-        if self.logit_bias:
-            return "logit_bias"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format"  # JSON modes need constrained decoding
         return None
@@ -133,7 +133,22 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.logit_bias_ids(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or None,
         )
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """logit_bias with its keys (JSON object keys: strings) as token ids."""
+        if not self.logit_bias:
+            return None
+        result = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                result[int(key)] = bias
+            except ValueError:
+                raise ValueError(f"logit_bias: keys must be token ids, got {key!r}") from None
+        return result
 
 
 class CompletionRequest(_SamplingFields):

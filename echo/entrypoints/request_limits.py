@@ -12,6 +12,8 @@ from dataclasses import dataclass
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 256
+MAX_BAD_WORD_CHARS = 1024
 # a batch of prompts times n may hold this many max_num_seqs worth of requests
 MAX_CHOICES_PER_MAX_NUM_SEQS = 16
 
@@ -50,6 +52,21 @@ class RequestLimits:
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(ids)}")
         if not all(0 <= t < self.vocab_size for t in ids):
             raise ValueError(f"stop_token_ids: every id must be in [0, {self.vocab_size})")
+        self._check_token_rules(body)
+
+    def _check_token_rules(self, body) -> None:
+        """logit_bias and allowed_token_ids: at most one entry per vocabulary token (ids are
+        checked against it by InputProcessor.validate); bad_words as stop strings are."""
+        for name in ("logit_bias", "allowed_token_ids"):
+            value = getattr(body, name, None) or ()
+            if len(value) > self.vocab_size:
+                raise ValueError(f"{name}: at most {self.vocab_size} (the vocabulary size) "
+                                 f"entries, got {len(value)}")
+        words = getattr(body, "bad_words", None) or []
+        if len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words, got {len(words)}")
+        if any(len(w) > MAX_BAD_WORD_CHARS for w in words):
+            raise ValueError(f"bad_words: each word at most {MAX_BAD_WORD_CHARS} characters")
 
     def check_prompts(self, prompts: list, n: int) -> None:
         """A completion request's prompts: their number, and each one's size before it is

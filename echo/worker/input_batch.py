@@ -5,7 +5,7 @@ settings); a step's inputs are gathered from those rows with vectorized indexing
 work per step grows with the tokens scheduled, not with Python objects.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,6 +33,50 @@ class StepInputs:
     placeholder_rows: np.ndarray
 
 
+@dataclass
+class TokenRules:
+    """One request's logit_bias, allowed_token_ids and bad words, as arrays of the ids inside
+    the vocabulary, built once when the request joins the batch."""
+
+    bias_ids: np.ndarray | None = None  # [K] int64
+    bias_values: np.ndarray | None = None  # [K] float32
+    allowed_ids: np.ndarray | None = None  # [A] int64
+    always_banned: np.ndarray | None = None  # [S] int64: single-token bad words
+    # multi-token bad words: (the tokens before the last, the last)
+    sequences: list[tuple[list[int], int]] = field(default_factory=list)
+    longest_prefix: int = 0
+
+    @staticmethod
+    def of(params: SamplingParams, vocab_size: int) -> "TokenRules | None":
+        if not params.has_token_rules:
+            return None
+        rules = TokenRules()
+        if params.logit_bias:
+            bias = [(t, b) for t, b in params.logit_bias.items() if t < vocab_size]
+            rules.bias_ids = np.array([t for t, _ in bias], dtype=np.int64)
+            rules.bias_values = np.array([b for _, b in bias], dtype=np.float32)
+        if params.allowed_token_ids is not None:
+            rules.allowed_ids = np.unique(np.array(
+                [t for t in params.allowed_token_ids if t < vocab_size], dtype=np.int64))
+        words = [ids for ids in params.bad_words_token_ids or []
+                 if all(t < vocab_size for t in ids)]
+        rules.always_banned = np.array(sorted({ids[0] for ids in words if len(ids) == 1}),
+                                       dtype=np.int64)
+        rules.sequences = [(ids[:-1], ids[-1]) for ids in words if len(ids) > 1]
+        rules.longest_prefix = max((len(prefix) for prefix, _ in rules.sequences), default=0)
+        return rules
+
+    def banned_after(self, output: np.ndarray) -> np.ndarray:
+        """The bad-word tokens banned next, given the output so far (vLLM's rule: a word's
+        last token, where the output ends with the word's earlier tokens)."""
+        tail = output[max(0, len(output) - self.longest_prefix):].tolist()
+        banned = [last for prefix, last in self.sequences
+                  if len(prefix) <= len(tail) and tail[len(tail) - len(prefix):] == prefix]
+        if not banned:
+            return self.always_banned
+        return np.concatenate([self.always_banned, np.array(banned, dtype=np.int64)])
+
+
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
                  block_size: int, seed: int = 0):
@@ -53,7 +97,12 @@ class InputBatch:
         self.logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # top-N asked for; -1: none
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.has_penalties = np.zeros(max_num_reqs, dtype=bool)
-        self.num_with_penalties = 0  # among the requests held now
+        self.token_rules: list[TokenRules | None] = [None] * max_num_reqs
+        self.has_token_rules = np.zeros(max_num_reqs, dtype=bool)
+        # sampling reads the request's output tokens on the host: penalties, multi-token bad
+        # words; the runner lands the steps in flight first while any such request is held
+        self.reads_outputs = np.zeros(max_num_reqs, dtype=bool)
+        self.num_with_penalties = 0  # requests held now that read their outputs on the host
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -67,8 +116,10 @@ class InputBatch:
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self.params[row] = None
-            self.num_with_penalties -= int(self.has_penalties[row])
-            self.has_penalties[row] = False
+            self.num_with_penalties -= int(self.reads_outputs[row])
+            self.has_penalties[row] = self.reads_outputs[row] = False
+            self.token_rules[row] = None
+            self.has_token_rules[row] = False
             self.free_rows.append(row)
 
     def add(self, req_id: str, prompt: list[int], output: list[int], params: SamplingParams,
@@ -93,7 +144,11 @@ class InputBatch:
         self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.min_tokens[row] = params.min_tokens
         self.has_penalties[row] = params.has_penalties
-        self.num_with_penalties += int(params.has_penalties)
+        rules = TokenRules.of(params, vocab_size)
+        self.token_rules[row] = rules
+        self.has_token_rules[row] = rules is not None
+        self.reads_outputs[row] = params.has_penalties or bool(rules and rules.sequences)
+        self.num_with_penalties += int(self.reads_outputs[row])
         seed = params.seed
         self.seeds[row] = seed if seed is not None else int(self._seed_rng.integers(0, 2**62))
 

@@ -1,4 +1,5 @@
-"""Batched sampling on the device: penalties, temperature, top-k/top-p/min-p, seeded draws.
+"""Batched sampling on the device: logit bias, token bans (min_tokens, allowed_token_ids, bad
+words), penalties, temperature, top-k/top-p/min-p, seeded draws.
 
 Every request carries a seed (one is drawn for requests that gave none). Random draws are a
 counter-based hash of (seed, output index, token id) turned into Gumbel noise, so a request's
@@ -46,7 +47,11 @@ class SamplingTensors:
     repetition: torch.Tensor | None = None  # [B] f32
     output_counts: torch.Tensor | None = None  # [B, V] f32, occurrences in the output so far
     prompt_mask: torch.Tensor | None = None  # [B, V] bool, token appears in the prompt
-    banned: torch.Tensor | None = None  # [B, V] bool: e.g. EOS before min_tokens
+    # [B, V] bool: EOS before min_tokens, tokens outside allowed_token_ids, bad words
+    banned: torch.Tensor | None = None
+    # logit_bias, only when some row has one: [2, K] i64 (row, token id), [K] f32 bias
+    bias_index: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,14 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.T
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        # logprobs of the raw logits, before any processing, as vLLM's default
+        # (logprobs_mode=raw_logprobs): logit_bias, bans and penalties do not change them
         raw_logprobs = logits.float().log_softmax(dim=-1) if t.max_logprobs is not None else None
+        # vLLM's order: allowed ids, bad words, min_tokens, logit_bias, then penalties; the
+        # bans are -inf, which bias and penalties leave -inf, so they are applied last here
+        if t.bias_values is not None:
+            logits = logits.float().index_put((t.bias_index[0], t.bias_index[1]),
+                                              t.bias_values, accumulate=True)
         if t.output_counts is not None:
             logits = apply_penalties(logits.float(), t)
         if t.banned is not None:

@@ -19,9 +19,7 @@ def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, vocab_size: int,
     extra = {}
     if batch.has_penalties[rows].any():
         extra = _penalties(batch, rows, vocab_size, device)
-    banned = _banned_tokens(batch, rows, vocab_size, eos_token_ids)
-    if banned is not None:
-        extra["banned"] = banned.to(device)
+    extra.update(_token_rules(batch, rows, vocab_size, eos_token_ids, device))
     return SamplingTensors(
         temperature=floats[0], top_p=floats[1], min_p=floats[2],
         top_k=ints[0], seeds=ints[1], steps=ints[2],
@@ -57,18 +55,63 @@ def _penalties(batch: InputBatch, rows: np.ndarray, vocab_size: int,
             "output_counts": counts.to(device), "prompt_mask": prompt_mask.to(device)}
 
 
-def _banned_tokens(batch: InputBatch, rows: np.ndarray, vocab_size: int,
-                   eos_token_ids: tuple[int, ...]) -> torch.Tensor | None:
-    """EOS and stop tokens are banned until a request has min_tokens outputs."""
+def _token_rules(batch: InputBatch, rows: np.ndarray, vocab_size: int,
+                 eos_token_ids: tuple[int, ...], device: torch.device) -> dict:
+    """logit_bias as (row, token) pairs and their biases; the banned [B, V] mask built on the
+    device from index lists: EOS and stop tokens until a request has min_tokens outputs,
+    every token outside a request's allowed_token_ids, its bad-word tokens due now. Nothing
+    (no per-step work past two vector tests) while no request here has any of them."""
     pending = np.nonzero(batch.min_tokens[rows] > batch.num_output_tokens(rows))[0]
-    if not len(pending):
-        return None
-    banned = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
+    ruled = np.nonzero(batch.has_token_rules[rows])[0]
+    if not len(pending) and not len(ruled):
+        return {}
+    ban_rows, ban_ids = [], []  # per row: its index in this step and the token ids it bans
+    allow_rows, allow_ids, restricted = [], [], []
+    bias_rows, bias_ids, bias_values = [], [], []
     for i in pending.tolist():
         stop_ids = batch.params[rows[i]].stop_token_ids
         stops = [t for t in (*eos_token_ids, *stop_ids) if t < vocab_size]
-        banned[i, stops] = True
-    return banned
+        ban_rows.append(np.full(len(stops), i))
+        ban_ids.append(np.array(stops, dtype=np.int64))
+    for i in ruled.tolist():
+        row = rows[i]
+        rules = batch.token_rules[row]
+        if rules.bias_ids is not None:
+            bias_rows.append(np.full(len(rules.bias_ids), i))
+            bias_ids.append(rules.bias_ids)
+            bias_values.append(rules.bias_values)
+        if rules.allowed_ids is not None:
+            restricted.append(i)
+            allow_rows.append(np.full(len(rules.allowed_ids), i))
+            allow_ids.append(rules.allowed_ids)
+        now = rules.always_banned
+        if rules.sequences:  # its output is all on the host: reads_outputs has it landed
+            now = rules.banned_after(
+                batch.token_ids[row, batch.num_prompt_tokens[row]:batch.num_tokens[row]])
+        if len(now):
+            ban_rows.append(np.full(len(now), i))
+            ban_ids.append(now)
+    extra = {}
+    if bias_rows:
+        extra["bias_index"] = _upload(_pairs(bias_rows, bias_ids), device)
+        extra["bias_values"] = _upload(np.concatenate(bias_values), device)
+    if restricted or ban_rows:
+        banned = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+        if restricted:
+            banned[_upload(np.array(restricted, dtype=np.int64), device)] = True
+            allowed = _upload(_pairs(allow_rows, allow_ids), device)
+            banned[allowed[0], allowed[1]] = False
+        if ban_rows:
+            index = _upload(_pairs(ban_rows, ban_ids), device)
+            banned[index[0], index[1]] = True
+        extra["banned"] = banned
+    return extra
+
+
+def _pairs(rows: list[np.ndarray], ids: list[np.ndarray]) -> np.ndarray:
+    """[2, K] int64: the row (within the step) and the token id of each entry."""
+    return np.stack([np.concatenate(rows).astype(np.int64),
+                     np.concatenate(ids).astype(np.int64)])
 
 
 def worst_case_sampling_tensors(n: int, vocab_size: int, device: torch.device
@@ -82,4 +125,6 @@ def worst_case_sampling_tensors(n: int, vocab_size: int, device: torch.device
         all_greedy=False, need_top_k=True, need_top_p=True, need_min_p=True, max_logprobs=20,
         presence=full(0.1, torch.float32), frequency=full(0.1, torch.float32),
         repetition=full(1.1, torch.float32), output_counts=counts,
-        prompt_mask=counts > 0, banned=counts > 0)
+        prompt_mask=counts > 0, banned=counts > 0,
+        bias_index=torch.stack([torch.arange(n, device=device)] * 2) % vocab_size,
+        bias_values=full(1.0, torch.float32))
