@@ -127,7 +127,6 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
             check("bad_words" if self.bad_words else "bad_words_token_ids",
                   (t for ids in self.bad_words_token_ids for t in ids))
 
-
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
