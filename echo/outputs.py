@@ -40,3 +40,6 @@ class RequestOutput:
     # seconds from arrival to first scheduling in the core (the first of its n samples to be
     # scheduled); None until the core has reported it
     queue_time: float | None = None
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first; each
+    # dict holds the prompt token itself (ranked) and the top-N
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -27,6 +27,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top logprobs per token (0: only the sampled one)
+    # vLLM's: per prompt token after the first, its logprob and the top-N (0: only its own)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # token rules, applied to the logits before penalties, temperature and top-k/top-p/min-p;
@@ -63,6 +65,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
                  f"must be > 0, got {self.repetition_penalty}")
         _require(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
                  f"must be in [0, 20], got {self.logprobs}")
+        _require(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                 "prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
         _require(self.seed is None or 0 <= self.seed < 2**63, "seed",
                  f"must be in [0, 2**63), got {self.seed}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop",

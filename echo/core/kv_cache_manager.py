@@ -32,6 +32,11 @@ class ComputedBlocks(NamedTuple):
 NO_COMPUTED_BLOCKS = ComputedBlocks([], 0)
 
 
+def _skips_cache(request: Request) -> bool:
+    """Whether a request may not reuse cached blocks (get_computed_blocks)."""
+    return request.sampling_params.prompt_logprobs is not None
+
+
 def hash_block(parent: BlockHash, token_ids: list[int]) -> BlockHash:
     # sha256 rather than hash(tuple): a collision would silently hand one request another's KV
     return hashlib.sha256(_encode((parent, token_ids))).digest()
@@ -79,8 +84,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """The longest cached prefix of a request that is not yet (or no longer) running.
         Never all of its tokens: the last one is always computed, to have logits to sample from.
+        None for a request asking for prompt logprobs (as in vLLM): they need the logits of
+        every prompt position, which a reused block never had. Its blocks are still cached.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or _skips_cache(request):
             return NO_COMPUTED_BLOCKS
         state = self._state(request.request_id)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -139,7 +146,7 @@ class KVCacheManager:
         num_available = self.pool.num_free_blocks - sum(1 for b in prefix if ref_counts[b] == 0)
         if num_needed > num_available:
             return None
-        if self.enable_caching:
+        if self.enable_caching and not _skips_cache(request):
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += computed.num_tokens
         if prefix:

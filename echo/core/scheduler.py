@@ -328,11 +328,15 @@ class Scheduler:
         outputs = []
         finished_running: set[str] = set()
         logprobs = runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs
         requests = self.requests
         for i, rid in enumerate(runner_output.req_ids):
             new_token_ids = runner_output.sampled_token_ids[i]
-            if not new_token_ids:
-                continue  # mid-prefill
+            if not new_token_ids:  # mid-prefill
+                if prompt_logprobs and rid in prompt_logprobs and rid in requests:
+                    outputs.append(EngineCoreOutput(rid, [],
+                                                    prompt_logprobs=prompt_logprobs[rid]))
+                continue
             request = requests.get(rid)
             if request is None:
                 continue  # finished or aborted while this step was in flight: discard
@@ -347,6 +351,8 @@ class Scheduler:
             output = EngineCoreOutput(rid, new_token_ids,
                                       [entry] if entry is not None else [],
                                       None, None, request.num_cached_tokens)
+            if prompt_logprobs:  # the last chunk of a prompt comes with its first token
+                output.prompt_logprobs = prompt_logprobs.get(rid)
             if len(request.output_token_ids) == len(new_token_ids):  # its first output
                 output.queue_time = request.first_scheduled_time - request.arrival_time
             if status is not None:

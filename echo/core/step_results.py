@@ -16,6 +16,17 @@ class LogprobsEntry(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     top_logprobs: list[float] = []
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Logprobs of a run of prompt tokens: entry i is prompt token `start + i`, scored by the
+    logits at the position before it (the first prompt token has none, so start >= 1)."""
+
+    start: int
+    logprobs: list[float] = []  # of the prompt token itself
+    ranks: list[int] = []  # its rank among the vocabulary, 1 = most likely
+    top_token_ids: list[list[int]] = []  # the top-N per entry ([] when N = 0)
+    top_logprobs: list[list[float]] = []
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     step_id: int
     req_ids: list[str] = []
@@ -23,6 +34,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampled_token_ids: list[list[int]] = []
     # per request, parallel to sampled_token_ids; None where no logprobs were asked for
     logprobs: list[LogprobsEntry | None] = []
+    # request id -> the prompt logprobs this step's chunk produced (requests that asked only)
+    prompt_logprobs: dict[str, PromptLogprobs] = {}
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -45,6 +58,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     error: str | None = None
     # seconds from the request's arrival to its first scheduling; on its first output only
     queue_time: float | None = None
+    # prompt logprobs of the step's prefill chunk; may come on an output without tokens
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from echo.core.step_results import EngineCoreOutput, LogprobsEntry
+from echo.core.step_results import EngineCoreOutput, LogprobsEntry, PromptLogprobs
 from echo.engine.detokenizer import IncrementalDetokenizer
 from echo.engine.messages import EngineCoreRequest
 from echo.outputs import CompletionOutput, Logprob, RequestOutput
@@ -55,6 +55,8 @@ class _Parent:
     num_cached_tokens: int = 0
     error: str | None = None
     queue_time: float | None = None
+    # [None] + one dict per later prompt token as they arrive, when prompt logprobs were asked
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -91,6 +93,8 @@ class OutputProcessor:
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         parent = _Parent(request_id, prompt, list(prompt_token_ids))
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
         self._parents[request_id] = parent
         core_requests = []
         for i in range(params.n):
@@ -123,6 +127,10 @@ class OutputProcessor:
             child = self._children.get(out.request_id)
             if child is None or child.completion.finished:
                 continue  # aborted here already; the core's late tokens are dropped
+            if out.prompt_logprobs is not None:
+                self._add_prompt_logprobs(child.parent, out.prompt_logprobs)
+                if not out.new_token_ids and not out.finished:
+                    continue  # a prefill chunk's: nothing to report yet
             if self._apply(child, out):
                 to_abort.append(out.request_id)
             changed[child.parent.request_id] = child.parent
@@ -205,6 +213,37 @@ class OutputProcessor:
             result[token] = Logprob(entry.logprob, None, decode(token))
         return result
 
+    def _add_prompt_logprobs(self, parent: _Parent, chunk: PromptLogprobs) -> None:
+        """Append a chunk's entries. Chunks arrive in prompt order; entries already held are
+        skipped: every sample of n > 1 computes them, and so does a request recomputed after
+        preemption."""
+        held = parent.prompt_logprobs
+        if held is None:
+            return
+        skip = len(held) - chunk.start
+        if skip < 0 or skip >= len(chunk.logprobs):
+            return
+        prompt = parent.prompt_token_ids
+        tokens = prompt[chunk.start + skip:chunk.start + len(chunk.logprobs)]
+        tops = chunk.top_token_ids[skip:] if chunk.top_token_ids else [[]] * len(tokens)
+        top_lps = chunk.top_logprobs[skip:] if chunk.top_logprobs else [[]] * len(tokens)
+        text = self._decode_each([t for token, ids in zip(tokens, tops) for t in (token, *ids)])
+        at = 0
+        for token, lp, rank, ids, lps in zip(tokens, chunk.logprobs[skip:], chunk.ranks[skip:],
+                                             tops, top_lps):
+            # the prompt token first, as vLLM orders them
+            entry = {token: Logprob(lp, rank, text[at])}
+            for r, (t, tlp) in enumerate(zip(ids, lps), 1):
+                if t not in entry:
+                    entry[t] = Logprob(tlp, r, text[at + r])
+            held.append(entry)
+            at += 1 + len(ids)
+
+    def _decode_each(self, token_ids: list[int]) -> list[str | None]:
+        if self.tokenizer is None:
+            return [None] * len(token_ids)
+        return self.tokenizer.batch_decode([[t] for t in token_ids])
+
     def _make_output(self, parent: _Parent) -> RequestOutput:
         return RequestOutput(
             request_id=parent.request_id,
@@ -215,6 +254,8 @@ class OutputProcessor:
             num_cached_tokens=parent.num_cached_tokens,
             error=parent.error,
             queue_time=parent.queue_time,
+            prompt_logprobs=(list(parent.prompt_logprobs)
+                             if parent.prompt_logprobs is not None else None),
         )
 
 

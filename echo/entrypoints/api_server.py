@@ -29,7 +29,13 @@ from echo.entrypoints.openai_protocol import (
     CompletionRequest,
 )
 from echo.entrypoints.request_limits import RequestLimits
-from echo.entrypoints.responses import ChoiceState, chunk_json, final_json, usage_json
+from echo.entrypoints.responses import (
+    ChoiceState,
+    chunk_json,
+    echo_prompts,
+    final_json,
+    usage_json,
+)
 from echo.outputs import RequestOutput
 from echo.sampling_params import SamplingParams
 
@@ -191,6 +197,8 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
         streams = [stream_outputs(ids, params, f"{request_id}-{i}", body.priority)
                    for i, (ids, params) in enumerate(prepared)]
         prompt_tokens = sum(len(ids) for ids, _ in prepared)
+        if not chat and (body.echo or body.prompt_logprobs is not None):
+            streams = echo_prompts(body, prompts, prepared, states, streams, client.tokenizer)
         if options.log_requests:
             for i, (ids, params) in enumerate(prepared):
                 log.info("request %s-%d: %d prompt tokens, %s", request_id, i, len(ids), params)

@@ -1,7 +1,7 @@
 """OpenAI request bodies (pydantic) and their translation into SamplingParams.
 
 Unknown fields are ignored, as OpenAI-compatible servers commonly do; known fields that echo
-cannot honour (echo=True, best_of > n, suffix, tools, a structured response_format,
+cannot honour (best_of > n, suffix, tools, a structured response_format,
 non-text message parts) are rejected with a 400 that names them, so nothing silently behaves
 differently from what was asked.
 """
@@ -155,15 +155,37 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    # the prompt leads the text (and, with logprobs, the logprobs: the first token's None)
     echo: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's, on the choice
     suffix: str | None = None
 
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM
+            raise ValueError("prompt_logprobs: not available when stream is true")
+        return self
+
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo"
         if self.suffix:
             return "suffix"
         return super().unsupported()
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0 (vLLM allows 0 only then): the prompt alone comes back."""
+        return self.echo and self.max_tokens == 0
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
+        if self.echo_only and max_tokens == 0:
+            max_tokens = 1  # as vLLM: one token is generated and left out of the response
+        params = super().sampling_params(max_tokens, logprobs, defaults)
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = logprobs  # echoed prompt tokens carry logprobs like the rest
+        params.prompt_logprobs = prompt_logprobs  # in [0, 20] (the fields' bounds)
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

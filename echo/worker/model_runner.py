@@ -6,6 +6,10 @@ step.
 `launch(scheduler_output)` applies the step's diff, runs the forward pass over the mixed batch
 and samples for the requests whose tokens are all computed, without waiting for the device;
 `collect()` returns the oldest launched step's tokens. `execute_model` is the two in a row.
+
+Prompt logprobs (SamplingParams.prompt_logprobs): a prefill chunk of a request that asked for
+them runs the LM head over its prompt positions too (those rows only, a slice at a time), and
+the step's output carries the chunk's logprobs; the frontend joins the chunks.
 """
 
 import sys
@@ -18,7 +22,7 @@ from echo import envs
 from echo.attention.backend import KVCache, make_backend
 from echo.config import EngineConfig
 from echo.core.sched_output import SchedulerOutput
-from echo.core.step_results import LogprobsEntry, ModelRunnerOutput
+from echo.core.step_results import LogprobsEntry, ModelRunnerOutput, PromptLogprobs
 from echo.distributed.parallel_state import SINGLE, TPGroup
 from echo.layers.attention import ForwardContext
 from echo.profiling import profiler_window, step_range
@@ -30,6 +34,9 @@ from echo.worker.model_loader import build_model
 from echo.worker.sampler import Sampler, SamplerOutput
 from echo.worker.sampling_inputs import build_sampling_tensors
 from echo.worker.step_buffers import StepBuffers
+
+# float32 logits elements per slice of prompt-logprob rows: bounds their memory (128 MiB)
+PROMPT_LOGITS_ELEMENTS = 1 << 25
 
 
 class ModelRunner:
@@ -60,6 +67,8 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         # launched steps, oldest first: outputs ready, or steps still on the device
         self.in_flight: deque[ModelRunnerOutput | _StepInFlight] = deque()
+        # request id -> the top-N of prompt logprobs it asked for
+        self.prompt_logprobs: dict[str, int] = {}
         self.profile_window = profiler_window(f"rank{tp.rank}")  # ECHO_PROFILE_STEPS
 
     # ---- start-up (echo/worker/startup.py) ------------------------------------------------
@@ -101,6 +110,9 @@ class ModelRunner:
         with step_range("prepare", out.step_id):
             if self.in_flight and batch.num_with_penalties:
                 self._land_all()  # penalties count tokens on the host: they must be there
+            if self.prompt_logprobs or any(new.sampling_params.prompt_logprobs is not None
+                                           for new in out.scheduled_new_reqs):
+                self._track_prompt_logprobs(out)
             batch.update(out, self.vocab_size)
             if out.is_empty:
                 self.in_flight.append(ModelRunnerOutput(step_id=out.step_id))
@@ -117,8 +129,62 @@ class ModelRunner:
                 batch, sample_rows, self.vocab_size, self.arch.eos_token_ids, self.device))
             batch.num_pending[sample_rows] += 1
             logprobs = [n if n >= 0 else None for n in batch.logprobs[sample_rows].tolist()]
+            prompt = self._prompt_logprobs(inp, hidden) if self.prompt_logprobs else None
             self.in_flight.append(_StepInFlight(out.step_id, inp, sample_rows, sampled,
-                                                logprobs))
+                                                logprobs, prompt))
+
+    def _track_prompt_logprobs(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids:
+            self.prompt_logprobs.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            n = new.sampling_params.prompt_logprobs
+            if n is not None:
+                self.prompt_logprobs[new.req_id] = n
+
+    def _prompt_logprobs(self, inp: StepInputs, hidden: torch.Tensor) -> "_PromptLogprobs | None":
+        """Queue the logprobs of the prompt tokens this step's chunks score: a position's
+        logits score the next token, so a chunk covering positions [s, e) of a prompt of L
+        tokens scores tokens s+1 .. min(e, L-1). Those rows only go through the LM head."""
+        batch, asked = self.input_batch, self.prompt_logprobs
+        cu, positions = inp.cu_seqlens_q, inp.positions
+        runs, flat, targets = [], [], []
+        for i, req_id in enumerate(inp.req_ids):
+            n = asked.get(req_id)
+            if n is None:
+                continue
+            first, row = int(cu[i]), int(inp.rows[i])
+            start = int(positions[first])
+            end = min(start + int(cu[i + 1]) - first, int(batch.num_prompt_tokens[row]) - 1)
+            if end <= start:
+                continue  # decoding, or a chunk that only holds the last prompt token
+            runs.append((req_id, start + 1, end - start, n))
+            flat.append(np.arange(first, first + end - start))
+            targets.append(batch.token_ids[row, start + 1:end + 1])
+        if not runs:
+            return None
+        flat_idx = self._to_device(np.concatenate(flat))
+        target_ids = self._to_device(np.concatenate(targets))
+        top_n = max(run[3] for run in runs)
+        rows = hidden[flat_idx]
+        step = max(1, PROMPT_LOGITS_ELEMENTS // self.vocab_size)
+        pieces = []
+        for a in range(0, len(rows), step):
+            logprobs = self.model.compute_logits(rows[a:a + step]).float().log_softmax(dim=-1)
+            own = logprobs.gather(-1, target_ids[a:a + step, None])
+            rank = (logprobs >= own).sum(dim=-1)  # ties ranked last, as vLLM
+            top = logprobs.topk(top_n, dim=-1) if top_n else None
+            pieces.append((own.squeeze(-1), rank, top.indices if top else None,
+                           top.values if top else None))
+        own, rank, top_ids, top_lps = (
+            torch.cat(parts) if parts[0] is not None else None for parts in zip(*pieces))
+        return _PromptLogprobs(runs, own, rank, top_ids, top_lps)
+
+    def _to_device(self, values: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(values)
+        if self.device.type != "cuda":
+            return host
+        # pinned, so the copy queues behind the step in flight instead of waiting for it
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def oldest_step_done(self) -> bool:
         """Whether collect() would return without waiting for the device."""
@@ -185,16 +251,43 @@ class ModelRunner:
                                               host[2][i][:n] if n else [])
         return ModelRunnerOutput(step_id=step.step_id, req_ids=inp.req_ids,
                                  sampled_token_ids=sampled_ids,
-                                 logprobs=logprobs if host is not None else [])
+                                 logprobs=logprobs if host is not None else [],
+                                 prompt_logprobs=step.prompt.to_host() if step.prompt else {})
+
+
+class _PromptLogprobs:
+    """A step's prompt logprobs on the device: one run of prompt tokens per request that asked
+    (request id, first token scored, tokens, top-N), their rows concatenated."""
+
+    def __init__(self, runs: list[tuple[str, int, int, int]], own: torch.Tensor,
+                 rank: torch.Tensor, top_ids: torch.Tensor | None, top_lps: torch.Tensor | None):
+        self.runs, self.own, self.rank, self.top_ids, self.top_lps = (runs, own, rank, top_ids,
+                                                                       top_lps)
+
+    def to_host(self) -> dict[str, PromptLogprobs]:
+        own, rank = self.own.tolist(), self.rank.tolist()
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        top_lps = self.top_lps.tolist() if self.top_lps is not None else None
+        result, at = {}, 0
+        for req_id, start, count, n in self.runs:
+            end = at + count
+            entry = PromptLogprobs(start, own[at:end], rank[at:end])
+            if n:
+                entry.top_token_ids = [ids[:n] for ids in top_ids[at:end]]
+                entry.top_logprobs = [lps[:n] for lps in top_lps[at:end]]
+            result[req_id] = entry
+            at = end
+        return result
 
 
 class _StepInFlight:
     """A launched step: its inputs, and its sampled tokens on their way to the host."""
 
     def __init__(self, step_id: int, inp: StepInputs, rows: np.ndarray, sampled: SamplerOutput,
-                 logprobs: list[int | None]):
+                 logprobs: list[int | None], prompt: _PromptLogprobs | None = None):
         self.step_id, self.inp, self.rows, self.sampled = step_id, inp, rows, sampled
         self.logprobs = logprobs  # top-N asked for by each sampled request
+        self.prompt = prompt  # queued before the event below, so landed with the tokens
         tokens = sampled.token_ids
         if tokens.is_cuda:
             self.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

@@ -117,7 +117,7 @@ def test_logprobs_n_and_stop_strings(tiny_chat_model):
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),
     ({"prompt": "x", "model": "other"}, 404, "model"),
-    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "echo": True, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ({"max_tokens": 3}, 400, "prompt"),
     ({"prompt": ""}, 400, "prompt"),  # the engine refuses an empty prompt: a 400, not a 500
     ({"prompt": []}, 400, "prompt"),
