@@ -1,10 +1,16 @@
 """Incremental detokenization: text grows token by token, never with a broken UTF-8 fragment.
 
-Decoding a token alone loses the leading-space and byte-fallback context that tokenizers rely
-on, so each step decodes a short window of recent tokens twice (with and without the newest
-ones) and emits the difference; while the newest tokens end inside a multi-byte character the
-decoded text ends in U+FFFD and nothing is emitted until the character completes.
+A fast (Rust) tokenizer streams through the tokenizers library's `DecodeStream`, the path vLLM
+takes: it keeps the decoding context itself and holds back the tokens of an unfinished
+multi-byte character. Other tokenizers take `IncrementalDetokenizer`: decoding a token alone
+loses the leading-space and byte-fallback context that tokenizers rely on, so each step decodes
+a short window of recent tokens twice (with and without the newest ones) and emits the
+difference; while the newest tokens end inside a multi-byte character the decoded text ends in
+U+FFFD and nothing is emitted until the character completes. Both emit what is still held back
+when the request ends (a trailing partial character, as U+FFFD).
 """
+
+from tokenizers.decoders import DecodeStream
 
 # prompt tokens kept as decoding context so the first output token gets its spacing right
 _CONTEXT_TOKENS = 6
@@ -38,3 +44,43 @@ class IncrementalDetokenizer:
         full = self._decode(self.token_ids[self.prefix_offset:])
         self.prefix_offset = self.read_offset = len(self.token_ids)
         return full[len(prefix):] if len(full) > len(prefix) else ""
+
+
+class StreamingDetokenizer:
+    """The same contract over `DecodeStream`, for fast tokenizers."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.backend = tokenizer.backend_tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        # the prompt's last tokens prime the stream, so the first output token gets its spacing
+        self.stream = DecodeStream(ids=list(prompt_token_ids[-_CONTEXT_TOKENS:]),
+                                   skip_special_tokens=skip_special_tokens)
+        self.held: list[int] = []  # tokens the stream has not turned into text yet
+
+    def add_tokens(self, new_token_ids: list[int]) -> str:
+        text = []
+        for token_id in new_token_ids:
+            chunk = self.stream.step(self.backend, token_id)
+            if chunk is None:
+                self.held.append(token_id)
+            else:
+                self.held.clear()
+                text.append(chunk)
+        return "".join(text)
+
+    def flush(self) -> str:
+        held, self.held = self.held, []
+        if not held:
+            return ""
+        return self.backend.decode(held, skip_special_tokens=self.skip_special_tokens)
+
+
+Detokenizer = IncrementalDetokenizer | StreamingDetokenizer
+
+
+def make_detokenizer(tokenizer, prompt_token_ids: list[int],
+                     skip_special_tokens: bool = True) -> Detokenizer:
+    """DecodeStream where the tokenizer is a fast one, the windowed decoder otherwise."""
+    if getattr(tokenizer, "is_fast", False) and hasattr(tokenizer, "backend_tokenizer"):
+        return StreamingDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)

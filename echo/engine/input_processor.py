@@ -49,7 +49,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
 
-    def _need_tokenizer(self, what: str):
+    def need_tokenizer(self, what: str):
         if self.tokenizer is None:
             raise ValueError(f"{what}: model {self.config.model!r} has no tokenizer; "
                              "pass prompts as token ids")
@@ -57,7 +57,7 @@ class InputProcessor:
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            ids = self._need_tokenizer("prompt").encode(prompt)
+            ids = self.need_tokenizer("prompt").encode(prompt)
             return prompt, list(ids)
         if isinstance(prompt, dict):  # {"prompt_token_ids": [...]} as vLLM accepts
             prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
@@ -75,7 +75,7 @@ class InputProcessor:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs) -> str:
-        tokenizer = self._need_tokenizer("messages")
+        tokenizer = self.need_tokenizer("messages")
         template = self.chat_template or tokenizer.chat_template
         if not template:
             raise ValueError(f"messages: model {self.config.model!r} has no chat template "

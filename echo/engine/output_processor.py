@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from echo.core.step_results import EngineCoreOutput, LogprobsEntry, PromptLogprobs
-from echo.engine.detokenizer import IncrementalDetokenizer
+from echo.engine.detokenizer import Detokenizer, make_detokenizer
 from echo.engine.messages import EngineCoreRequest
 from echo.outputs import CompletionOutput, Logprob, RequestOutput
 from echo.sampling_params import SamplingParams
@@ -24,7 +24,7 @@ class _Child:
     parent: "_Parent"
     completion: CompletionOutput
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: Detokenizer | None
     # how much text / how many tokens earlier outputs reported (for deltas)
     sent_text: int = 0
     sent_tokens: int = 0
@@ -104,7 +104,7 @@ class OutputProcessor:
                 child_params = msgspec_replace(params, n=1, seed=seed)
             detok = None
             if self.tokenizer is not None and (self.stream or params.stop):
-                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                detok = make_detokenizer(self.tokenizer, prompt_token_ids,
                                                params.skip_special_tokens)
             child_id = child_request_id(request_id, i, params.n)
             child = _Child(parent, CompletionOutput(index=i), child_params, detok)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from echo import __version__
@@ -27,6 +28,10 @@ from echo.entrypoints.openai_protocol import (
     NO_DEFAULTS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    StreamOptions,
+    TokenizeChatRequest,
+    TokenizeRequest,
 )
 from echo.entrypoints.request_limits import RequestLimits
 from echo.entrypoints.responses import (
@@ -83,6 +88,7 @@ class ServerOptions:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    sse_ping_s: float = 15.0  # keep-alive comment interval of streamed responses
 
 
 def create_app(client: AsyncClient, served_model_names: list[str], api_key: str | None = None,
@@ -203,10 +209,13 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
             for i, (ids, params) in enumerate(prepared):
                 log.info("request %s-%d: %d prompt tokens, %s", request_id, i, len(ids), params)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                sse(kind, request_id, created, model, streams, states, body.n, chat,
-                    include_usage, prompt_tokens), media_type="text/event-stream")
+            stream_options = body.stream_options or StreamOptions()
+            plan = StreamPlan(kind, request_id, created, model, body.n, chat, prompt_tokens,
+                              stream_options.include_usage,
+                              stream_options.continuous_usage_stats)
+            # keep-alive comments let proxies keep a stream open while it waits in the queue
+            return EventSourceResponse(sse(plan, streams, states), ping=options.sse_ping_s,
+                                       sep="\n")
         try:
             finals = await unless_disconnected(request,
                                                asyncio.gather(*(drain(s) for s in streams)))
@@ -236,7 +245,7 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
         try:
             messages = body.message_dicts()
             limits.check_messages(messages)
-            ids = client.input_processor.chat_to_ids(messages, body.add_generation_prompt)
+            ids = client.input_processor.chat_to_ids(messages, **body.template_kwargs())
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -254,6 +263,43 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
         if not await client.health():
             return error_response(503, "the engine is not running", kind="service_unavailable")
         return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():  # vLLM's (SageMaker's) liveness route
+        return await health()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeChatRequest | TokenizeRequest):
+        check_model(body.model)
+        try:
+            if isinstance(body, TokenizeChatRequest):
+                messages = body.message_dicts()
+                limits.check_messages(messages)
+                text = client.input_processor.apply_chat_template(messages,
+                                                                  **body.template_kwargs())
+            else:
+                if body.prompt is None:
+                    raise ValueError("prompt: give a prompt or messages")
+                limits.check_text(body.prompt, "prompt")
+                text = body.prompt
+            tokenizer = client.input_processor.need_tokenizer("prompt")
+            ids = list(tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
+        except ValueError as e:
+            raise bad_request(e) from None
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        try:
+            limits.check_prompts([body.tokens], 1)
+            _, ids = client.input_processor.tokenize(body.tokens)  # checks the ids
+            text = client.input_processor.need_tokenizer("tokens").decode(ids)
+        except ValueError as e:
+            raise bad_request(e) from None
+        return {"prompt": text}
 
     @app.get("/version")
     async def version():
@@ -274,8 +320,22 @@ async def drain(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     return final
 
 
-async def sse(kind, request_id, created, model, streams, states, n, chat, include_usage,
-              prompt_tokens):
+@dataclass(frozen=True)
+class StreamPlan:
+    """What one streamed response's chunks carry besides its choices."""
+
+    kind: str  # "text_completion" or "chat.completion"
+    request_id: str
+    created: int
+    model: str
+    n: int
+    chat: bool
+    prompt_tokens: int
+    include_usage: bool  # a last chunk with the usage
+    continuous_usage: bool  # vLLM's continuous_usage_stats: the usage so far on every chunk
+
+
+async def sse(plan: StreamPlan, streams, states) -> AsyncIterator[dict]:
     """Server-sent events: one chunk per output of each prompt, merged as they come."""
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -289,13 +349,19 @@ async def sse(kind, request_id, created, model, streams, states, n, chat, includ
             await queue.put((i, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+    chunk_kind = "chat.completion.chunk" if plan.chat else "text_completion"
     cached, open_streams = 0, len(tasks)
+
+    def chunk(choice: dict) -> dict:
+        body = chunk_json(chunk_kind, plan.request_id, plan.created, plan.model, choice)
+        if plan.continuous_usage:
+            body["usage"] = usage_json(plan.prompt_tokens, states, cached)
+        return data(body)
+
     try:
-        if chat:
+        if plan.chat:
             for state in states:
-                yield data(chunk_json(chunk_kind, request_id, created, model,
-                                      state.role_delta()))
+                yield chunk(state.role_delta())
         while open_streams:
             i, item = await queue.get()
             if item is None:
@@ -307,18 +373,19 @@ async def sse(kind, request_id, created, model, streams, states, n, chat, includ
                 break
             cached += item.num_cached_tokens if item.finished else 0
             for c, completion in enumerate(item.outputs):
-                choice = states[i * n + c].delta(completion)
+                choice = states[i * plan.n + c].delta(completion)
                 if choice is not None:
-                    yield data(chunk_json(chunk_kind, request_id, created, model, choice))
-        if include_usage:
-            usage = usage_json(prompt_tokens, states, cached)
-            yield data({"id": request_id, "object": chunk_kind, "created": created,
-                        "model": model, "choices": [], "usage": usage})
-        yield "data: [DONE]\n\n"
+                    yield chunk(choice)
+        if plan.include_usage:
+            usage = usage_json(plan.prompt_tokens, states, cached)
+            yield data({"id": plan.request_id, "object": chunk_kind, "created": plan.created,
+                        "model": plan.model, "choices": [], "usage": usage})
+        yield {"data": "[DONE]"}
     finally:
         for task in tasks:  # a disconnected client cancels its requests
             task.cancel()
 
 
-def data(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+def data(obj) -> dict:
+    """One server-sent event (sse-starlette frames it)."""
+    return {"data": json.dumps(obj, separators=(",", ":"))}

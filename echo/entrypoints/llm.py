@@ -102,11 +102,16 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of {'role', 'content'}) or a list of them."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {'role', 'content'}) or a list of them.
+        chat_template_kwargs: extra variables for the template (e.g. enable_thinking);
+        continue_final_message: leave the last (assistant) message open for the model."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        ids = [self.input_processor.chat_to_ids(c, add_generation_prompt)
-               for c in conversations]
+        ids = [self.input_processor.chat_to_ids(
+            c, add_generation_prompt, continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {})) for c in conversations]
         return self.generate(ids, sampling_params, use_tqdm)
 
     def _run(self, inputs, params, use_tqdm: bool, priorities: list[int]) -> list[RequestOutput]:

@@ -48,6 +48,55 @@ def first_non_utf8(value, path: str = "") -> str | None:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
+
+
+# apply_chat_template's own arguments: chat_template_kwargs may not set them
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+class ChatTemplateFields(BaseModel):
+    """How a conversation becomes a prompt: shared by chat completions and /tokenize."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    messages: list["ChatMessage"] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # leave the last (assistant) message open
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _template_options(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: needs add_generation_prompt set to false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message: the last message must be the "
+                             "assistant's")
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set here")
+        return self
+
+    def message_dicts(self) -> list[dict]:
+        """The messages as the chat template sees them: every field a client sent (tool_calls,
+        tool_call_id, name, ...) kept, text parts joined by newlines as vLLM joins them."""
+        result = []
+        for m in self.messages:
+            message = m.model_dump(exclude_none=True)
+            content = m.content
+            if isinstance(content, list):  # text parts only: unsupported() refuses the others
+                content = "\n".join(part.get("text", "") for part in content)
+            message["content"] = content or ""
+            result.append(message)
+        return result
+
+    def template_kwargs(self) -> dict:
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message,
+                **(self.chat_template_kwargs or {})}
 
 
 class _SamplingFields(BaseModel):
@@ -203,13 +252,11 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    add_generation_prompt: bool = True
     tools: list[dict] | None = None
 
     @field_validator("top_logprobs")
@@ -232,11 +279,26 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
-    def message_dicts(self) -> list[dict]:
-        result = []
-        for m in self.messages:
-            content = m.content
-            if isinstance(content, list):  # text parts only: unsupported() refuses the others
-                content = "".join(part.get("text", "") for part in content)
-            result.append({"role": m.role, "content": content or ""})
-        return result
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a prompt, or messages through the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatTemplateFields):
+    model: str | None = None
+    add_special_tokens: bool = False  # the template holds them
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
