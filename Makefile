@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_PIN ?= torch==2.13.0
 PROMPT ?= What is the capital of France?
 
-.PHONY: install demo serve generate test test-gpu lint bench-offline
+.PHONY: install demo serve generate test test-slow test-gpu lint bench-offline
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,11 @@ generate: install
 	$(BIN)/python -m echo generate --prompt "$(PROMPT)"
 
 test: install
-	$(BIN)/python -m pytest -m "not gpu" -q
+	$(BIN)/python -m pytest -m "not gpu and not slow" -q
+
+# end-to-end load checks that would push `make test` past its budget; .ci/run runs them after it
+test-slow: install
+	$(BIN)/python -m pytest -m "slow and not gpu" -q
 
 # on the GPU machine: `source .gpu/prelude.sh; make test-gpu` (uses that machine's python)
 test-gpu:

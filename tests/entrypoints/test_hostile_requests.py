@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from echo.entrypoints.request_limits import MAX_STOP_STRINGS
 from echo.models.default_model import ensure_default_model
@@ -147,7 +148,7 @@ def chunked_upload(base: str, total_bytes: int) -> bytes:
 def smollm2_server():
     ensure_default_model()
     yield from start_server("default", "--max-num-seqs", str(MAX_NUM_SEQS),
-                            "--num-gpu-blocks-override", "256")
+                            "--num-gpu-blocks-override", "256", "--max-model-len", "1100")
 
 
 def test_hostile_corpus_gets_4xx_or_200_quickly_with_bounded_memory(smollm2_server):
@@ -203,3 +204,25 @@ def test_limits_name_their_field(smollm2_server):
         assert surrogate.json()["error"]["param"] == "messages[0].content"
         assert http.get("/v1/nope").json()["error"]["code"] == 404
         assert http.get("/v1/completions").json()["error"]["code"] == 405
+
+
+def metric(base: str, name: str, **labels) -> float:
+    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise AssertionError(f"no {name} {labels}")
+
+
+def test_a_non_streamed_request_is_aborted_when_its_client_leaves(smollm2_server):
+    _, base = smollm2_server
+    aborted = metric(base, "vllm:request_success_total", finished_reason="abort")
+    body = {"model": "tiny", "prompt": "Tell me a long story.", "max_tokens": 1000,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/completions", json=body, timeout=1.0)  # gives up after 1 s
+    left = time.monotonic()
+    while metric(base, "vllm:num_requests_running") != 0:
+        assert time.monotonic() - left < 2.0, "the request still runs 2 s after its client left"
+        time.sleep(0.05)
+    assert metric(base, "vllm:request_success_total", finished_reason="abort") == aborted + 1

@@ -102,6 +102,8 @@ def test_openai_client_disconnect_and_graceful_sigterm(server):
         rest = list(lines)
     assert "data: [DONE]" in rest
     assert proc.wait(60) == 0
+    log = proc.stdout.read()
+    assert "Traceback" not in log and "Error" not in log, log[-2000:]  # a quiet exit
 
 
 @pytest.fixture
