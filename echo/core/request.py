@@ -39,7 +39,6 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
         cache_salt: str | None = None,
-        max_tokens: int | None = None,
         priority: int = 0,
     ):
         self.request_id = request_id
@@ -49,8 +48,7 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
         self.priority = priority  # lower is served first (scheduling_policy="priority" only)
-        # the generation limit after clamping to max_model_len (set by the engine)
-        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        self.max_tokens = sampling_params.max_tokens  # None: up to max_model_len
         # prompt + output length at which it stops for length; set by the scheduler on admission
         self.token_limit = 0
         self.status = RequestStatus.WAITING

@@ -4,8 +4,8 @@ Under fcfs the scheduler's waiting queue is a plain deque. This class offers the
 operations the scheduler uses, so the scheduler's code is the same for both; but here the
 order is the key's, not where a request was put: append and appendleft (a preempted request's
 requeue) both insert by (priority, arrival_time), ties in the order of insertion. Peeking is
-O(1), inserting and popping O(log n); remove (an abort, or a preempted request that finishes
-with its token in flight) is O(n), as deque.remove.
+O(1), inserting and popping O(log n); remove (a preempted request that finishes with its token
+in flight) is O(n), as deque.remove; aborts rebuild the queue without the aborted requests.
 """
 
 import heapq

@@ -56,7 +56,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0
     error: str | None = None
-    # seconds from the request's arrival to its first scheduling; on its first output only
+    # seconds from the request's arrival to its first scheduling; on its first output that
+    # carries tokens only
     queue_time: float | None = None
     # prompt logprobs of the step's prefill chunk; may come on an output without tokens
     prompt_logprobs: PromptLogprobs | None = None

@@ -53,8 +53,13 @@ class StreamingDetokenizer:
         self.backend = tokenizer.backend_tokenizer
         self.skip_special_tokens = skip_special_tokens
         # the prompt's last tokens prime the stream, so the first output token gets its spacing
-        self.stream = DecodeStream(ids=list(prompt_token_ids[-_CONTEXT_TOKENS:]),
-                                   skip_special_tokens=skip_special_tokens)
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        try:
+            self.stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        except TypeError:  # a tokenizers release without ids=: step through them instead
+            self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            for token_id in context:
+                self.stream.step(self.backend, token_id)
         self.held: list[int] = []  # tokens the stream has not turned into text yet
 
     def add_tokens(self, new_token_ids: list[int]) -> str:

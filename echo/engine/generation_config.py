@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from echo.sampling_params import SamplingParams
+
 # generation_config.json's names -> SamplingParams' (vLLM reads the same ones)
 _FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
@@ -46,7 +48,13 @@ def load_generation_defaults(source: str, model_path: Path | None,
         raw = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"generation_config: {path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"generation_config: {path} does not hold a JSON object")
     values = {ours: raw[theirs] for theirs, ours in _FIELDS.items() if raw.get(theirs) is not None}
+    try:  # a bad value fails here, at start-up, not in every request that leaves it out
+        SamplingParams(**values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"generation_config: {path}: {e}") from None
     eos = raw.get("eos_token_id")
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     extra = tuple(t for t in eos if isinstance(t, int) and t not in model_eos_token_ids)

@@ -102,9 +102,9 @@ class InputProcessor:
                  max_tokens_must_fit: bool = False) -> None:
         """What the engine would refuse; with max_tokens_must_fit (the OpenAI server), also a
         max_tokens that would run past max_model_len instead of stopping there."""
-        check_request_length(len(prompt_token_ids), self.config.max_model_len,
-                             params.max_tokens if max_tokens_must_fit else None)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: expected SamplingParams, got {type(params)}")
+        check_request_length(len(prompt_token_ids), self.config.max_model_len,
+                             params.max_tokens if max_tokens_must_fit else None)
         params.update_from_tokenizer(self.tokenizer)  # bad_words into token ids, as vLLM
         params.check_token_ids(self.config.arch.vocab_size)

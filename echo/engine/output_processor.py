@@ -78,6 +78,7 @@ class OutputProcessor:
         self.stream = stream
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
+        self._token_texts: dict[int, str] = {}  # one token's text, for prompt logprobs
 
     def has_unfinished(self) -> bool:
         return bool(self._parents)
@@ -240,9 +241,15 @@ class OutputProcessor:
             at += 1 + len(ids)
 
     def _decode_each(self, token_ids: list[int]) -> list[str | None]:
+        """Each token's own text, through a cache bounded by the vocabulary: prompt logprobs
+        of a long prompt name each token many times (itself and its top-N)."""
         if self.tokenizer is None:
             return [None] * len(token_ids)
-        return self.tokenizer.batch_decode([[t] for t in token_ids])
+        cache = self._token_texts
+        missing = list({t for t in token_ids if t not in cache})
+        if missing:
+            cache.update(zip(missing, self.tokenizer.batch_decode([[t] for t in missing])))
+        return [cache[t] for t in token_ids]
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
         return RequestOutput(
@@ -254,8 +261,9 @@ class OutputProcessor:
             num_cached_tokens=parent.num_cached_tokens,
             error=parent.error,
             queue_time=parent.queue_time,
-            prompt_logprobs=(list(parent.prompt_logprobs)
-                             if parent.prompt_logprobs is not None else None),
+            # complete by now (an output carrying only a prefill chunk makes no RequestOutput)
+            # and never changed after: shared, not copied every step
+            prompt_logprobs=parent.prompt_logprobs,
         )
 
 

@@ -165,7 +165,10 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
             raise APIError(400, str(e), "prompt") from None
         try:
             params = body.sampling_params(max_tokens, logprobs, options.generation_defaults)
-            client.input_processor.validate(ids, params, max_tokens_must_fit=True)
+            # a max_tokens the client gave must fit (OpenAI's 400); a default one (the
+            # generation config's max_new_tokens) stops at max_model_len instead, as in vLLM
+            client.input_processor.validate(ids, params,
+                                            max_tokens_must_fit=max_tokens is not None)
         except ValueError as e:
             raise bad_request(e) from None
         return ids, params
@@ -368,8 +371,11 @@ async def sse(plan: StreamPlan, streams, states) -> AsyncIterator[dict]:
                 open_streams -= 1
                 continue
             if isinstance(item, BaseException):
-                message = item.message if isinstance(item, APIError) else str(item)
-                yield data({"error": {"message": message, "type": "internal_error"}})
+                if isinstance(item, APIError):  # e.g. the engine refused it: a 400's kind
+                    error = {"message": item.message, "type": item.kind, "code": item.status}
+                else:
+                    error = {"message": str(item), "type": "internal_error", "code": 500}
+                yield data({"error": error})
                 break
             cached += item.num_cached_tokens if item.finished else 0
             for c, completion in enumerate(item.outputs):

@@ -46,6 +46,18 @@ def first_non_utf8(value, path: str = "") -> str | None:
     return None
 
 
+class Utf8Only(BaseModel):
+    """A request body whose every string UTF-8 can encode (tokenizers and responses cannot
+    carry a lone surrogate): the base of every body with text in it."""
+
+    @model_validator(mode="after")
+    def _utf8_only(self):
+        path = first_non_utf8(self, "")
+        if path is not None:
+            raise ValueError(f"{path}: not valid UTF-8 (a lone surrogate)")
+        return self
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
@@ -58,7 +70,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
-class ChatTemplateFields(BaseModel):
+class ChatTemplateFields(Utf8Only):
     """How a conversation becomes a prompt: shared by chat completions and /tokenize."""
 
     model_config = ConfigDict(extra="ignore")
@@ -99,7 +111,7 @@ class ChatTemplateFields(BaseModel):
                 **(self.chat_template_kwargs or {})}
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(Utf8Only):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -129,13 +141,6 @@ class _SamplingFields(BaseModel):
     response_format: dict[str, Any] | None = None
     user: str | None = None
 
-    @model_validator(mode="after")
-    def _utf8_only(self):
-        path = first_non_utf8(self, "")
-        if path is not None:
-            raise ValueError(f"{path}: not valid UTF-8 (a lone surrogate)")
-        return self
-
     @field_validator("stream_options")
     @classmethod
     def _needs_stream(cls, value: StreamOptions | None,
@@ -163,7 +168,9 @@ class _SamplingFields(BaseModel):
             return defaults.get(name, fallback) if value is None else value
 
         stop_token_ids = list(self.stop_token_ids or [])
-        stop_token_ids += [t for t in defaults.extra_eos_token_ids if t not in stop_token_ids]
+        if not self.ignore_eos:  # extra EOS ids are EOS: ignore_eos ignores them too (as vLLM)
+            stop_token_ids += [t for t in defaults.extra_eos_token_ids
+                               if t not in stop_token_ids]
         return SamplingParams(
             n=self.n,
             temperature=pick("temperature", 1.0),
@@ -280,7 +287,7 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
             else self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Utf8Only):
     """vLLM's /tokenize body: a prompt, or messages through the chat template."""
 
     model_config = ConfigDict(extra="ignore")

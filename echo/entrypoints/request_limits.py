@@ -9,9 +9,13 @@ max_model_len times the longest token's text can tokenize into max_model_len tok
 
 from dataclasses import dataclass
 
+from echo.core.length_limit import check_request_length
+
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 300
+MAX_ALLOWED_TOKEN_IDS = 4096
 MAX_BAD_WORDS = 256
 MAX_BAD_WORD_CHARS = 1024
 # a batch of prompts times n may hold this many max_num_seqs worth of requests
@@ -55,13 +59,14 @@ class RequestLimits:
         self._check_token_rules(body)
 
     def _check_token_rules(self, body) -> None:
-        """logit_bias and allowed_token_ids: at most one entry per vocabulary token (ids are
-        checked against it by InputProcessor.validate); bad_words as stop strings are."""
-        for name in ("logit_bias", "allowed_token_ids"):
+        """logit_bias and allowed_token_ids: the worker uploads their entries for every step of
+        the request, so they are bounded like stop strings (ids are checked against the
+        vocabulary by InputProcessor.validate); bad_words likewise."""
+        for name, limit in (("logit_bias", MAX_LOGIT_BIAS), ("allowed_token_ids",
+                                                            MAX_ALLOWED_TOKEN_IDS)):
             value = getattr(body, name, None) or ()
-            if len(value) > self.vocab_size:
-                raise ValueError(f"{name}: at most {self.vocab_size} (the vocabulary size) "
-                                 f"entries, got {len(value)}")
+            if len(value) > limit:
+                raise ValueError(f"{name}: at most {limit} entries, got {len(value)}")
         words = getattr(body, "bad_words", None) or []
         if len(words) > MAX_BAD_WORDS:
             raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words, got {len(words)}")
@@ -77,9 +82,8 @@ class RequestLimits:
         for prompt in prompts:
             if isinstance(prompt, str):
                 self.check_text(prompt, "prompt")
-            elif len(prompt) > self.max_prompt_tokens:
-                raise ValueError(f"prompt: length {len(prompt)} exceeds max_model_len "
-                                 f"{self.max_prompt_tokens}")
+            else:  # token ids: their count, before each id is checked
+                check_request_length(len(prompt), self.max_prompt_tokens)
 
     def check_messages(self, messages: list[dict]) -> None:
         # every message adds at least one token through the chat template

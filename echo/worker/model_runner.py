@@ -32,7 +32,7 @@ from echo.worker.input_batch import InputBatch, StepInputs
 from echo.worker.kv_cache import KVCacheSpec
 from echo.worker.model_loader import build_model
 from echo.worker.sampler import Sampler, SamplerOutput
-from echo.worker.sampling_inputs import build_sampling_tensors
+from echo.worker.sampling_inputs import build_sampling_tensors, upload
 from echo.worker.step_buffers import StepBuffers
 
 # float32 logits elements per slice of prompt-logprob rows: bounds their memory (128 MiB)
@@ -162,14 +162,15 @@ class ModelRunner:
             targets.append(batch.token_ids[row, start + 1:end + 1])
         if not runs:
             return None
-        flat_idx = self._to_device(np.concatenate(flat))
-        target_ids = self._to_device(np.concatenate(targets))
+        flat_idx = upload(np.concatenate(flat), self.device)
+        target_ids = upload(np.concatenate(targets), self.device)
         top_n = max(run[3] for run in runs)
         rows = hidden[flat_idx]
         step = max(1, PROMPT_LOGITS_ELEMENTS // self.vocab_size)
         pieces = []
         for a in range(0, len(rows), step):
-            logprobs = self.model.compute_logits(rows[a:a + step]).float().log_softmax(dim=-1)
+            logprobs = torch.log_softmax(self.model.compute_logits(rows[a:a + step]), dim=-1,
+                                         dtype=torch.float32)
             own = logprobs.gather(-1, target_ids[a:a + step, None])
             rank = (logprobs >= own).sum(dim=-1)  # ties ranked last, as vLLM
             top = logprobs.topk(top_n, dim=-1) if top_n else None
@@ -178,13 +179,6 @@ class ModelRunner:
         own, rank, top_ids, top_lps = (
             torch.cat(parts) if parts[0] is not None else None for parts in zip(*pieces))
         return _PromptLogprobs(runs, own, rank, top_ids, top_lps)
-
-    def _to_device(self, values: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(values)
-        if self.device.type != "cuda":
-            return host
-        # pinned, so the copy queues behind the step in flight instead of waiting for it
-        return host.pin_memory().to(self.device, non_blocking=True)
 
     def oldest_step_done(self) -> bool:
         """Whether collect() would return without waiting for the device."""
@@ -255,14 +249,25 @@ class ModelRunner:
                                  prompt_logprobs=step.prompt.to_host() if step.prompt else {})
 
 
+def _to_host_async(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    if tensor is None or not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
 class _PromptLogprobs:
     """A step's prompt logprobs on the device: one run of prompt tokens per request that asked
     (request id, first token scored, tokens, top-N), their rows concatenated."""
 
     def __init__(self, runs: list[tuple[str, int, int, int]], own: torch.Tensor,
                  rank: torch.Tensor, top_ids: torch.Tensor | None, top_lps: torch.Tensor | None):
-        self.runs, self.own, self.rank, self.top_ids, self.top_lps = (runs, own, rank, top_ids,
-                                                                       top_lps)
+        self.runs = runs
+        # copied to pinned memory behind the step, as its sampled tokens are: landing them
+        # after the step's event then reads host memory instead of waiting for the next step
+        self.own, self.rank, self.top_ids, self.top_lps = (
+            _to_host_async(t) for t in (own, rank, top_ids, top_lps))
 
     def to_host(self) -> dict[str, PromptLogprobs]:
         own, rank = self.own.tolist(), self.rank.tolist()
@@ -287,7 +292,7 @@ class _StepInFlight:
                  logprobs: list[int | None], prompt: _PromptLogprobs | None = None):
         self.step_id, self.inp, self.rows, self.sampled = step_id, inp, rows, sampled
         self.logprobs = logprobs  # top-N asked for by each sampled request
-        self.prompt = prompt  # queued before the event below, so landed with the tokens
+        self.prompt = prompt  # its host copies are queued before the event below
         tokens = sampled.token_ids
         if tokens.is_cuda:
             self.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

@@ -13,8 +13,8 @@ def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, vocab_size: int,
     temperature, top_k = batch.temperature[rows], batch.top_k[rows]
     top_p, min_p = batch.top_p[rows], batch.min_p[rows]
     # two host-to-device copies per step (floats, ints), pinned so they do not block
-    floats = _upload(np.stack([temperature, top_p, min_p]), device)
-    ints = _upload(np.stack([top_k, batch.seeds[rows], batch.num_output_tokens(rows)]), device)
+    floats = upload(np.stack([temperature, top_p, min_p]), device)
+    ints = upload(np.stack([top_k, batch.seeds[rows], batch.num_output_tokens(rows)]), device)
     max_logprobs = int(batch.logprobs[rows].max()) if len(rows) else -1
     extra = {}
     if batch.has_penalties[rows].any():
@@ -29,7 +29,8 @@ def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, vocab_size: int,
         max_logprobs=max_logprobs if max_logprobs >= 0 else None, **extra)
 
 
-def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device, the copy queued behind the step in flight."""
     tensor = torch.from_numpy(array)
     if device.type != "cuda":
         return tensor
@@ -93,16 +94,16 @@ def _token_rules(batch: InputBatch, rows: np.ndarray, vocab_size: int,
             ban_ids.append(now)
     extra = {}
     if bias_rows:
-        extra["bias_index"] = _upload(_pairs(bias_rows, bias_ids), device)
-        extra["bias_values"] = _upload(np.concatenate(bias_values), device)
+        extra["bias_index"] = upload(_pairs(bias_rows, bias_ids), device)
+        extra["bias_values"] = upload(np.concatenate(bias_values), device)
     if restricted or ban_rows:
         banned = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
         if restricted:
-            banned[_upload(np.array(restricted, dtype=np.int64), device)] = True
-            allowed = _upload(_pairs(allow_rows, allow_ids), device)
+            banned[upload(np.array(restricted, dtype=np.int64), device)] = True
+            allowed = upload(_pairs(allow_rows, allow_ids), device)
             banned[allowed[0], allowed[1]] = False
         if ban_rows:
-            index = _upload(_pairs(ban_rows, ban_ids), device)
+            index = upload(_pairs(ban_rows, ban_ids), device)
             banned[index[0], index[1]] = True
         extra["banned"] = banned
     return extra

@@ -46,3 +46,22 @@ def test_vllm_command_line_and_generation_config_defaults(vllm_style_server):
         assert by_default == texts(temperature=0)
         # a request's own value wins over the file's: top_k -1 samples again
         assert len(set(texts(top_k=-1))) > 1
+
+
+def test_generation_config_values_are_checked_at_start_and_ignore_eos_ignores_extra_eos(
+        tmp_path):
+    from echo.engine.generation_config import load_generation_defaults
+    from echo.entrypoints.openai_protocol import CompletionRequest
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": "high"}))
+    with pytest.raises(ValueError, match="generation_config: .*generation_config.json"):
+        load_generation_defaults(str(tmp_path), None)
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"top_p": 0.5, "eos_token_id": [2, 7]}))
+    defaults = load_generation_defaults("auto", tmp_path, model_eos_token_ids=(2,))
+    assert defaults.values == {"top_p": 0.5} and defaults.extra_eos_token_ids == (7,)
+    body = CompletionRequest(prompt="x", stop_token_ids=[9])
+    assert body.sampling_params(4, None, defaults).stop_token_ids == [9, 7]
+    ignoring = CompletionRequest(prompt="x", ignore_eos=True)
+    assert ignoring.sampling_params(4, None, defaults).stop_token_ids == []  # as vLLM
+    assert ignoring.sampling_params(4, None, defaults).top_p == 0.5

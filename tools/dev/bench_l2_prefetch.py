@@ -12,7 +12,7 @@ X = 0 is a step as it runs today. Prints µs per pair.
 
 What the GEMV reads first decides what pays. `small_m_linear` gives every program whole rows and
 runs all programs at once, so it consumes the weight as a front moving along K over every row.
-The first attempt (sixth session, removed; docs/benchmarks.md) prefetched the weight's first
+The first attempt (baae8fc, 2026-11-30, removed; docs/benchmarks.md) prefetched the weight's first
 bytes: whole rows of the first programs only. Those programs then finished early while the rest
 still streamed everything from HBM, and the extra instructions (one prefetch per 128-byte line)
 lengthened the short kernel. The slab modes take the first bytes of every row instead, by lines
