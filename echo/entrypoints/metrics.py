@@ -157,9 +157,6 @@ class ServerMetrics:
         self.update_engines(stats)
         return generate_latest(self.registry)
 
-    def request(self, num_prompt_tokens: int, n: int = 1, engine: int = 0) -> "RequestTimer":
-        return RequestTimer(self, num_prompt_tokens, n, engine)
-
 
 class RequestTimer:
     """Observes one prompt's stream of RequestOutputs (all its n choices).
