@@ -20,8 +20,10 @@ from echo_kernels.cache import store_kv_cache  # noqa: E402
 from echo_kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from echo_kernels.rope import rotary_embedding  # noqa: E402
 from echo_kernels.sampling import gumbel_sample  # noqa: E402
+from echo_kernels.token_bitmask import apply_token_bitmask  # noqa: E402
 
 __all__ = [
+    "apply_token_bitmask",
     "flash_attn_varlen",
     "fused_add_rms_norm",
     "gumbel_sample",

@@ -152,3 +152,19 @@ def gumbel_sample_ref(logits, temperature, seeds, steps) -> torch.Tensor:
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
     gumbel = -torch.log(-torch.log(uniform_noise_ref(seeds, steps, logits.shape[-1])))
     return torch.where(greedy, logits.argmax(-1), (scaled + gumbel).argmax(-1))
+
+
+def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor,
+                            indices: torch.Tensor | None = None) -> torch.Tensor:
+    """A copy of logits with -inf where xgrammar's bitmask (int32 words, token t = bit t % 32 of
+    word t // 32) disallows a token; columns past the mask's coverage are disallowed."""
+    out = logits.clone()
+    rows = range(bitmask.shape[0]) if indices is None else indices.tolist()
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(1).bool()  # [num_masks, words*32]
+    vocab = logits.shape[1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    for mask_row, row in enumerate(rows):
+        out[row].masked_fill_(~allowed[mask_row, :vocab], float("-inf"))
+    return out
