@@ -121,9 +121,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
             bad = sorted({t for t in ids if not 0 <= t < vocab_size})
             _require(not bad, name, f"token ids must be in [0, {vocab_size}), got {bad[:8]}")
 
-        if self.logit_bias:
-            _require(len(self.logit_bias) <= vocab_size, "logit_bias",
-                     f"at most {vocab_size} (the vocabulary size) entries")
+        if self.logit_bias:  # distinct ids in the vocabulary: at most vocab_size of them
             check("logit_bias", self.logit_bias)
         if self.allowed_token_ids:
             check("allowed_token_ids", self.allowed_token_ids)

@@ -28,8 +28,7 @@ class PriorityWaitingQueue:
             self.append(request)
 
     def append(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._seq),
-                                    request))
+        heapq.heappush(self._heap, (*priority_key(request), next(self._seq), request))
 
     appendleft = append  # a requeued request goes where its key puts it
 

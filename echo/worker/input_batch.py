@@ -102,7 +102,7 @@ class InputBatch:
         # sampling reads the request's output tokens on the host: penalties, multi-token bad
         # words; the runner lands the steps in flight first while any such request is held
         self.reads_outputs = np.zeros(max_num_reqs, dtype=bool)
-        self.num_with_penalties = 0  # requests held now that read their outputs on the host
+        self.num_reading_outputs = 0  # requests held now that read their outputs on the host
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -116,7 +116,7 @@ class InputBatch:
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self.params[row] = None
-            self.num_with_penalties -= int(self.reads_outputs[row])
+            self.num_reading_outputs -= int(self.reads_outputs[row])
             self.has_penalties[row] = self.reads_outputs[row] = False
             self.token_rules[row] = None
             self.has_token_rules[row] = False
@@ -148,7 +148,7 @@ class InputBatch:
         self.token_rules[row] = rules
         self.has_token_rules[row] = rules is not None
         self.reads_outputs[row] = params.has_penalties or bool(rules and rules.sequences)
-        self.num_with_penalties += int(self.reads_outputs[row])
+        self.num_reading_outputs += int(self.reads_outputs[row])
         seed = params.seed
         self.seeds[row] = seed if seed is not None else int(self._seed_rng.integers(0, 2**62))
 

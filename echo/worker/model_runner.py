@@ -67,7 +67,7 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         # launched steps, oldest first: outputs ready, or steps still on the device
         self.in_flight: deque[ModelRunnerOutput | _StepInFlight] = deque()
-        # request id -> the top-N of prompt logprobs it asked for
+        # request id -> the top-N of prompt logprobs it asked for, while its prompt is scored
         self.prompt_logprobs: dict[str, int] = {}
         self.profile_window = profiler_window(f"rank{tp.rank}")  # ECHO_PROFILE_STEPS
 
@@ -108,7 +108,7 @@ class ModelRunner:
         self.profile_window.on_step(out.step_id)
         batch = self.input_batch
         with step_range("prepare", out.step_id):
-            if self.in_flight and batch.num_with_penalties:
+            if self.in_flight and batch.num_reading_outputs:
                 self._land_all()  # penalties count tokens on the host: they must be there
             if self.prompt_logprobs or any(new.sampling_params.prompt_logprobs is not None
                                            for new in out.scheduled_new_reqs):
@@ -147,19 +147,24 @@ class ModelRunner:
         tokens scores tokens s+1 .. min(e, L-1). Those rows only go through the LM head."""
         batch, asked = self.input_batch, self.prompt_logprobs
         cu, positions = inp.cu_seqlens_q, inp.positions
-        runs, flat, targets = [], [], []
+        runs, flat, targets, scored = [], [], [], []
         for i, req_id in enumerate(inp.req_ids):
             n = asked.get(req_id)
             if n is None:
                 continue
             first, row = int(cu[i]), int(inp.rows[i])
             start = int(positions[first])
-            end = min(start + int(cu[i + 1]) - first, int(batch.num_prompt_tokens[row]) - 1)
+            last = int(batch.num_prompt_tokens[row]) - 1
+            end = min(start + int(cu[i + 1]) - first, last)
+            if end == last:  # the prompt is scored: nothing more to track for it
+                scored.append(req_id)
             if end <= start:
-                continue  # decoding, or a chunk that only holds the last prompt token
+                continue  # a chunk that only holds the last prompt token
             runs.append((req_id, start + 1, end - start, n))
             flat.append(np.arange(first, first + end - start))
             targets.append(batch.token_ids[row, start + 1:end + 1])
+        for req_id in scored:  # a preempted request comes back new, and is tracked again
+            del asked[req_id]
         if not runs:
             return None
         flat_idx = upload(np.concatenate(flat), self.device)

@@ -156,15 +156,15 @@ def test_multi_token_bad_words_make_the_runner_land_outputs_first():
     batch = InputBatch(4, 16, 2, 16)
     batch.add("single", [1], [], greedy(bad_words_token_ids=[[3]]), [0], 1, V)
     batch.add("bias", [1], [], greedy(logit_bias={3: 1.0}), [0], 1, V)
-    assert batch.num_with_penalties == 0  # their rules do not read the output
+    assert batch.num_reading_outputs == 0  # their rules do not read the output
     batch.add("multi", [1], [], greedy(bad_words_token_ids=[[3, 4]]), [0], 1, V)
     batch.add("penalty", [1], [], greedy(presence_penalty=0.5), [0], 1, V)
-    assert batch.num_with_penalties == 2
+    assert batch.num_reading_outputs == 2
     batch.remove("multi")
-    assert batch.num_with_penalties == 1 and not batch.has_token_rules[2]
+    assert batch.num_reading_outputs == 1 and not batch.has_token_rules[2]
     batch.remove("penalty")
     batch.remove("single")
-    assert batch.num_with_penalties == 0
+    assert batch.num_reading_outputs == 0
 
 
 def test_token_rules_drop_ids_outside_the_vocabulary():
