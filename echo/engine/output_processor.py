@@ -78,7 +78,7 @@ class OutputProcessor:
         self.stream = stream
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
-        self._token_texts: dict[int, str] = {}  # one token's text, for prompt logprobs
+        self._token_texts: dict[int, str] = {}  # one token's text, for logprobs
 
     def has_unfinished(self) -> bool:
         return bool(self._parents)
@@ -207,11 +207,11 @@ class OutputProcessor:
         return False
 
     def _logprob_dict(self, token: int, entry: LogprobsEntry) -> dict[int, Logprob]:
-        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer else (lambda t: None)
-        result = {t: Logprob(lp, rank + 1, decode(t))
-                  for rank, (t, lp) in enumerate(zip(entry.top_token_ids, entry.top_logprobs))}
+        *texts, own = self._decode_each([*entry.top_token_ids, token])
+        result = {t: Logprob(lp, rank + 1, text) for rank, (t, lp, text) in
+                  enumerate(zip(entry.top_token_ids, entry.top_logprobs, texts))}
         if token not in result:
-            result[token] = Logprob(entry.logprob, None, decode(token))
+            result[token] = Logprob(entry.logprob, None, own)
         return result
 
     def _add_prompt_logprobs(self, parent: _Parent, chunk: PromptLogprobs) -> None:
@@ -241,8 +241,8 @@ class OutputProcessor:
             at += 1 + len(ids)
 
     def _decode_each(self, token_ids: list[int]) -> list[str | None]:
-        """Each token's own text, through a cache bounded by the vocabulary: prompt logprobs
-        of a long prompt name each token many times (itself and its top-N)."""
+        """Each token's own text, through a cache bounded by the vocabulary: logprobs name the
+        same tokens again and again (each sampled or prompt token and its top-N)."""
         if self.tokenizer is None:
             return [None] * len(token_ids)
         cache = self._token_texts
