@@ -1,7 +1,8 @@
 """echo: a small, fast LLM serving engine."""
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncClient", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncClient", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput"]
 
 # resolved on first use, so `import echo.sampling_params` (as a process's first import, say)
 # does not pull in the model stack
@@ -9,6 +10,7 @@ _LAZY = {
     "LLM": "echo.entrypoints.llm",
     "AsyncClient": "echo.engine.async_client",
     "SamplingParams": "echo.sampling_params",
+    "StructuredOutputsParams": "echo.sampling_params",
     "RequestOutput": "echo.outputs",
     "CompletionOutput": "echo.outputs",
 }

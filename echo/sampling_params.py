@@ -4,11 +4,70 @@ A msgspec Struct so it crosses process boundaries as-is; validated on constructi
 that name the field, so bad input fails before any work is queued.
 """
 
+import json
 import math
 
 import msgspec
 
 _GREEDY_EPS = 1e-5
+# the kinds of constraint StructuredOutputsParams takes; exactly one per request
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, array_like=True):
+    """vLLM's structured outputs: the output must follow one of these (exactly one is set).
+
+    json: a JSON schema (a dict, or its JSON text); regex: a regular expression the whole
+    output matches; choice: the output is one of these strings; grammar: an EBNF grammar
+    (xgrammar's dialect, GBNF-like, root rule `root`); json_object: any JSON object;
+    structural_tag: xgrammar's structural tag, as JSON text. Grammars are checked by the
+    frontend (echo/structured_output/grammar_spec.py) and compiled by the engine."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    # JSON without free whitespace between tokens (vLLM's disable_any_whitespace)
+    disable_any_whitespace: bool = False
+    # filled by the server from its reasoning parser: the token ids that open and close the
+    # reasoning; the constraint applies from the token after the close
+    reasoning_token_ids: list[int] | None = None
+
+    def __post_init__(self):
+        if isinstance(self.json, dict):  # one text per schema: the grammar cache's key
+            self.json = json.dumps(self.json, ensure_ascii=False, separators=(",", ":"))
+        if self.json_object is False:
+            self.json_object = None
+        given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) is not None]
+        _require(len(given) == 1, "structured_outputs",
+                 f"exactly one of {', '.join(STRUCTURED_KINDS)} must be given, got "
+                 f"{', '.join(given) if given else 'none'}")
+        for name in ("json", "regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, str) and value.strip()),
+                     f"structured_outputs.{name}", "must be a non-empty string")
+        if self.choice is not None:
+            _require(isinstance(self.choice, list) and self.choice and all(
+                isinstance(c, str) and c for c in self.choice), "structured_outputs.choice",
+                "must be a non-empty list of non-empty strings")
+        if self.reasoning_token_ids is not None:
+            _require(len(self.reasoning_token_ids) == 2 and all(
+                _is_id(t) for t in self.reasoning_token_ids),
+                "structured_outputs.reasoning_token_ids", "must be [start id, end id]")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind) is not None)
+
+    @property
+    def key(self) -> tuple:
+        """What identifies the compiled grammar (with the tokenizer)."""
+        kind = self.kind
+        value = getattr(self, kind)
+        return (kind, tuple(value) if kind == "choice" else value,
+                self.disable_any_whitespace)
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
@@ -39,6 +98,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
     # bad_words as token-id sequences, filled in the frontend (update_from_tokenizer): the
     # last token of each is banned when the output so far ends with the ones before it
     bad_words_token_ids: list[list[int]] | None = None
+    # the output follows a JSON schema, regex, choice or grammar (vLLM's structured outputs)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -72,6 +133,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
         _require(all(isinstance(s, str) and s for s in self.stop), "stop",
                  "must be non-empty strings")
         self._check_token_rules()
+        _require(self.structured_outputs is None or isinstance(
+            self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+            "must be a StructuredOutputsParams")
 
     def _check_token_rules(self) -> None:
         if self.logit_bias is not None:

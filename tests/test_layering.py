@@ -19,6 +19,7 @@ LAYERS = [
     ("echo.__main__",),
     ("echo.entrypoints",),
     ("echo.engine",),
+    ("echo.structured_output",),
     ("echo.executor",),
     ("echo.worker",),
     ("echo.core",),

@@ -60,6 +60,9 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.first_scheduled_time: float | None = None
+        # structured outputs: the engine's grammar state (RequestGrammar); the scheduler only
+        # reads its `ready` (admit once compiled) and reports the request when it samples
+        self.grammar = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -39,7 +39,22 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     total_num_scheduled_tokens: int = 0
     # requests the workers must forget before this step: finished, aborted or preempted
     finished_req_ids: list[str] = []
+    # requests with a grammar that sample this step: the step's GrammarBitmask follows it,
+    # and the workers sample only once it is there (the forward pass does not wait)
+    structured_req_ids: list[str] = []
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The tokens each constrained request may sample this step, sent after its step: bit
+    j % 32 of word j // 32 of a request's row is set when token j is allowed (xgrammar's
+    layout). Rows are raw int32 bytes, C order, one per request in req_ids; requests of
+    structured_req_ids missing here (still reasoning, say) sample unconstrained."""
+
+    step_id: int
+    req_ids: list[str] = []
+    num_words: int = 0  # per row: ceil(vocab_size / 32)
+    rows: bytes = b""

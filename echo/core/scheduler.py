@@ -26,6 +26,10 @@ Async scheduling: the engine may call schedule() for step N+1 before update_from
 step N. So schedule() advances num_computed_tokens at once and counts the token a step will
 sample as a placeholder; the next schedule() treats it as present. update_from_output() turns
 placeholders into tokens and ignores requests that finished meanwhile.
+
+Structured outputs: a waiting request whose grammar is still compiling is passed over (it
+keeps its place) so it holds nobody up; the step lists the requests with a grammar that
+sample in it (structured_req_ids), whose token bitmask the engine sends after the step.
 """
 
 import time
@@ -206,8 +210,12 @@ class Scheduler:
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
                        new_reqs: list[Request], throttled: list[Request]) -> int:
         waiting, running = self.waiting, self.running
+        compiling: list[Request] = []  # waiting for their grammar: the others go ahead
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             request = waiting[0]
+            if request.grammar is not None and not request.grammar.ready:
+                compiling.append(waiting.popleft())
+                continue
             if request.num_output_placeholders:
                 break  # preempted with a token still in flight: wait until it comes back
             computed = self.kv.get_computed_blocks(request)
@@ -233,6 +241,8 @@ class Scheduler:
             if held_back:
                 throttled.append(request)
             budget -= num_new
+        for request in reversed(compiling):  # back at the head, in their order
+            waiting.appendleft(request)
         return budget
 
     def _top_up(self, throttled: list[Request], budget: int, num_scheduled: dict[str, int],
@@ -266,6 +276,7 @@ class Scheduler:
     def _make_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
                      scheduled_running: list[Request], new_reqs: list[Request]) -> SchedulerOutput:
         cached_ids, cached_blocks, cached_computed = [], [], []
+        structured: list[str] = []
         for request in scheduled_running:
             rid = request.request_id
             cached_ids.append(rid)
@@ -277,6 +288,8 @@ class Scheduler:
             if computed == (len(request.prompt_token_ids) + len(request.output_token_ids)
                             + request.num_output_placeholders):
                 request.num_output_placeholders += 1
+                if request.grammar is not None:
+                    structured.append(rid)
         new_data = []
         for request in new_reqs:
             new_data.append(NewRequestData(
@@ -288,7 +301,9 @@ class Scheduler:
                 num_computed_tokens=request.num_computed_tokens,
                 output_token_ids=list(request.output_token_ids),
             ))
-            self._advance(request, num_scheduled[request.request_id])
+            samples = self._advance(request, num_scheduled[request.request_id])
+            if samples and request.grammar is not None:
+                structured.append(request.request_id)
         finished, self._finished_req_ids = self._finished_req_ids, []
         output = SchedulerOutput(
             step_id=self._step_id,
@@ -297,16 +312,20 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
+            structured_req_ids=structured,
         )
         self._step_id += 1
         return output
 
     @staticmethod
-    def _advance(request: Request, num_new: int) -> None:
+    def _advance(request: Request, num_new: int) -> bool:
+        """Count the step's tokens as computed; True if the step samples a token for it."""
         computed = request.num_computed_tokens = request.num_computed_tokens + num_new
         if computed == (len(request.prompt_token_ids) + len(request.output_token_ids)
                         + request.num_output_placeholders):
-            request.num_output_placeholders += 1  # this step samples a token
+            request.num_output_placeholders += 1
+            return True
+        return False
 
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and requeue it at the front (under priority: where

@@ -11,11 +11,17 @@ from collections import deque
 from echo.config import EngineConfig
 from echo.core.length_limit import check_kv_cache_holds
 from echo.core.request import Request
+from echo.core.sched_output import SchedulerOutput
 from echo.core.scheduler import Scheduler
 from echo.core.step_results import EngineCoreOutput
+from echo.engine.input_processor import load_tokenizer
 from echo.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from echo.executor.base import Executor, create_executor
 from echo.profiling import step_range
+from echo.structured_output.manager import StructuredOutputManager
+
+# how long a busy loop with nothing to run but grammars compiling waits for one to finish
+_COMPILE_WAIT_S = 0.005
 
 
 class EngineCore:
@@ -38,6 +44,12 @@ class EngineCore:
         # steps sent to the executor whose output has not been processed, oldest first
         self.in_flight: deque = deque()
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
+        self.structured = StructuredOutputManager(
+            lambda: load_tokenizer(config.model), config.model.arch.vocab_size,
+            self.eos_token_ids, config.scheduler.max_num_seqs)
+        # a step launched while the one before it was in flight: its bitmask waits for that
+        # step's tokens (docs/ARCHITECTURE.md, Structured outputs)
+        self._bitmask_due: SchedulerOutput | None = None
         # NOTE: everything alive now (model, caches, tokenizer tables) lives as long as the
         # engine; freezing it keeps the garbage collector from rescanning it every few steps
         # (with many running requests that scan was the step's p99 stall: docs/benchmarks.md,
@@ -46,13 +58,32 @@ class EngineCore:
         gc.freeze()
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request(
+        """Queue a request; ValueError if it is refused (the others carry on)."""
+        core_request = Request(
             request.request_id, request.prompt_token_ids, request.sampling_params,
             eos_token_ids=self.eos_token_ids, arrival_time=request.arrival_time or time.time(),
-            cache_salt=request.cache_salt, priority=request.priority))
+            cache_salt=request.cache_salt, priority=request.priority)
+        self.scheduler.add_request(core_request)
+        if request.sampling_params.structured_outputs is not None:
+            try:
+                self.structured.add(core_request)
+            except ValueError:
+                self.scheduler.abort_requests([request.request_id])
+                raise
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        self.structured.forget(request_ids)
         return self.scheduler.abort_requests(request_ids)
+
+    def _fail(self, failures: list[tuple[str, str]]) -> list[EngineCoreOutput]:
+        """Finish requests with an error (a grammar that failed), as refusals are reported."""
+        outputs = []
+        for rid, error in failures:
+            self.structured.forget([rid])
+            for output in self.scheduler.abort_requests([rid]):
+                output.finish_reason, output.error = "error", error
+                outputs.append(output)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -62,25 +93,58 @@ class EngineCore:
         scheduling on the CPU overlaps the workers' GPU work. Returns None when nothing came
         back this call (the pipeline is filling)."""
         scheduled = False
+        structured = self.structured
+        failed = self._fail(structured.poll()) if structured.compiling else []
         if len(self.in_flight) < self.max_in_flight and self.scheduler.has_unfinished_requests():
             with step_range("schedule", self.scheduler._step_id):
                 scheduler_output = self.scheduler.schedule()
             if not scheduler_output.is_empty or scheduler_output.finished_req_ids:
                 self.executor.execute_model_async(scheduler_output)
+                if scheduler_output.structured_req_ids:
+                    if self.in_flight:  # the step before it still owes tokens
+                        self._bitmask_due = scheduler_output
+                    else:
+                        self._send_bitmask(scheduler_output)
                 self.in_flight.append(scheduler_output)
                 scheduled = not scheduler_output.is_empty
         # wait for the oldest step once the pipeline is full, or when nothing new could start
         if not self.in_flight or (scheduled and len(self.in_flight) < self.max_in_flight):
-            return None
+            if not self.in_flight and structured.compiling and not failed:
+                structured.wait_for_compiles(_COMPILE_WAIT_S)  # nothing else to do
+            return EngineCoreOutputs(outputs=failed) if failed else None
         scheduler_output = self.in_flight.popleft()
         runner_output = self.executor.get_output()
         with step_range("update", scheduler_output.step_id):
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
+            if structured.grammars:
+                refused = structured.accept(outputs)
+                if refused:
+                    self._refuse(outputs, refused)
+            if self._bitmask_due is not None:
+                self._send_bitmask(self._bitmask_due)
+                self._bitmask_due = None
+        return EngineCoreOutputs(outputs=failed + outputs,
+                                 scheduler_stats=self.scheduler.make_stats(),
                                  timestamp=time.time())
+
+    def _send_bitmask(self, scheduler_output: SchedulerOutput) -> None:
+        with step_range("bitmask", scheduler_output.step_id):
+            self.executor.apply_grammar_bitmask(self.structured.bitmask(
+                scheduler_output.step_id, scheduler_output.structured_req_ids))
+
+    def _refuse(self, outputs: list[EngineCoreOutput], refused: list[tuple[str, str]]) -> None:
+        """Finish, with an error, requests whose sampled token their grammar refused."""
+        errors = dict(refused)
+        for output in outputs:
+            error = errors.get(output.request_id)
+            if error is not None and output.finish_reason is None:
+                self.structured.forget([output.request_id])
+                self.scheduler.abort_requests([output.request_id])
+                output.finish_reason, output.error = "error", error
 
     def has_work(self) -> bool:
         return bool(self.in_flight) or self.scheduler.has_unfinished_requests()
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()

@@ -3,7 +3,7 @@
 from typing import Protocol
 
 from echo.config import EngineConfig
-from echo.core.sched_output import SchedulerOutput
+from echo.core.sched_output import GrammarBitmask, SchedulerOutput
 from echo.core.step_results import ModelRunnerOutput
 
 
@@ -18,6 +18,10 @@ class Executor(Protocol):
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> None:
         """Queue one step; get_output() returns the outputs in the order steps were queued."""
+
+    def apply_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
+        """The token bitmask of a queued step with structured_req_ids: its workers sample
+        once it arrives."""
 
     def get_output(self) -> ModelRunnerOutput: ...
 

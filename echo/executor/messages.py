@@ -7,7 +7,7 @@ worker -> executor, over one ZMQ PUSH/PULL pair: one `WorkerReply` per message; 
 
 import msgspec
 
-from echo.core.sched_output import SchedulerOutput
+from echo.core.sched_output import GrammarBitmask, SchedulerOutput
 from echo.core.step_results import ModelRunnerOutput
 
 
@@ -31,11 +31,17 @@ class ExecuteModel(_Message, tag="execute"):
     scheduler_output: SchedulerOutput
 
 
+class ApplyGrammarBitmask(_Message, tag="bitmask"):
+    """Follows the ExecuteModel of a step with structured_req_ids, before the next step."""
+
+    bitmask: GrammarBitmask
+
+
 class Shutdown(_Message, tag="shutdown"):
     pass
 
 
-WorkerCommand = DetermineNumBlocks | InitKVCache | ExecuteModel | Shutdown
+WorkerCommand = DetermineNumBlocks | InitKVCache | ExecuteModel | ApplyGrammarBitmask | Shutdown
 
 
 # ---- workers -> executor ------------------------------------------------------------------

@@ -23,9 +23,10 @@ import zmq
 
 from echo import envs
 from echo.config import EngineConfig
-from echo.core.sched_output import SchedulerOutput
+from echo.core.sched_output import GrammarBitmask, SchedulerOutput
 from echo.core.step_results import ModelRunnerOutput
 from echo.executor.messages import (
+    ApplyGrammarBitmask,
     DetermineNumBlocks,
     ExecuteModel,
     InitKVCache,
@@ -124,6 +125,9 @@ class MultiprocExecutor:
         """Broadcast the step and return at once; `get_output` returns its result later."""
         self._broadcast(ExecuteModel(scheduler_output), f"sending step {scheduler_output.step_id}")
         self._pending_steps.append(scheduler_output.step_id)
+
+    def apply_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
+        self._broadcast(ApplyGrammarBitmask(bitmask), f"sending step {bitmask.step_id}'s bitmask")
 
     def get_output(self) -> ModelRunnerOutput:
         """The output of the oldest step in flight; blocks until rank 0 sends it, at most

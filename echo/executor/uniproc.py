@@ -1,7 +1,7 @@
 """The in-process executor: one ModelRunner in the caller's process (TP = 1)."""
 
 from echo.config import EngineConfig
-from echo.core.sched_output import SchedulerOutput
+from echo.core.sched_output import GrammarBitmask, SchedulerOutput
 from echo.core.step_results import ModelRunnerOutput
 from echo.worker.model_runner import ModelRunner
 
@@ -23,6 +23,9 @@ class UniprocExecutor:
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> None:
         self.runner.launch(scheduler_output)
+
+    def apply_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
+        self.runner.apply_grammar_bitmask(bitmask)
 
     def get_output(self) -> ModelRunnerOutput:
         return self.runner.collect()

@@ -22,6 +22,7 @@ import zmq
 
 from echo.config import EngineConfig
 from echo.executor.messages import (
+    ApplyGrammarBitmask,
     DetermineNumBlocks,
     ExecuteModel,
     InitKVCache,
@@ -130,10 +131,14 @@ class Worker:
             # no timeout: an idle engine may wait for requests forever; the liveness check
             # ends the wait when the parent dies
             command = decoder.decode(self.ring.dequeue())
-            if isinstance(command, ExecuteModel):
+            if isinstance(command, ExecuteModel | ApplyGrammarBitmask):
                 # launch the next step before landing the previous one, so its host-side
-                # preparation overlaps the device's work
-                runner.launch(command.scheduler_output)
+                # preparation overlaps the device's work; a step with structured requests
+                # samples only once its bitmask follows
+                if isinstance(command, ExecuteModel):
+                    runner.launch(command.scheduler_output)
+                else:
+                    runner.apply_grammar_bitmask(command.bitmask)
                 if len(runner.in_flight) > 1:
                     self._reply_step(runner.collect())
             elif isinstance(command, DetermineNumBlocks):

@@ -6,6 +6,9 @@ step.
 `launch(scheduler_output)` applies the step's diff, runs the forward pass over the mixed batch
 and samples for the requests whose tokens are all computed, without waiting for the device;
 `collect()` returns the oldest launched step's tokens. `execute_model` is the two in a row.
+A step with structured requests (SchedulerOutput.structured_req_ids) stops after the forward
+pass: `apply_grammar_bitmask` masks its logits and samples, once the core has filled the mask
+from the previous step's tokens (docs/ARCHITECTURE.md, Structured outputs).
 
 Prompt logprobs (SamplingParams.prompt_logprobs): a prefill chunk of a request that asked for
 them runs the LM head over its prompt positions too (those rows only, a slice at a time), and
@@ -21,13 +24,14 @@ import torch
 from echo import envs
 from echo.attention.backend import KVCache, make_backend
 from echo.config import EngineConfig
-from echo.core.sched_output import SchedulerOutput
+from echo.core.sched_output import GrammarBitmask, SchedulerOutput
 from echo.core.step_results import LogprobsEntry, ModelRunnerOutput, PromptLogprobs
 from echo.distributed.parallel_state import SINGLE, TPGroup
 from echo.layers.attention import ForwardContext
 from echo.profiling import profiler_window, step_range
 from echo.worker import startup
 from echo.worker.cuda_graphs import CudaGraphRunner
+from echo.worker.grammar_bitmask import apply_grammar_bitmask
 from echo.worker.input_batch import InputBatch, StepInputs
 from echo.worker.kv_cache import KVCacheSpec
 from echo.worker.model_loader import build_model
@@ -67,6 +71,9 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         # launched steps, oldest first: outputs ready, or steps still on the device
         self.in_flight: deque[ModelRunnerOutput | _StepInFlight] = deque()
+        # a launched step with structured requests, forwarded but not sampled until its
+        # GrammarBitmask arrives: (step id, inputs, hidden states, logits)
+        self.awaiting_bitmask: tuple | None = None
         # request id -> the top-N of prompt logprobs it asked for, while its prompt is scored
         self.prompt_logprobs: dict[str, int] = {}
         self.profile_window = profiler_window(f"rank{tp.rank}")  # ECHO_PROFILE_STEPS
@@ -123,14 +130,34 @@ class ModelRunner:
             hidden = self.forward(inp)
             logits = self.model.compute_logits(
                 hidden[self.buffers.put("logits_indices", inp.logits_indices)])
-        with step_range("sample", out.step_id):
+        if out.structured_req_ids:  # sampled by apply_grammar_bitmask, once the mask is here
+            self.awaiting_bitmask = (out.step_id, inp, hidden, logits)
+            return
+        self._sample(out.step_id, inp, hidden, logits)
+
+    @torch.inference_mode()
+    def apply_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
+        """Sample the launched step that waits for its bitmask (structured outputs)."""
+        step_id, inp, hidden, logits = self.awaiting_bitmask
+        if bitmask.step_id != step_id:
+            raise RuntimeError(f"bitmask of step {bitmask.step_id} for step {step_id}")
+        self.awaiting_bitmask = None
+        with step_range("bitmask", step_id):
+            logits = apply_grammar_bitmask(
+                logits, [inp.req_ids[i] for i in inp.sample_seq_idx], bitmask)
+        self._sample(step_id, inp, hidden, logits)
+
+    def _sample(self, step_id: int, inp: StepInputs, hidden: torch.Tensor,
+                logits: torch.Tensor) -> None:
+        batch = self.input_batch
+        with step_range("sample", step_id):
             sample_rows = inp.rows[inp.sample_seq_idx]
             sampled = self.sampler(logits, build_sampling_tensors(
                 batch, sample_rows, self.vocab_size, self.arch.eos_token_ids, self.device))
             batch.num_pending[sample_rows] += 1
             logprobs = [n if n >= 0 else None for n in batch.logprobs[sample_rows].tolist()]
             prompt = self._prompt_logprobs(inp, hidden) if self.prompt_logprobs else None
-            self.in_flight.append(_StepInFlight(out.step_id, inp, sample_rows, sampled,
+            self.in_flight.append(_StepInFlight(step_id, inp, sample_rows, sampled,
                                                 logprobs, prompt))
 
     def _track_prompt_logprobs(self, out: SchedulerOutput) -> None:

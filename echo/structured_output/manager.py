@@ -1,0 +1,114 @@
+"""What the EngineCore does for structured outputs each step (docs/ARCHITECTURE.md, Structured
+outputs): start compiles, notice finished and failed ones, advance matchers with the sampled
+tokens, and fill the token bitmask of a step once the tokens before it are in.
+"""
+
+import concurrent.futures
+import time
+from collections.abc import Callable
+
+import numpy as np
+import xgrammar
+
+from echo.core.request import Request
+from echo.core.sched_output import GrammarBitmask
+from echo.core.step_results import EngineCoreOutput
+from echo.structured_output.compiler import GrammarCompilerPool
+from echo.structured_output.request_grammar import RequestGrammar
+
+# a grammar not compiled by then fails its request; its thread runs on (a compile cannot be
+# interrupted), which is why distinct compiles at once are bounded too
+COMPILE_TIMEOUT_S = 30.0
+MAX_COMPILING = 32
+# rows per batch fill above which xgrammar's threads help more than they cost
+_THREADED_FILL_ROWS = 16
+
+
+class StructuredOutputManager:
+    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int,
+                 stop_token_ids: tuple[int, ...], max_num_seqs: int):
+        self.compiler = GrammarCompilerPool(load_tokenizer, vocab_size, stop_token_ids)
+        self.num_words = -(-vocab_size // 32)
+        self.grammars: dict[str, RequestGrammar] = {}  # every unfinished structured request
+        self.compiling: dict[str, RequestGrammar] = {}  # those whose grammar is not resolved
+        self._rows = np.zeros((max_num_seqs, self.num_words), dtype=np.int32)
+        self._batch = xgrammar.BatchGrammarMatcher()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Start compiling the request's grammar; ValueError when too many compile at once."""
+        params = request.sampling_params.structured_outputs
+        if self.compiler.num_compiling() >= MAX_COMPILING:
+            raise ValueError(f"structured_outputs: {MAX_COMPILING} grammars are compiling "
+                             "already; retry shortly")
+        grammar = RequestGrammar(self.compiler.submit(params), params, request.prompt_token_ids)
+        request.grammar = grammar
+        self.grammars[request.request_id] = grammar
+        self.compiling[request.request_id] = grammar
+
+    def forget(self, request_ids) -> None:
+        for rid in request_ids:
+            self.grammars.pop(rid, None)
+            self.compiling.pop(rid, None)
+
+    def poll(self) -> list[tuple[str, str]]:
+        """Resolve finished compiles; (request id, error) for each that failed or timed out."""
+        failed = []
+        now = time.monotonic()
+        for rid, grammar in list(self.compiling.items()):
+            if grammar.resolve():
+                del self.compiling[rid]
+                if grammar.error is not None:
+                    failed.append((rid, f"structured_outputs: {grammar.error}"))
+            elif now - grammar.submitted > COMPILE_TIMEOUT_S:
+                del self.compiling[rid]
+                failed.append((rid, f"structured_outputs: the grammar did not compile within "
+                                    f"{COMPILE_TIMEOUT_S:.0f} s; simplify it"))
+        return failed
+
+    def wait_for_compiles(self, timeout: float) -> None:
+        """Block up to timeout for a compile to finish (an engine with nothing else to do)."""
+        concurrent.futures.wait([g.future for g in self.compiling.values()], timeout,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+
+    # ---- steps ----------------------------------------------------------------------------
+
+    def accept(self, outputs: list[EngineCoreOutput]) -> list[tuple[str, str]]:
+        """Advance matchers past the step's tokens and forget finished requests; (request id,
+        error) for each whose token the grammar refused."""
+        refused = []
+        grammars = self.grammars
+        for output in outputs:
+            grammar = grammars.get(output.request_id)
+            if grammar is None:
+                continue
+            if output.new_token_ids and not grammar.accept(output.new_token_ids):
+                refused.append((output.request_id, "structured_outputs: the grammar refused "
+                                f"sampled token {output.new_token_ids}"))
+            if output.finish_reason is not None:
+                del grammars[output.request_id]
+        return refused
+
+    def bitmask(self, step_id: int, request_ids: list[str]) -> GrammarBitmask:
+        """The step's bitmask for the requests that sample in it, filled from matchers that
+        have accepted every token before the step."""
+        grammars = [(rid, self.grammars.get(rid)) for rid in request_ids]
+        rows = [(rid, g) for rid, g in grammars if g is not None and g.constrains]
+        if not rows:
+            return GrammarBitmask(step_id, num_words=self.num_words)
+        count = len(rows)
+        matchers = [g.matcher for _, g in rows]
+        if count >= _THREADED_FILL_ROWS:
+            self._batch.batch_fill_next_token_bitmask(matchers, self._rows)
+        else:
+            for i, matcher in enumerate(matchers):
+                matcher.fill_next_token_bitmask(self._rows, i)
+        for i, (_, g) in enumerate(rows):
+            if g.may_open:  # a reasoning model's first token may open its reasoning
+                self._rows.view(np.uint32)[i, g.start_id // 32] |= np.uint32(1 << g.start_id % 32)
+        return GrammarBitmask(step_id, [rid for rid, _ in rows], self.num_words,
+                              self._rows[:count].tobytes())
+
+    def shutdown(self) -> None:
+        self.compiler.shutdown()

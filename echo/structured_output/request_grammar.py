@@ -1,0 +1,92 @@
+"""One request's grammar state: its compiled grammar (once ready) and the matcher that follows
+its accepted tokens, with the reasoning gate in front.
+
+A reasoning model thinks freely first: while the request is inside its reasoning (the opening
+token seen, the closing one not yet), its tokens are unconstrained and the matcher does not see
+them; the grammar applies from the token after the closing one.
+"""
+
+import time
+from concurrent.futures import Future
+
+import xgrammar
+
+from echo.sampling_params import StructuredOutputsParams
+
+
+def reasoning_open(prompt_token_ids: list[int], start_id: int, end_id: int) -> bool:
+    """Whether the prompt leaves the model inside its reasoning: DeepSeek-R1's template ends
+    the prompt with the opening tag; a Qwen3 prompt with thinking off holds an empty pair,
+    closed. A prompt with neither: the model opens it itself if it reasons at all."""
+    for token in reversed(prompt_token_ids):
+        if token == end_id:
+            return False
+        if token == start_id:
+            return True
+    return False
+
+
+class RequestGrammar:
+    """ready: the grammar compiled and the matcher exists (the scheduler admits the request
+    only then); error: why it never will."""
+
+    def __init__(self, future: Future, params: StructuredOutputsParams,
+                 prompt_token_ids: list[int]):
+        self.future = future
+        self.submitted = time.monotonic()
+        self.ready = False
+        self.error: str | None = None
+        self.matcher: xgrammar.GrammarMatcher | None = None
+        tags = params.reasoning_token_ids
+        self.start_id, self._end_id = tags if tags else (-1, -1)
+        self.reasoning = tags is not None and reasoning_open(prompt_token_ids, *tags)
+        # before any output, a reasoning model may still open its reasoning itself: its first
+        # token may be the opening tag as well as what the grammar allows
+        self.may_open = tags is not None and not self.reasoning
+        self.num_accepted = 0  # tokens the matcher holds: what rollback can undo
+
+    def resolve(self) -> bool:
+        """Take the compiled grammar if it is there (True once resolved, ready or not)."""
+        if self.ready or self.error is not None:
+            return True
+        if not self.future.done():
+            return False
+        try:
+            self.matcher = xgrammar.GrammarMatcher(self.future.result())
+            self.ready = True
+        except Exception as e:  # the compile's error, for the request that asked for it
+            self.error = str(e) or type(e).__name__
+        return True
+
+    @property
+    def constrains(self) -> bool:
+        """Whether its next token is constrained: ready, past its reasoning, not finished."""
+        return self.ready and not self.reasoning and not self.matcher.is_terminated()
+
+    def accept(self, token_ids: list[int]) -> bool:
+        """Advance past sampled tokens; False if the grammar refuses one (then the request
+        cannot go on within its grammar)."""
+        for token in token_ids:
+            if self.may_open:
+                self.may_open = False
+                if token == self.start_id:
+                    self.reasoning = True
+                    continue
+            if self.reasoning:
+                self.reasoning = token != self._end_id
+                continue
+            if self.matcher.is_terminated():
+                return True  # a token past the stop token: the scheduler drops it
+            if not self.matcher.accept_token(token):
+                return False
+            self.num_accepted += 1
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens the matcher accepted (rejected draft tokens)."""
+        if not 0 <= num_tokens <= self.num_accepted:
+            raise ValueError(f"can roll back at most {self.num_accepted} tokens, "
+                             f"asked {num_tokens}")
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+            self.num_accepted -= num_tokens
