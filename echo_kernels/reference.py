@@ -142,7 +142,8 @@ def uniform_noise_ref(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> t
     token = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     bits = _mix32(key[:, None] ^ _mix32(token * 0x9E3779B1)[None, :])
     bits = _mix32(bits ^ (key[:, None] >> 5))
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # 23 bits, so that u < 1 exactly in float32 (echo_kernels/sampling.py says why)
+    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def gumbel_sample_ref(logits, temperature, seeds, steps) -> torch.Tensor:

@@ -77,7 +77,9 @@ def _gumbel_argmax_kernel(
         x = tl.load(logits_ptr + row * stride_b + cols, mask=mask, other=float("-inf"))
         bits = _mix32(key ^ _mix32(cols.to(tl.uint32) * 0x9E3779B1))
         bits = _mix32(bits ^ (key >> 5))
-        u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        # 23 bits: with 24, the top value + 0.5 rounds to 1.0 in float32, whose Gumbel noise
+        # is +inf, and a uniformly random token would win 1 in 2**24 draws per token
+        u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
         gumbel = -tl.log(-tl.log(u))
         score = tl.where(greedy, x.to(tl.float32), x.to(tl.float32) * inv_t + gumbel)
         take = score > best  # strict: the earliest index wins ties, as torch.argmax

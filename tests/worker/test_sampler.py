@@ -50,6 +50,17 @@ def test_noise_is_uniform_and_deterministic():
     assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 0.02
 
 
+def test_noise_never_reaches_one_so_excluded_tokens_never_win():
+    """Seed 70's first draw is, for token 91,466, the top 24-bit value, which rounds to 1.0 in
+    float32: Gumbel noise +inf, and -inf + inf = NaN won the argmax. 23 bits keep u < 1."""
+    u = uniform_noise(torch.tensor([70]), torch.tensor([0]), 131_072)
+    assert u.max() < 1
+    logits = torch.full((1, 131_072), float("-inf"))
+    logits[0, 5] = 0.0  # the only token allowed (a grammar's mask, say)
+    assert Sampler()(logits, tensors(1, 131_072, seeds=torch.tensor([70]))).token_ids.tolist() \
+        == [5]
+
+
 def test_temperature_frequencies_match_softmax():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
     for temperature in (0.5, 1.0, 1.7):
