@@ -11,6 +11,7 @@ import jinja2
 from echo.config import ModelConfig
 from echo.core.length_limit import check_request_length
 from echo.sampling_params import SamplingParams
+from echo.structured_output.grammar_spec import build_grammar
 
 Prompt = str | Sequence[int]
 
@@ -108,3 +109,8 @@ class InputProcessor:
                              params.max_tokens if max_tokens_must_fit else None)
         params.update_from_tokenizer(self.tokenizer)  # bad_words into token ids, as vLLM
         params.check_token_ids(self.config.arch.vocab_size)
+        if params.structured_outputs is not None:  # a bad grammar fails here, not in the core
+            if self.tokenizer is None:
+                raise ValueError(f"structured_outputs: model {self.config.model!r} has no "
+                                 "tokenizer to compile a grammar against")
+            build_grammar(params.structured_outputs)

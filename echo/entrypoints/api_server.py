@@ -10,7 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from echo import __version__
 from echo.engine.async_client import AsyncClient, EngineDeadError
 from echo.engine.generation_config import GenerationDefaults
+from echo.entrypoints.chat_output import ChatOutput
 from echo.entrypoints.http_guards import ClientDisconnected, HTTPGuard, unless_disconnected
 from echo.entrypoints.metrics import RequestTimer, ServerMetrics
 from echo.entrypoints.openai_protocol import (
@@ -33,6 +34,7 @@ from echo.entrypoints.openai_protocol import (
     TokenizeChatRequest,
     TokenizeRequest,
 )
+from echo.entrypoints.parsers import get_reasoning_parser, get_tool_parser
 from echo.entrypoints.request_limits import RequestLimits
 from echo.entrypoints.responses import (
     ChoiceState,
@@ -41,6 +43,7 @@ from echo.entrypoints.responses import (
     final_json,
     usage_json,
 )
+from echo.entrypoints.tool_calls import ToolPlan
 from echo.outputs import RequestOutput
 from echo.sampling_params import SamplingParams
 
@@ -89,6 +92,21 @@ class ServerOptions:
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     sse_ping_s: float = 15.0  # keep-alive comment interval of streamed responses
+    # tools and reasoning: vLLM's --enable-auto-tool-choice, --tool-call-parser,
+    # --reasoning-parser and --default-chat-template-kwargs
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+
+    def check(self) -> None:
+        """ValueError naming the flag for a combination that cannot work."""
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser")
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)
 
 
 def create_app(client: AsyncClient, served_model_names: list[str], api_key: str | None = None,
@@ -158,6 +176,11 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
         except ValueError as e:
             raise bad_request(e) from None
 
+    reasoning = (get_reasoning_parser(options.reasoning_parser)()
+                 if options.reasoning_parser else None)
+    # a structured output applies after the reasoning: the tags' token ids tell the engine
+    reasoning_ids = reasoning_token_ids(client.tokenizer, reasoning) if reasoning else None
+
     def prepare(prompt, body, max_tokens: int | None, logprobs: int | None):
         try:
             _, ids = client.input_processor.tokenize(prompt)
@@ -165,6 +188,8 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
             raise APIError(400, str(e), "prompt") from None
         try:
             params = body.sampling_params(max_tokens, logprobs, options.generation_defaults)
+            if reasoning_ids is not None and params.structured_outputs is not None:
+                params.structured_outputs.reasoning_token_ids = reasoning_ids
             # a max_tokens the client gave must fit (OpenAI's 400); a default one (the
             # generation config's max_new_tokens) stops at max_model_len instead, as in vLLM
             client.input_processor.validate(ids, params,
@@ -193,7 +218,7 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
             timer.end("abort")  # stopped early: the client left (a no-op once it finished)
 
     async def serve(request: Request, kind: str, body, prompts: list, max_tokens: int | None,
-                    logprobs: int | None, chat: bool):
+                    logprobs: int | None, chat: bool, tools: ToolPlan | None = None):
         await check_engine()
         model = check_model(body.model)
         if not prompts:
@@ -201,7 +226,15 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
         prepared = [prepare(p, body, max_tokens, logprobs) for p in prompts]
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        states = [ChoiceState(i * body.n + c, client.tokenizer, chat, body.return_token_ids)
+        def chat_output() -> ChatOutput | None:  # one per choice: each streams on its own
+            tool_parser = tools.parser(options.tool_call_parser) if tools else None
+            if reasoning is None and tool_parser is None:
+                return None
+            return ChatOutput(reasoning, tool_parser)
+
+        tool_calls_finish = tools is not None and tools.mode in ("auto", "required")
+        states = [ChoiceState(i * body.n + c, client.tokenizer, chat, body.return_token_ids,
+                              chat_output() if chat else None, tool_calls_finish)
                   for i in range(len(prepared)) for c in range(body.n)]
         streams = [stream_outputs(ids, params, f"{request_id}-{i}", body.priority)
                    for i, (ids, params) in enumerate(prepared)]
@@ -246,14 +279,22 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         check_request(body)
         try:
+            tools = body.tool_plan()
+        except ValueError as e:
+            raise bad_request(e) from None
+        if tools.mode == "auto" and not options.enable_auto_tool_choice:
+            raise APIError(400, 'tool_choice: "auto" needs the server started with '
+                           "--enable-auto-tool-choice and --tool-call-parser", "tool_choice")
+        try:
             messages = body.message_dicts()
             limits.check_messages(messages)
-            ids = client.input_processor.chat_to_ids(messages, **body.template_kwargs())
+            template_kwargs = {**options.default_chat_template_kwargs, **body.template_kwargs()}
+            ids = client.input_processor.chat_to_ids(messages, **template_kwargs)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await serve(request, "chat.completion", body, [ids], body.limit(), logprobs,
-                           chat=True)
+                           chat=True, tools=tools)
 
     @app.get("/v1/models")
     async def models():
@@ -314,6 +355,18 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def reasoning_token_ids(tokenizer, parser) -> list[int]:
+    """The token ids of a reasoning parser's tags; ValueError naming the flag when the
+    tokenizer does not hold each as one token (the engine gates a grammar on them)."""
+    ids = []
+    for tag in (parser.start_tag, parser.end_tag):
+        token_id = tokenizer.convert_tokens_to_ids(tag) if tokenizer is not None else None
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise ValueError(f"--reasoning-parser: the tokenizer has no token {tag!r}")
+        ids.append(token_id)
+    return ids
 
 
 async def drain(stream: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -5,6 +5,7 @@ import json
 import sys
 
 from echo.config import EngineArg, engine_arg_specs
+from echo.entrypoints.parsers import REASONING_PARSERS, TOOL_PARSERS
 from echo.sampling_params import SamplingParams
 
 
@@ -48,6 +49,16 @@ def _json_list(text: str) -> list:
     return value
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def add_server_args(srv: argparse.ArgumentParser) -> None:
     """vLLM's `serve` flags, where echo does the same thing."""
     srv.add_argument("model_tag", nargs="?", metavar="MODEL",
@@ -87,6 +98,18 @@ def add_server_args(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may finish after SIGTERM")
     srv.add_argument("--max-request-bytes", type=int, default=16 * 2**20)
+    chat = srv.add_argument_group("tools and reasoning (chat completions)")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="let the model decide when to call tools (tool_choice auto); needs "
+                           "--tool-call-parser")
+    chat.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                      help="the model's tool-call format: hermes (Qwen), llama3_json (Llama 3)")
+    chat.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                      help="split a thinking model's <think> text into reasoning_content; a "
+                           "structured output then applies after the reasoning")
+    chat.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
+                      help="JSON object of chat template arguments for every request, e.g. "
+                           "'{\"enable_thinking\": false}'; a request's own override them")
 
 
 def resolve_model(args: argparse.Namespace) -> str:

@@ -1,17 +1,23 @@
 """OpenAI request bodies (pydantic) and their translation into SamplingParams.
 
 Unknown fields are ignored, as OpenAI-compatible servers commonly do; known fields that echo
-cannot honour (best_of > n, suffix, tools, a structured response_format,
-non-text message parts) are rejected with a 400 that names them, so nothing silently behaves
-differently from what was asked.
+cannot honour (best_of > n, suffix, non-text message parts) are rejected with a 400 that names
+them, so nothing silently behaves differently from what was asked.
+
+Structured outputs come in four spellings, at most one per request: OpenAI's response_format
+(json_object, json_schema), vLLM's structured_outputs object, its older guided_* fields, and
+(chat) a required or named tool_choice (echo/entrypoints/tool_calls.py).
 """
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from echo.engine.generation_config import GenerationDefaults
-from echo.sampling_params import SamplingParams
+from echo.entrypoints.tool_calls import ToolPlan
+from echo.sampling_params import STRUCTURED_KINDS, SamplingParams, StructuredOutputsParams
+from echo.structured_output.grammar_spec import build_grammar
 
 NO_DEFAULTS = GenerationDefaults()
 
@@ -139,6 +145,11 @@ class _SamplingFields(Utf8Only):
     allowed_token_ids: list[int] | None = None  # vLLM's extensions
     bad_words: list[str] | None = None
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's
+    guided_json: str | dict | None = None  # vLLM's older spellings
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None
 
     @field_validator("stream_options")
@@ -153,9 +164,33 @@ class _SamplingFields(Utf8Only):
         """The name of a field echo cannot honour, if one was set."""
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format"  # JSON modes need constrained decoding
         return None
+
+    def structured_constraint(self) -> tuple[str, StructuredOutputsParams] | None:
+        """The request's structured output constraint and the field it came from, checked
+        (ValueError naming that field); None without one."""
+        found = []
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type", "text") != "text":
+            found.append(_response_format(fmt))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", _structured_outputs(self.structured_outputs)))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                found.append((f"guided_{kind}", _structured(f"guided_{kind}", **{kind: value})))
+        found.extend(self._tool_constraint())
+        if len(found) > 1:
+            raise ValueError(f"{found[1][0]}: only one structured output constraint per "
+                             f"request, but {found[0][0]} is given too")
+        if not found:
+            return None
+        field, params = found[0]
+        build_grammar(params, field)
+        return field, params
+
+    def _tool_constraint(self) -> list[tuple[str, StructuredOutputsParams]]:
+        return []  # chat completions': a required or named tool_choice
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
@@ -167,6 +202,7 @@ class _SamplingFields(Utf8Only):
             value = getattr(self, name)
             return defaults.get(name, fallback) if value is None else value
 
+        constraint = self.structured_constraint()
         stop_token_ids = list(self.stop_token_ids or [])
         if not self.ignore_eos:  # extra EOS ids are EOS: ignore_eos ignores them too (as vLLM)
             stop_token_ids += [t for t in defaults.extra_eos_token_ids
@@ -192,6 +228,7 @@ class _SamplingFields(Utf8Only):
             logit_bias=self.logit_bias_ids(),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words or None,
+            structured_outputs=constraint[1] if constraint else None,
         )
 
     def logit_bias_ids(self) -> dict[int, float] | None:
@@ -205,6 +242,46 @@ class _SamplingFields(Utf8Only):
             except ValueError:
                 raise ValueError(f"logit_bias: keys must be token ids, got {key!r}") from None
         return result
+
+
+def _structured(field: str, **kwargs) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        message = str(e).removeprefix("SamplingParams.").removeprefix("structured_outputs: ")
+        raise ValueError(f"{field}: {message}") from None
+
+
+def _response_format(fmt: dict) -> tuple[str, StructuredOutputsParams]:
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return "response_format", _structured("response_format", json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise ValueError("response_format.json_schema: must be an object with a schema")
+        schema = spec.get("schema")
+        if schema is None:  # OpenAI's name-only form: any JSON object
+            return "response_format", _structured("response_format", json_object=True)
+        return ("response_format.json_schema.schema",
+                _structured("response_format.json_schema.schema", json=json.dumps(schema)))
+    if kind == "structural_tag":
+        return "response_format", _structured("response_format", structural_tag=json.dumps(fmt))
+    raise ValueError(f"response_format.type: {kind!r} is not one of text, json_object, "
+                     "json_schema, structural_tag")
+
+
+def _structured_outputs(value: dict) -> StructuredOutputsParams:
+    known = {*STRUCTURED_KINDS, "disable_any_whitespace"}
+    unknown = sorted(set(value) - known - {"whitespace_pattern", "disable_fallback",
+                                           "disable_additional_properties"})
+    if unknown:
+        raise ValueError(f"structured_outputs: unknown field(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(known))}")
+    kwargs = {k: v for k, v in value.items() if k in known}
+    if isinstance(kwargs.get("structural_tag"), dict):
+        kwargs["structural_tag"] = json.dumps(kwargs["structural_tag"])
+    return _structured("structured_outputs", **kwargs)
 
 
 class CompletionRequest(_SamplingFields):
@@ -265,6 +342,8 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None  # none, auto (the default with tools), required, named
+    parallel_tool_calls: bool | None = None  # accepted; a required choice may make several
 
     @field_validator("top_logprobs")
     @classmethod
@@ -273,9 +352,20 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
             raise ValueError("top_logprobs needs logprobs set to true")
         return value
 
+    def tool_plan(self) -> ToolPlan:
+        return ToolPlan.create(self.tools, self.tool_choice)
+
+    def _tool_constraint(self) -> list[tuple[str, StructuredOutputsParams]]:
+        constraint = self.tool_plan().constraint()
+        return [("tool_choice", constraint)] if constraint is not None else []
+
+    def template_kwargs(self) -> dict:
+        kwargs = super().template_kwargs()
+        if self.tools:  # the template tells the model how to call them
+            kwargs["tools"] = self.tools
+        return kwargs
+
     def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools"
         for i, message in enumerate(self.messages):  # text-only models: no image or audio parts
             if isinstance(message.content, list) and any(
                     part.get("type") != "text" for part in message.content):

@@ -3,6 +3,7 @@
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from echo.entrypoints.chat_output import ChatOutput
 from echo.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -59,8 +60,14 @@ def echo_prompts(body, prompts: list, prepared: list, states: list["ChoiceState"
 class ChoiceState:
     """One choice of a response: what has been sent so far and how to format the rest."""
 
-    def __init__(self, index: int, tokenizer, chat: bool, return_token_ids: bool = False):
+    def __init__(self, index: int, tokenizer, chat: bool, return_token_ids: bool = False,
+                 chat_output: ChatOutput | None = None, tool_calls_finish: bool = False):
+        """chat_output: splits a chat output into reasoning, content and tool calls;
+        tool_calls_finish: a message with tool calls finishes with "tool_calls" (auto and
+        required tool choices; a named choice finishes with "stop", as in OpenAI's API)."""
         self.index, self.tokenizer, self.chat = index, tokenizer, chat
+        self.chat_output = chat_output
+        self.tool_calls_finish = tool_calls_finish
         # vLLM's extension: choices also carry their token ids, so a client can count and time
         # tokens that have no text (a model without a tokenizer, special tokens)
         self.return_token_ids = return_token_ids
@@ -133,11 +140,15 @@ class ChoiceState:
         text += completion.delta_text
         self.text += completion.delta_text
         entries += zip(new_logprob_ids, new_logprobs)
+        message = None
+        if self.chat_output is not None:
+            message = self.chat_output.delta(text, last=finish is not None)
+            text = "" if not message else text
         if not text and finish is None and not entries and not new_ids:
             return None
         self.finish_reason, self.stop_reason = finish, completion.stop_reason
         return self._choice(text, entries, finish, completion.stop_reason, delta=True,
-                            token_ids=new_ids)
+                            token_ids=new_ids, message=message)
 
     def role_delta(self) -> dict:
         return {"index": self.index, "delta": {"role": "assistant", "content": ""},
@@ -152,14 +163,23 @@ class ChoiceState:
         return choice
 
     def _choice(self, text, logprobs: list[tuple[int, dict[int, Logprob]]], finish, stop_reason,
-                delta: bool, token_ids: list[int]) -> dict:
-        """`logprobs`: (sampled token id, its logprobs dict) per token."""
+                delta: bool, token_ids: list[int], message: dict | None = None) -> dict:
+        """`logprobs`: (sampled token id, its logprobs dict) per token; `message`: a chat
+        delta's fields, when chat_output made them."""
         choice = {"index": self.index, "logprobs": None, "finish_reason": finish,
                   "stop_reason": stop_reason}
         if self.return_token_ids:
             choice["token_ids"] = token_ids
         if self.chat:
-            message = {"content": text} if delta else {"role": "assistant", "content": text}
+            if message is None and self.chat_output is not None and not delta:
+                message = self.chat_output.message(text)
+            if message is None:
+                message = {"content": text}
+            if not delta:
+                message = {"role": "assistant", **message}
+            if (finish == "stop" and self.tool_calls_finish and self.chat_output is not None
+                    and self.chat_output.called_tools):
+                choice["finish_reason"] = "tool_calls"
             choice["delta" if delta else "message"] = message
             if logprobs:
                 choice["logprobs"] = {"content": [self._chat_logprob(t, e) for t, e in logprobs]}

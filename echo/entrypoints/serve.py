@@ -62,7 +62,11 @@ async def _run(args: argparse.Namespace, model: str, engine_args: dict) -> int:
             client.config.model.arch.eos_token_ids),
         log_requests=args.log_requests, allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods), allowed_headers=tuple(args.allowed_headers),
-        allow_credentials=args.allow_credentials)
+        allow_credentials=args.allow_credentials,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        default_chat_template_kwargs=args.default_chat_template_kwargs or {})
+    options.check()
     await client.start()
     try:
         names = args.served_model_name or [model]

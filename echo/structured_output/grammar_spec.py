@@ -16,6 +16,13 @@ from echo.sampling_params import StructuredOutputsParams
 # a second, and bigger ones are where compile time and memory start to grow out of bounds
 MAX_GRAMMAR_CHARS = 100_000
 MAX_CHOICES = 1024
+# whitespace characters allowed between two JSON tokens: room for pretty-printing at any depth
+# a model uses, but a bound: unbounded, a model at temperature 1 can fill max_tokens with
+# blank lines and never close the object
+MAX_JSON_WHITESPACE = 32
+# JSON schema nesting: xgrammar's grammar grows about with the cube of the depth (1 MB of
+# grammar at 200 levels, a hang at 2,000); real schemas nest a handful of levels
+MAX_SCHEMA_DEPTH = 64
 # xgrammar prefixes its messages with a time and its source file: "[12:00:00] /x/y.cc:94: "
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -57,10 +64,11 @@ def _grammar(params: StructuredOutputsParams, kind: str) -> xgrammar.Grammar:
             raise ValueError(f"not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"a JSON schema is an object or a boolean, got {params.json[:40]}")
-        return xgrammar.Grammar.from_json_schema(params.json, any_whitespace=any_whitespace)
+        if _depth(schema) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"nested deeper than the {MAX_SCHEMA_DEPTH} levels allowed")
+        return _json_grammar(params.json, any_whitespace)
     if kind == "json_object":
-        return xgrammar.Grammar.from_json_schema('{"type": "object"}',
-                                                 any_whitespace=any_whitespace)
+        return _json_grammar('{"type": "object"}', any_whitespace)
     if kind == "regex":
         return xgrammar.Grammar.from_regex(params.regex)
     if kind == "choice":
@@ -75,6 +83,25 @@ def _grammar(params: StructuredOutputsParams, kind: str) -> xgrammar.Grammar:
                                             end=s["end"]) for s in tag["structures"]]
         return xgrammar.Grammar.from_structural_tag(items, tag.get("triggers", []))
     return xgrammar.Grammar.from_structural_tag(params.structural_tag)
+
+
+def _depth(value) -> int:
+    """How deep objects and arrays nest in a parsed JSON value (iterative: no recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else (
+            value if isinstance(value, list) else ())
+        if children:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _json_grammar(schema: str, any_whitespace: bool) -> xgrammar.Grammar:
+    return xgrammar.Grammar.from_json_schema(
+        schema, any_whitespace=any_whitespace,
+        max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None)
 
 
 def _first_line(error: Exception) -> str:

@@ -18,7 +18,7 @@ from echo.structured_output.request_grammar import RequestGrammar
 
 # a grammar not compiled by then fails its request; its thread runs on (a compile cannot be
 # interrupted), which is why distinct compiles at once are bounded too
-COMPILE_TIMEOUT_S = 30.0
+COMPILE_TIMEOUT_S = 10.0
 MAX_COMPILING = 32
 # rows per batch fill above which xgrammar's threads help more than they cost
 _THREADED_FILL_ROWS = 16

@@ -91,10 +91,20 @@ CORPUS = WRONG_TYPES + [
     ("a JSON array", "/v1/chat/completions", b"[]"),
     ("JSON null", "/v1/chat/completions", b"null"),
     ("a 1 MB model name", "/v1/completions", completion(model="m" * 2**20)),
-    ("tools (not supported yet)", "/v1/chat/completions",
+    ("tools, auto choice, on a server without a tool-call parser", "/v1/chat/completions",
      chat(tools=[{"type": "function", "function": {"name": "f"}}])),
     ("response_format json_object", "/v1/chat/completions",
      chat(response_format={"type": "json_object"})),
+    ("a 1 MB JSON schema", "/v1/chat/completions", chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {f"p{i}": {"type": "string"}
+                                             for i in range(40_000)}}}})),
+    ("a schema nested 100 deep", "/v1/chat/completions", chat(
+        guided_json=json.loads('{"type": "array", "items": ' * 100 + '{}' + "}" * 100))),
+    ("10^5 choices", "/v1/completions", completion(guided_choice=["x"] * 10**5)),
+    ("a regex that does not parse", "/v1/completions", completion(guided_regex="(" * 1000)),
+    ("two constraints at once", "/v1/completions",
+     completion(guided_regex="a", structured_outputs={"choice": ["b"]})),
     ("stream_options without stream", "/v1/completions",
      completion(stream_options={"include_usage": True})),
     ("10^4 unknown fields", "/v1/completions", completion(**{f"x{i}": i for i in range(10**4)})),

@@ -1,0 +1,145 @@
+"""What structured outputs cost: the decode step with 64 constrained requests against 64 free
+ones, and offline throughput with half the requests JSON-schema constrained against none.
+Dummy weights of real shapes (validity means nothing on random weights; cost does).
+
+    python tools/bench_structured.py [--model qwen3-8b] [--tokenizer FOLDER] [--json F]
+
+The grammar is compiled against --tokenizer (default: the embedded SmolLM2's, the one
+tokenizer the machine is sure to have) with the model's vocabulary size, so the mask has the
+model's width (151,936 tokens for Qwen3: 4,748 int32 words per row). The schema asks for an
+array of at least 200 objects, so a constrained request stays constrained for all its tokens.
+Both variants of each measurement run in one engine, the order alternated.
+"""
+
+import argparse
+import json
+import random
+import time
+
+from echo import LLM, SamplingParams, StructuredOutputsParams
+
+SCHEMA = {"type": "array", "minItems": 200, "items": {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 16},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                   "color": {"enum": ["red", "green", "blue"]}},
+    "required": ["name", "age", "color"], "additionalProperties": False}}
+
+
+def constrained(params: SamplingParams) -> SamplingParams:
+    return SamplingParams(temperature=params.temperature, seed=params.seed,
+                          max_tokens=params.max_tokens, ignore_eos=True,
+                          structured_outputs=StructuredOutputsParams(json=SCHEMA))
+
+
+class FillTimer:
+    """Wraps the core's bitmask fill to add up its time (CPU, overlapped with the GPU)."""
+
+    def __init__(self, manager):
+        self.total, self.calls, self.rows = 0.0, 0, 0
+        fill = manager.bitmask
+
+        def timed(step_id, request_ids):
+            start = time.perf_counter()
+            mask = fill(step_id, request_ids)
+            self.total += time.perf_counter() - start
+            self.calls += 1
+            self.rows += len(mask.req_ids)
+            return mask
+
+        manager.bitmask = timed
+
+    def take(self) -> dict:
+        result = {"fill_ms_per_step": 1e3 * self.total / max(self.calls, 1),
+                  "rows_per_step": self.rows / max(self.calls, 1), "steps": self.calls}
+        self.total, self.calls, self.rows = 0.0, 0, 0
+        return result
+
+
+def timed_generate(llm: LLM, prompts, params) -> tuple[float, int]:
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def decode_step(llm: LLM, fill: FillTimer, vocab: int, args) -> dict:
+    """64 requests decoding together: step time = wall time / output tokens per request
+    (the one prefill step is the same in both variants)."""
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(64)]
+    free = [SamplingParams(temperature=0.6, seed=i, ignore_eos=True,
+                           max_tokens=args.decode_tokens) for i in range(64)]
+    variants = {"free": free, "constrained": [constrained(p) for p in free]}
+    result = {}
+    for round_ in range(2):
+        for name in (list(variants) if round_ == 0 else list(variants)[::-1]):
+            fill.take()
+            elapsed, tokens = timed_generate(llm, prompts, variants[name])
+            entry = {"step_ms": 1e3 * elapsed / args.decode_tokens, "tokens": tokens,
+                     **(fill.take() if name == "constrained" else {})}
+            result.setdefault(name, []).append(entry)
+    best = {name: min(runs, key=lambda r: r["step_ms"]) for name, runs in result.items()}
+    best["step_increase"] = best["constrained"]["step_ms"] / best["free"]["step_ms"] - 1
+    return best
+
+
+def offline(llm: LLM, fill: FillTimer, vocab: int, args) -> dict:
+    """nano-vllm's workload (lengths uniform in [100, 1024]); half the requests constrained."""
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(100, 1024))]
+               for _ in range(args.num_seqs)]
+    free = [SamplingParams(temperature=0.6, seed=i, ignore_eos=True,
+                           max_tokens=rng.randint(100, 1024)) for i in range(args.num_seqs)]
+    half = [constrained(p) if i % 2 else p for i, p in enumerate(free)]
+    result = {}
+    for name, params in (("free", free), ("half_constrained", half)):
+        fill.take()
+        elapsed, tokens = timed_generate(llm, prompts, params)
+        result[name] = {"tokens_per_s": tokens / elapsed, "seconds": elapsed,
+                        "tokens": tokens, **(fill.take() if name != "free" else {})}
+    result["ratio"] = result["half_constrained"]["tokens_per_s"] / result["free"]["tokens_per_s"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen3-8b")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=256)
+    parser.add_argument("--skip-offline", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.tokenizer is None:
+        from echo.models.default_model import ensure_default_model
+
+        args.tokenizer = str(ensure_default_model())
+    llm = LLM(args.model, load_format="dummy", tokenizer=args.tokenizer, max_model_len=4096,
+              max_num_seqs=args.max_num_seqs)
+    vocab = min(llm.config.model.arch.vocab_size, 49152)  # prompt ids the tokenizer knows
+    fill = FillTimer(llm.engine.structured)
+    warm = [[1] * 64] * 8
+    llm.generate(warm, [constrained(SamplingParams(max_tokens=16))] * 8, use_tqdm=False)
+    llm.generate(warm, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    report = {"model": args.model, "decode_64": decode_step(llm, fill, vocab, args)}
+    d = report["decode_64"]
+    print(f"decode, 64 requests: free {d['free']['step_ms']:.2f} ms/step, constrained "
+          f"{d['constrained']['step_ms']:.2f} ms/step ({100 * d['step_increase']:+.1f}%), "
+          f"fill {d['constrained']['fill_ms_per_step']:.2f} ms/step in the core", flush=True)
+    if not args.skip_offline:
+        report["offline"] = o = offline(llm, fill, vocab, args)
+        print(f"offline, {args.num_seqs} requests: free {o['free']['tokens_per_s']:.0f} tok/s, "
+              f"half constrained {o['half_constrained']['tokens_per_s']:.0f} tok/s "
+              f"({100 * o['ratio']:.1f}%)", flush=True)
+    llm.shutdown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
