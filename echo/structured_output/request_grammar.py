@@ -14,16 +14,16 @@ import xgrammar
 from echo.sampling_params import StructuredOutputsParams
 
 
-def reasoning_open(prompt_token_ids: list[int], start_id: int, end_id: int) -> bool:
-    """Whether the prompt leaves the model inside its reasoning: DeepSeek-R1's template ends
-    the prompt with the opening tag; a Qwen3 prompt with thinking off holds an empty pair,
-    closed. A prompt with neither: the model opens it itself if it reasons at all."""
+def prompt_reasoning(prompt_token_ids: list[int], start_id: int, end_id: int) -> str:
+    """Where the prompt leaves the model's reasoning: "open" (DeepSeek-R1's template ends the
+    prompt with the opening tag), "closed" (a Qwen3 prompt with thinking off holds an empty
+    pair) or "none" (neither tag: the model opens it itself if it reasons at all)."""
     for token in reversed(prompt_token_ids):
         if token == end_id:
-            return False
+            return "closed"
         if token == start_id:
-            return True
-    return False
+            return "open"
+    return "none"
 
 
 class RequestGrammar:
@@ -39,10 +39,11 @@ class RequestGrammar:
         self.matcher: xgrammar.GrammarMatcher | None = None
         tags = params.reasoning_token_ids
         self.start_id, self._end_id = tags if tags else (-1, -1)
-        self.reasoning = tags is not None and reasoning_open(prompt_token_ids, *tags)
-        # before any output, a reasoning model may still open its reasoning itself: its first
-        # token may be the opening tag as well as what the grammar allows
-        self.may_open = tags is not None and not self.reasoning
+        state = prompt_reasoning(prompt_token_ids, *tags) if tags else "closed"
+        self.reasoning = state == "open"
+        # a prompt with neither tag: the model may still open its reasoning itself, so its
+        # first token may be the opening tag as well as what the grammar allows
+        self.may_open = state == "none"
         self.num_accepted = 0  # tokens the matcher holds: what rollback can undo
 
     def resolve(self) -> bool:
