@@ -319,8 +319,10 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
             if isinstance(body, TokenizeChatRequest):
                 messages = body.message_dicts()
                 limits.check_messages(messages)
-                text = client.input_processor.apply_chat_template(messages,
-                                                                  **body.template_kwargs())
+                # the prompt chat completions would build: the server's defaults too
+                text = client.input_processor.apply_chat_template(
+                    messages, **{**options.default_chat_template_kwargs,
+                                 **body.template_kwargs()})
             else:
                 if body.prompt is None:
                     raise ValueError("prompt: give a prompt or messages")

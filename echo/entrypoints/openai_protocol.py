@@ -85,6 +85,7 @@ class ChatTemplateFields(Utf8Only):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # leave the last (assistant) message open
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict] | None = None  # the template tells the model how to call them
 
     @model_validator(mode="after")
     def _template_options(self):
@@ -112,9 +113,12 @@ class ChatTemplateFields(Utf8Only):
         return result
 
     def template_kwargs(self) -> dict:
-        return {"add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message,
-                **(self.chat_template_kwargs or {})}
+        kwargs = {"add_generation_prompt": self.add_generation_prompt,
+                  "continue_final_message": self.continue_final_message,
+                  **(self.chat_template_kwargs or {})}
+        if self.tools:
+            kwargs["tools"] = self.tools
+        return kwargs
 
 
 class _SamplingFields(Utf8Only):
@@ -341,7 +345,6 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict] | None = None
     tool_choice: str | dict | None = None  # none, auto (the default with tools), required, named
     parallel_tool_calls: bool | None = None  # accepted; a required choice may make several
 
@@ -358,12 +361,6 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
     def _tool_constraint(self) -> list[tuple[str, StructuredOutputsParams]]:
         constraint = self.tool_plan().constraint()
         return [("tool_choice", constraint)] if constraint is not None else []
-
-    def template_kwargs(self) -> dict:
-        kwargs = super().template_kwargs()
-        if self.tools:  # the template tells the model how to call them
-            kwargs["tools"] = self.tools
-        return kwargs
 
     def unsupported(self) -> str | None:
         for i, message in enumerate(self.messages):  # text-only models: no image or audio parts

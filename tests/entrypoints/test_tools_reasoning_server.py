@@ -11,6 +11,7 @@ the grammar is gated off (inside the reasoning).
 import json
 from dataclasses import dataclass
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -301,6 +302,16 @@ class TestLlama3JsonWithThinkingOffByDefault:
         on = chat(llama3, max_tokens=1, template_kwargs={"enable_thinking": True})
         assert answer.usage.prompt_tokens - on.usage.prompt_tokens == \
             model.count(EMPTY_THINKING)
+
+
+    def test_tokenize_renders_the_prompt_chat_completions_does(self, llama3):
+        """/tokenize with messages applies the server's template defaults and the tools."""
+        base = str(llama3.base_url).rstrip("/").removesuffix("/v1")
+        for tools in ({}, {"tools": [WEATHER]}):
+            count = httpx.post(f"{base}/tokenize", json={"messages": ASK, **tools}).json()
+            answer = chat(llama3, max_tokens=1, **tools,
+                          **({"tool_choice": "none"} if tools else {}))
+            assert count["count"] == answer.usage.prompt_tokens
 
 
 @pytest.fixture(scope="class")
