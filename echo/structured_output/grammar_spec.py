@@ -98,10 +98,21 @@ def _depth(value) -> int:
     return deepest
 
 
+# xgrammar 0.2.9 writes a string with maxLength/minLength as repeats of this class, which
+# lets control characters through (JSON forbids them unescaped: a random model emitted \x10);
+# the class its plain strings use excludes them. Patched in the grammar's text, re-parsed.
+_BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\"\\\\\\0-\\x1f]'
+
+
 def _json_grammar(schema: str, any_whitespace: bool) -> xgrammar.Grammar:
-    return xgrammar.Grammar.from_json_schema(
+    grammar = xgrammar.Grammar.from_json_schema(
         schema, any_whitespace=any_whitespace,
         max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None)
+    text = str(grammar)
+    if _BOUNDED_STRING_CHAR not in text:
+        return grammar
+    return xgrammar.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 def _first_line(error: Exception) -> str:
