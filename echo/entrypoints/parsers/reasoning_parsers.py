@@ -7,13 +7,7 @@ holds back what may be the start of a tag until the next chunk settles it, so it
 up to split()'s result.
 """
 
-def _held_tag_start(text: str, tag: str, start: int) -> int:
-    """Where the end of text[start:] may begin tag (len(text) if it cannot): that tail has to
-    wait for the next chunk before anyone can tell what it is."""
-    for k in range(min(len(tag) - 1, len(text) - start), 0, -1):
-        if text.endswith(tag[:k]):
-            return len(text) - k
-    return len(text)
+from echo.entrypoints.parsers.tags import held_tag_start
 
 
 class ReasoningParser:
@@ -105,7 +99,7 @@ class ReasoningStream:
                         content: list[str]) -> int:
         end = text.find(self._end_tag, pos)
         if end < 0:
-            held = _held_tag_start(text, self._end_tag, pos)
+            held = held_tag_start(text, self._end_tag, pos)
             reasoning.append(text[pos:held])
             self._held = text[held:]
             return len(text)

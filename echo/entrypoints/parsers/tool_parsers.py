@@ -27,6 +27,7 @@ from echo.entrypoints.parsers.json_stream import (
     ToolArrayScanner,
     ToolObjectScanner,
 )
+from echo.entrypoints.parsers.tags import held_tag_start
 
 _DECODER = json.JSONDecoder()
 
@@ -73,15 +74,6 @@ class ToolParser(ABC):
     @abstractmethod
     def stream(self) -> ToolStream:
         """A fresh streaming state, one per choice."""
-
-
-def _held_tag_start(text: str, tag: str, start: int) -> int:
-    """Where the end of text[start:] may begin tag (len(text) if it cannot): that tail has to
-    wait for the next chunk before anyone can tell what it is."""
-    for k in range(min(len(tag) - 1, len(text) - start), 0, -1):
-        if text.endswith(tag[:k]):
-            return len(text) - k
-    return len(text)
 
 
 def _skip_whitespace(text: str, pos: int) -> int:
@@ -286,7 +278,7 @@ class _HermesStream(_CallTextStream):
     def _content_mode(self, text: str, pos: int, content: list[str]) -> int:
         start = text.find(HERMES_START, pos)
         if start < 0:
-            held = _held_tag_start(text, HERMES_START, pos)
+            held = held_tag_start(text, HERMES_START, pos)
             content.append(text[pos:held])
             self._held = text[held:]
             return len(text)
@@ -330,7 +322,7 @@ class _HermesStream(_CallTextStream):
     def _to_end_tag(self, text: str, pos: int, out: list[str]) -> int:
         end = text.find(HERMES_END, pos)
         if end < 0:
-            held = _held_tag_start(text, HERMES_END, pos)
+            held = held_tag_start(text, HERMES_END, pos)
             out.append(text[pos:held])
             self._held = text[held:]
             return len(text)
