@@ -180,11 +180,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
         self.bad_words_token_ids = sequences
 
     def check_token_ids(self, vocab_size: int) -> None:
-        """Every token id of the token rules is in the model's vocabulary."""
+        """Every token id of the stop ids and token rules is in the model's vocabulary."""
         def check(name: str, ids) -> None:
             bad = sorted({t for t in ids if not 0 <= t < vocab_size})
             _require(not bad, name, f"token ids must be in [0, {vocab_size}), got {bad[:8]}")
 
+        if self.stop_token_ids:
+            check("stop_token_ids", self.stop_token_ids)
         if self.logit_bias:  # distinct ids in the vocabulary: at most vocab_size of them
             check("logit_bias", self.logit_bias)
         if self.allowed_token_ids:

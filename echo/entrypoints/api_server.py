@@ -116,7 +116,6 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
     metrics = ServerMetrics(served_model_names[0], client.config.model.max_model_len)
     max_model_len = client.config.model.max_model_len
     limits = RequestLimits.create(client.config.scheduler.max_num_seqs, max_model_len,
-                                  client.config.model.arch.vocab_size,
                                   longest_token_chars(client.tokenizer))
     app.add_middleware(HTTPGuard, error_response=error_response, api_key=api_key,
                        max_request_bytes=max_request_bytes)

@@ -28,16 +28,14 @@ class RequestLimits:
     max_choices: int  # prompts x n in one request
     max_prompt_tokens: int  # max_model_len
     max_text_chars: int  # a text this long or longer cannot fit max_model_len tokens
-    vocab_size: int
 
     @staticmethod
-    def create(max_num_seqs: int, max_model_len: int, vocab_size: int,
+    def create(max_num_seqs: int, max_model_len: int,
                longest_token_chars: int) -> "RequestLimits":
         return RequestLimits(
             max_n=max_num_seqs, max_choices=MAX_CHOICES_PER_MAX_NUM_SEQS * max_num_seqs,
             max_prompt_tokens=max_model_len,
-            max_text_chars=max_model_len * max(1, longest_token_chars) + 1,
-            vocab_size=vocab_size)
+            max_text_chars=max_model_len * max(1, longest_token_chars) + 1)
 
     def check_sampling(self, body) -> None:
         """ValueError 'FIELD: ...' for n, best_of and the stop conditions."""
@@ -54,8 +52,6 @@ class RequestLimits:
         ids = body.stop_token_ids or []
         if len(ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(ids)}")
-        if not all(0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"stop_token_ids: every id must be in [0, {self.vocab_size})")
         self._check_token_rules(body)
 
     def _check_token_rules(self, body) -> None:

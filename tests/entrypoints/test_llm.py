@@ -236,3 +236,14 @@ def test_engine_process_death_fails_generate_promptly(tiny_llama):
     finally:
         killer.cancel()
         llm.shutdown()
+
+
+def test_out_of_vocabulary_stop_token_ids_are_refused_as_the_server_refuses_them(tiny_llama):
+    llm = make_llm(tiny_llama)
+    try:
+        with pytest.raises(ValueError, match=r"stop_token_ids: token ids must be in \[0, 128\)"):
+            llm.generate([[1, 2, 3]], SamplingParams(stop_token_ids=[5, 10**12]), use_tqdm=False)
+        assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, stop_token_ids=[127]),
+                            use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
