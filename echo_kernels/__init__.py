@@ -17,6 +17,7 @@ if torch.version.cuda is None and torch.version.hip is None:
 from echo_kernels.activation import silu_and_mul  # noqa: E402
 from echo_kernels.attention import flash_attn_varlen, paged_attention  # noqa: E402
 from echo_kernels.cache import store_kv_cache  # noqa: E402
+from echo_kernels.fused_moe import fused_moe, moe_align_block_size, moe_routing  # noqa: E402
 from echo_kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from echo_kernels.rope import rotary_embedding  # noqa: E402
 from echo_kernels.sampling import gumbel_sample  # noqa: E402
@@ -26,7 +27,10 @@ __all__ = [
     "apply_token_bitmask",
     "flash_attn_varlen",
     "fused_add_rms_norm",
+    "fused_moe",
     "gumbel_sample",
+    "moe_align_block_size",
+    "moe_routing",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",

@@ -169,3 +169,60 @@ def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor,
     for mask_row, row in enumerate(rows):
         out[row].masked_fill_(~allowed[mask_row, :vocab], float("-inf"))
     return out
+
+
+def moe_routing_ref(router_logits: torch.Tensor, top_k: int,
+                    renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [M, k], expert ids int32 [M, k]): softmax over the experts in float32,
+    the k largest logits in descending order, ties to the lower id (a stable descending sort;
+    softmax is monotone, so these are the k largest probabilities)."""
+    logits = router_logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = probs.gather(1, order)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, order.to(torch.int32)
+
+
+def moe_align_block_size_ref(topk_ids: torch.Tensor, block_size: int, num_experts: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_ids, expert_ids, num_padded) as moe_align_block_size defines them: the flattened
+    pair indices of each expert in ascending order, experts in ascending order, each group padded
+    to a multiple of block_size with the sentinel M*k; no group for an expert without pairs;
+    sentinel slots up to M*k + num_experts*(block_size-1), expert -1 for the tiles there."""
+    flat = topk_ids.flatten().long()
+    sentinel = flat.numel()
+    max_padded = sentinel + num_experts * (block_size - 1)
+    slots, experts = [], []
+    for e in range(num_experts):
+        pairs = (flat == e).nonzero().flatten().tolist()  # ascending
+        if not pairs:
+            continue
+        padded = -(-len(pairs) // block_size) * block_size
+        slots += pairs + [sentinel] * (padded - len(pairs))
+        experts += [e] * (padded // block_size)
+    num_padded = len(slots)
+    slots += [sentinel] * (max_padded - num_padded)
+    experts += [-1] * (max_padded // block_size - len(experts))
+    device = topk_ids.device
+    return (torch.tensor(slots, dtype=torch.int32, device=device),
+            torch.tensor(experts, dtype=torch.int32, device=device),
+            torch.tensor([num_padded], dtype=torch.int32, device=device))
+
+
+def fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u), [g; u] = w13[e] @ hidden[t] (gate rows
+    first), e = topk_ids[t, j]; all in float32, cast to hidden's dtype at the end."""
+    x = hidden.float()
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(w13.shape[0]):
+        tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
+        if not len(tokens):
+            continue
+        gate_up = x[tokens] @ w13[e].float().T
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = act @ w2[e].float().T
+        out.index_add_(0, tokens, y * topk_weights[tokens, slots].float()[:, None])
+    return out.to(hidden.dtype)
