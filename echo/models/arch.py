@@ -11,7 +11,8 @@ from pathlib import Path
 from echo.layers.rope_scaling import RopeScaling
 
 # architectures[0] in config.json -> echo's model family
-SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+                           "Qwen3MoeForCausalLM": "qwen3_moe"}
 PRESETS_DIR = Path(__file__).parent / "presets"
 
 
@@ -35,6 +36,18 @@ class ModelArch:
     eos_token_ids: tuple[int, ...]
     attention_bias: bool = False
     mlp_bias: bool = False
+    # mixture of experts (Qwen3-MoE); num_experts 0: a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1  # every this-many-th layer is sparse
+    mlp_only_layers: tuple[int, ...] = ()  # dense layers among the sparse ones
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        """Whether layer layer_idx has experts (transformers' Qwen3-MoE rule)."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
 
 def preset_names() -> list[str]:
@@ -106,6 +119,27 @@ def arch_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArch:
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            **(_moe_fields(cfg, source) if family == "qwen3_moe" else {}),
         )
     except KeyError as e:
         raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
+
+
+def _moe_fields(cfg: dict, source: str) -> dict:
+    # newer transformers write num_local_experts, older num_experts
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not experts:
+        raise KeyError("num_experts")
+    fields = dict(num_experts=int(experts),
+                  num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                  moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                  norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                  decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
+                  mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()))
+    if not 1 <= fields["num_experts_per_tok"] <= fields["num_experts"]:
+        raise ValueError(f"{source}: num_experts_per_tok ({fields['num_experts_per_tok']}) must "
+                         f"be in [1, num_experts={fields['num_experts']}]")
+    if fields["decoder_sparse_step"] < 1:
+        raise ValueError(f"{source}: decoder_sparse_step must be >= 1, got "
+                         f"{fields['decoder_sparse_step']}")
+    return fields

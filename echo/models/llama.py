@@ -75,12 +75,16 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, layer_idx: int, rope: RotaryEmbedding, tp: TPGroup):
         super().__init__()
         self.self_attn = self.attention_cls(arch, layer_idx, rope, tp)
-        self.mlp = LlamaMLP(arch, tp)
+        self.mlp = self.make_mlp(arch, layer_idx, tp)
         # each reduces the partial sums of the row-parallel layer before it (the first layer's
         # input norm: the embedding's, over a zero residual)
         reduce_tp = tp if norm_reduces(arch, tp) else None
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, reduce_tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, reduce_tp)
+
+    def make_mlp(self, arch: ModelArch, layer_idx: int, tp: TPGroup) -> nn.Module:
+        """The block after attention (a mixture of experts overrides it)."""
+        return LlamaMLP(arch, tp)
 
     def forward(self, positions, hidden, residual, ctx: ForwardContext):
         if residual is None:

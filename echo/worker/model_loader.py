@@ -57,16 +57,22 @@ def _default_loader(param: nn.Parameter, loaded: CheckpointTensor, shard_id=None
 def load_weights(model: nn.Module, folder: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     mapping = getattr(model, "packed_modules_mapping", {})
+    # a model's own names first (a mixture of experts' per-expert tensors)
+    map_name = getattr(model, "map_checkpoint_name", lambda name: None)
     tied = model.arch.tie_word_embeddings
     loaded: set[str] = set()
     for name, weight in iterate_weights(folder):
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
         shard_id = None
-        for fragment, (fused, shard) in mapping.items():
-            if f".{fragment}." in name:
-                name, shard_id = name.replace(f".{fragment}.", f".{fused}."), shard
-                break
+        mapped = map_name(name)
+        if mapped is not None:
+            name, shard_id = mapped
+        else:
+            for fragment, (fused, shard) in mapping.items():
+                if f".{fragment}." in name:
+                    name, shard_id = name.replace(f".{fragment}.", f".{fused}."), shard
+                    break
         param = params.get(name)
         if param is None:
             raise ValueError(f"{folder}: checkpoint tensor {name!r} has no place in the model")
