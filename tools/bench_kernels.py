@@ -28,6 +28,8 @@ from echo.attention.backend import cache_scales  # noqa: E402
 from echo.worker.step_buffers import longest_first  # noqa: E402
 from echo_kernels import (  # noqa: E402
     fused_add_rms_norm,
+    fused_moe,
+    moe_routing,
     rms_norm,
     rotary_embedding,
     silu_and_mul,
@@ -36,6 +38,7 @@ from echo_kernels import (  # noqa: E402
 from echo_kernels.attention import flash_attn_varlen, paged_attention  # noqa: E402
 from echo_kernels.attention.common import TileConfig, tile_config  # noqa: E402
 from echo_kernels.linear import small_m_linear  # noqa: E402
+from echo_kernels.reference import fused_moe_ref  # noqa: E402
 
 DT = torch.bfloat16
 
@@ -432,6 +435,38 @@ def bench_linear(rows: Rows, sweep: bool) -> None:
         torch.cuda.empty_cache()
 
 
+# Qwen3-30B-A3B's experts (TP=1): 128 experts, top-8, hidden 2048, expert intermediate 768
+MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTERMEDIATE = 128, 8, 2048, 768
+
+
+def bench_moe(rows: Rows) -> None:
+    """fused_moe over one layer's experts at M = 1 ... 4096 tokens (routing included). Small M
+    reads the weights of the experts its tokens picked: bytes = those experts' gate_up + down
+    (target 70% of copy bandwidth at M <= 16); large M is a grouped GEMM: flops = 2 x 3 x H x I
+    per token and expert (target 50% of the bf16 matmul rate)."""
+    e, k, h, i = MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTERMEDIATE
+    w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=DT) * 0.02
+    w2 = torch.randn(e, h, i, device="cuda", dtype=DT) * 0.02
+    gate = torch.randn(h, e, device="cuda", dtype=DT)
+    for m in (1, 2, 4, 8, 16, 64, 256, 1024, 4096):
+        x = torch.randn(m, h, device="cuda", dtype=DT)
+        logits = x @ gate
+        weights, ids = moe_routing(logits, k, True)
+        touched = int(torch.unique(ids).numel())
+        ms = bench(lambda: fused_moe(x, w13, w2, *moe_routing(logits, k, True)))  # noqa: B023
+        shape = f"M={m} E={e} k={k} {h}x{i}"
+        if m <= 16:
+            rows.add("fused_moe", shape, ms, nbytes=touched * 3 * h * i * 2, target=0.7,
+                     note=f"{touched} experts touched")
+        else:
+            rows.add("fused_moe", shape, ms, flops=2 * 3 * h * i * m * k,
+                     target=0.5 * rows.ceil["matmul_bf16_TFLOPs"])
+        if m <= 64:  # the reference loops over experts: a point of comparison, not a target
+            rows.add("fused_moe_ref (torch)", shape,
+                     bench(lambda: fused_moe_ref(x, w13, w2, weights, ids),  # noqa: B023
+                           rep=20), flops=2 * 3 * h * i * m * k)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
@@ -443,7 +478,7 @@ def main() -> None:
     parser.add_argument("--decode-pool-blocks", type=int, default=0,
                         help="draw decode blocks from a cache of this many 16-token blocks, as "
                              "large as the engine's (default: what the batch needs)")
-    parser.add_argument("--only", default="decode,prefill,mixed,elementwise,linear")
+    parser.add_argument("--only", default="decode,prefill,mixed,elementwise,linear,moe")
     parser.add_argument("--sweep", action="store_true", help="also sweep attention tile configs")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "bench_kernels needs a CUDA GPU"
@@ -465,6 +500,8 @@ def main() -> None:
         bench_elementwise(rows)
     if "linear" in parts:
         bench_linear(rows, args.sweep)
+    if "moe" in parts:
+        bench_moe(rows)
     missed = [r["kernel"] for r in rows.rows if r.get("pass") is False]
     print(f"# targets missed: {', '.join(missed) if missed else 'none'}")
     if args.out:

@@ -121,3 +121,23 @@ def test_presets_have_the_published_parameter_counts(preset, billions):
         model = model_class(arch.family)(arch)
     total = sum(p.numel() for p in model.parameters())
     assert abs(total / 1e9 - billions) < 0.1 * billions / 30, total
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_and_graphs_give_transformers_greedy_tokens(tiny_moe):
+    """On the GPU the routing and experts are echo_kernels.fused_moe's, decodes replay CUDA
+    graphs; float32 so the tokens can be compared exactly."""
+    hf = load_hf(tiny_moe)
+    hf.generation_config.eos_token_id = None
+    prompt = list(range(10, 40))
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(str(tiny_moe), device="cuda", dtype="float32", num_gpu_blocks_override=64,
+              max_num_seqs=4)
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32,
+                                                    ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert out[0].outputs[0].token_ids == expected
