@@ -16,6 +16,7 @@ if torch.version.cuda is None and torch.version.hip is None:
 
 from echo_kernels.activation import silu_and_mul  # noqa: E402
 from echo_kernels.attention import flash_attn_varlen, paged_attention  # noqa: E402
+from echo_kernels.awq import awq_gemm, awq_gemv, awq_linear  # noqa: E402
 from echo_kernels.cache import store_kv_cache  # noqa: E402
 from echo_kernels.fused_moe import fused_moe, moe_align_block_size, moe_routing  # noqa: E402
 from echo_kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
@@ -25,6 +26,9 @@ from echo_kernels.token_bitmask import apply_token_bitmask  # noqa: E402
 
 __all__ = [
     "apply_token_bitmask",
+    "awq_gemm",
+    "awq_gemv",
+    "awq_linear",
     "flash_attn_varlen",
     "fused_add_rms_norm",
     "fused_moe",

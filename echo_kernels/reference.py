@@ -226,3 +226,34 @@ def fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
         y = act @ w2[e].float().T
         out.index_add_(0, tokens, y * topk_weights[tokens, slots].float()[:, None])
     return out.to(hidden.dtype)
+
+
+# AutoAWQ's unpacking order: output column 8j + r of a row sits at nibble AWQ_REVERSE_ORDER[r]
+# (bits 4 * AWQ_REVERSE_ORDER[r] ..) of packed int32 j; its packer wrote column 8j + [0, 2, 4,
+# 6, 1, 3, 5, 7][i] at nibble i, and this is that permutation's inverse
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def awq_unpack_ref(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] packed the AutoAWQ way -> int64 [R, 8C] of 4-bit values 0..15, in column
+    order."""
+    shifts = 4 * torch.tensor(AWQ_REVERSE_ORDER, dtype=torch.int64, device=packed.device)
+    return ((packed.long()[:, :, None] >> shifts) & 15).flatten(1)
+
+
+def _awq_weight_f32(qweight, qzeros, scales, group_size) -> torch.Tensor:
+    q = awq_unpack_ref(qweight)
+    z = awq_unpack_ref(qzeros).repeat_interleave(group_size, 0)
+    return (q - z).float() * scales.float().repeat_interleave(group_size, 0)
+
+
+def awq_dequantize_ref(qweight, qzeros, scales, group_size: int) -> torch.Tensor:
+    """AutoAWQ "gemm" tensors (qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales [K/G, N])
+    -> W [K, N] in scales' dtype: W[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]."""
+    return _awq_weight_f32(qweight, qzeros, scales, group_size).to(scales.dtype)
+
+
+def awq_linear_ref(x, qweight, qzeros, scales, group_size: int) -> torch.Tensor:
+    """x [M, K] @ W [K, N], W dequantized in float32 (not rounded to scales' dtype), the product
+    in float32, cast to x's dtype."""
+    return (x.float() @ _awq_weight_f32(qweight, qzeros, scales, group_size)).to(x.dtype)
