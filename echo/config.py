@@ -79,6 +79,9 @@ MODEL_ARGS = (
               "benchmarks)", choices=LOAD_FORMATS),
     EngineArg("seed", int, 0,
               "engine seed: dummy weights and the sampling of requests that give no seed"),
+    EngineArg("speculative_config", dict, None,
+              'speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
+              '"num_speculative_tokens": 4, "prompt_lookup_max": 4}'),
 )
 _MODEL_DEFAULTS = {a.name: a.default for a in MODEL_ARGS}
 
@@ -191,6 +194,48 @@ class DeviceConfig:
         _check_bool(self.enforce_eager, "enforce_eager")
 
 
+SPECULATIVE_METHODS = ("ngram",)  # draft_model and eagle3 are to come
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config. ngram: drafts from prompt lookup over the request's own
+    tokens; verified in one step of 1 + k tokens per request (docs/ARCHITECTURE.md,
+    Speculative decoding)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # k
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    # no drafts in a step with more running requests than this (None: always draft): at large
+    # batches a step is compute-bound and verifying drafts stops paying
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self):
+        name = "speculative_config"
+        _check_choice(self.method, f"{name}.method", SPECULATIVE_METHODS)
+        for field_name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            _check_int(getattr(self, field_name), f"{name}.{field_name}")
+        _check(1 <= self.num_speculative_tokens <= 16, f"{name}.num_speculative_tokens",
+               f"must be in [1, 16], got {self.num_speculative_tokens}")
+        _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+               f"{name}.prompt_lookup_min",
+               f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+               f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.disable_by_batch_size is not None:
+            _check_int(self.disable_by_batch_size, f"{name}.disable_by_batch_size")
+
+    @staticmethod
+    def from_dict(value) -> "SpeculativeConfig":
+        _check(isinstance(value, dict), "speculative_config",
+               f"must be a JSON object, got {value!r}")
+        known = {f.name for f in fields(SpeculativeConfig)}
+        unknown = sorted(set(value) - known)
+        _check(not unknown, "speculative_config",
+               f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return SpeculativeConfig(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -198,6 +243,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         arch = self.model.arch
@@ -346,10 +392,12 @@ def _create(model: str | None, **kwargs) -> EngineConfig:
     default = SchedulerConfig()
     sched.setdefault("max_num_batched_tokens", max(
         default.max_num_batched_tokens, sched.get("max_num_seqs", default.max_num_seqs)))
+    spec = model_kwargs.get("speculative_config")
     return EngineConfig(
         model=model_cfg,
         cache=cache,
         scheduler=SchedulerConfig(max_model_len=model_cfg.max_model_len, **sched),
         parallel=parallel,
         device=device_cfg,
+        speculative=SpeculativeConfig.from_dict(spec) if spec is not None else None,
     )

@@ -63,6 +63,8 @@ class Request:
         # structured outputs: the engine's grammar state (RequestGrammar); the scheduler only
         # reads its `ready` (admit once compiled) and reports the request when it samples
         self.grammar = None
+        # speculative decoding: drafts proposed for its next step (consumed when scheduled)
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

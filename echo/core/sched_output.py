@@ -42,6 +42,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # requests with a grammar that sample this step: the step's GrammarBitmask follows it,
     # and the workers sample only once it is there (the forward pass does not wait)
     structured_req_ids: list[str] = []
+    # speculative decoding: request id -> the draft tokens scheduled after its last token; the
+    # step computes them with it and verifies them (num_scheduled_tokens counts them)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
     @property
     def is_empty(self) -> bool:

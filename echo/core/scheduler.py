@@ -47,6 +47,16 @@ from echo.core.step_results import EngineCoreOutput, ModelRunnerOutput, Schedule
 from echo.core.stop_checker import check_stop
 
 
+def drafts_allowed(params) -> bool:
+    """What the rejection sampler verifies today: temperature (or greedy) sampling of the raw
+    distribution; requests with top-k/top-p/min-p, penalties, token rules, grammars or
+    logprobs decode one token a step."""
+    return (params.top_k in (-1, 0) and params.top_p == 1 and params.min_p == 0
+            and not params.has_penalties and not params.has_token_rules
+            and params.structured_outputs is None and params.logprobs is None
+            and params.min_tokens == 0)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -147,6 +157,7 @@ class Scheduler:
         no tokens: the engine must still hand such an output to the workers."""
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
         new_block_ids: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
         throttled: list[Request] = []  # prefills held back for admissions; topped up at the end
@@ -170,7 +181,9 @@ class Scheduler:
                 i += 1
                 continue
             limit = budget - (len(running) - i - 1)
-            if num_new > 1:
+            if request.spec_token_ids:  # a decode and its drafts, verified in this step
+                num_new = self._schedule_drafts(request, num_new, limit, spec_tokens)
+            elif num_new > 1:
                 if prefill_allowance < min(num_new, limit):
                     throttled.append(request)
                 limit = min(limit, prefill_allowance)
@@ -190,8 +203,9 @@ class Scheduler:
                     break
                 blocks = allocate_slots(request, num_new)
             if blocks is None:
+                spec_tokens.pop(request.request_id, None)
                 break
-            if num_new > 1:
+            if num_new > 1 and request.request_id not in spec_tokens:
                 prefill_allowance -= num_new
             num_scheduled[request.request_id] = num_new
             new_block_ids[request.request_id] = blocks
@@ -205,7 +219,18 @@ class Scheduler:
         if throttled and budget > 0:
             budget = self._top_up(throttled, budget, num_scheduled, new_block_ids,
                                   scheduled_running)
-        return self._make_output(num_scheduled, new_block_ids, scheduled_running, new_reqs)
+        return self._make_output(num_scheduled, new_block_ids, scheduled_running, new_reqs,
+                                 spec_tokens)
+
+    @staticmethod
+    def _schedule_drafts(request: Request, num_new: int, limit: int,
+                         spec_tokens: dict[str, list[int]]) -> int:
+        """The decode token plus as many of its drafts as the budget allows."""
+        drafts = request.spec_token_ids[:max(0, limit - num_new)]
+        request.spec_token_ids = []
+        if drafts:
+            spec_tokens[request.request_id] = drafts
+        return num_new + len(drafts)
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
                        new_reqs: list[Request], throttled: list[Request]) -> int:
@@ -274,7 +299,8 @@ class Scheduler:
         return budget
 
     def _make_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
-                     scheduled_running: list[Request], new_reqs: list[Request]) -> SchedulerOutput:
+                     scheduled_running: list[Request], new_reqs: list[Request],
+                     spec_tokens: dict[str, list[int]]) -> SchedulerOutput:
         cached_ids, cached_blocks, cached_computed = [], [], []
         structured: list[str] = []
         for request in scheduled_running:
@@ -283,9 +309,10 @@ class Scheduler:
             cached_blocks.append(new_block_ids[rid])
             computed = request.num_computed_tokens
             cached_computed.append(computed)
-            # _advance, inlined: this runs per request per step
+            # _advance, inlined: this runs per request per step; drafts are computed past the
+            # tokens, so a request with drafts is past them (>=)
             computed = request.num_computed_tokens = computed + num_scheduled[rid]
-            if computed == (len(request.prompt_token_ids) + len(request.output_token_ids)
+            if computed >= (len(request.prompt_token_ids) + len(request.output_token_ids)
                             + request.num_output_placeholders):
                 request.num_output_placeholders += 1
                 if request.grammar is not None:
@@ -313,6 +340,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
             structured_req_ids=structured,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self._step_id += 1
         return output
@@ -334,6 +362,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -349,6 +378,7 @@ class Scheduler:
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
         requests = self.requests
+        spec = scheduler_output.scheduled_spec_decode_tokens
         for i, rid in enumerate(runner_output.req_ids):
             new_token_ids = runner_output.sampled_token_ids[i]
             if not new_token_ids:  # mid-prefill
@@ -361,6 +391,8 @@ class Scheduler:
                 continue  # finished or aborted while this step was in flight: discard
             placeholders = request.num_output_placeholders - len(new_token_ids)
             request.num_output_placeholders = placeholders if placeholders > 0 else 0
+            if spec and rid in spec:  # rejected drafts: their KV is recomputed, not kept
+                request.num_computed_tokens -= len(spec[rid]) + 1 - len(new_token_ids)
             if len(new_token_ids) == 1:  # the usual case, without a call
                 request.output_token_ids.append(new_token_ids[0])
                 status = check_stop(request)
@@ -407,6 +439,22 @@ class Scheduler:
         else:
             # preempted while its token was in flight; the workers forgot it at preemption
             self.waiting.remove(request)
+
+    # ---- speculative decoding ------------------------------------------------------------
+
+    def propose_drafts(self, propose, max_batch_size: int | None = None) -> None:
+        """Give each running decode its drafts for the next step: propose(token ids, limit)
+        returns at most limit tokens (limit: what max_tokens and max_model_len leave after
+        the token the step samples anyway). None above max_batch_size running requests."""
+        if max_batch_size is not None and len(self.running) > max_batch_size:
+            return
+        for request in self.running:
+            if request.num_output_placeholders or not drafts_allowed(request.sampling_params):
+                continue
+            limit = request.token_limit - request.num_tokens - 1
+            if limit > 0 and request.num_computed_tokens == request.num_tokens - 1:
+                request.spec_token_ids = propose(
+                    request.prompt_token_ids + request.output_token_ids, limit)
 
     # ---- introspection -------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from collections import deque
 
 from echo.config import EngineConfig
 from echo.core.length_limit import check_kv_cache_holds
+from echo.core.ngram_proposer import NgramProposer
 from echo.core.request import Request
 from echo.core.sched_output import SchedulerOutput
 from echo.core.scheduler import Scheduler
@@ -43,7 +44,12 @@ class EngineCore:
         self.eos_token_ids = config.model.arch.eos_token_ids
         # steps sent to the executor whose output has not been processed, oldest first
         self.in_flight: deque = deque()
-        self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
+        # speculative decoding drafts from the tokens of the step before: one step in flight
+        # (docs/ARCHITECTURE.md, Speculative decoding)
+        spec = config.speculative
+        self.max_in_flight = 2 if config.scheduler.async_scheduling and spec is None else 1
+        self.proposer = None if spec is None else NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.structured = StructuredOutputManager(
             lambda: load_tokenizer(config.model), config.model.arch.vocab_size,
             self.eos_token_ids, config.scheduler.max_num_seqs)
@@ -123,6 +129,9 @@ class EngineCore:
             if self._bitmask_due is not None:
                 self._send_bitmask(self._bitmask_due)
                 self._bitmask_due = None
+            if self.proposer is not None:
+                self.scheduler.propose_drafts(self.proposer.propose,
+                                              self.config.speculative.disable_by_batch_size)
         return EngineCoreOutputs(outputs=failed + outputs,
                                  scheduler_stats=self.scheduler.make_stats(),
                                  timestamp=time.time())

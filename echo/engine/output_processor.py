@@ -170,23 +170,30 @@ class OutputProcessor:
             child.parent.error = out.error
         if out.queue_time is not None and child.parent.queue_time is None:
             child.parent.queue_time = out.queue_time
-        comp.token_ids.extend(out.new_token_ids)
-        if comp.logprobs is not None:
-            for token, entry in zip(out.new_token_ids, out.new_logprobs):
-                comp.logprobs.append(self._logprob_dict(token, entry))
-                comp.cumulative_logprob += entry.logprob
-        stopped = False
-        if child.detokenizer is not None:
-            delta = child.detokenizer.add_tokens(out.new_token_ids)
-            if out.finished:
-                delta += child.detokenizer.flush()
-            stopped = self._append_text(child, delta)
-        elif out.finished and self.tokenizer is not None:
+        new = out.new_token_ids
+        # several tokens at once (accepted drafts) with stop strings: one at a time, so the
+        # output ends at the token that completed a stop string, as without speculation
+        pieces = ([new[i:i + 1] for i in range(len(new))]
+                  if len(new) > 1 and child.detokenizer is not None and child.params.stop
+                  else [new])
+        done = 0
+        for piece in pieces:
+            comp.token_ids.extend(piece)
+            if comp.logprobs is not None:
+                for token, entry in zip(piece, out.new_logprobs[done:done + len(piece)]):
+                    comp.logprobs.append(self._logprob_dict(token, entry))
+                    comp.cumulative_logprob += entry.logprob
+            done += len(piece)
+            if child.detokenizer is not None:
+                delta = child.detokenizer.add_tokens(piece)
+                if out.finished and done == len(new):
+                    delta += child.detokenizer.flush()
+                if self._append_text(child, delta):
+                    return True
+        if child.detokenizer is None and out.finished and self.tokenizer is not None:
             comp.text = self.tokenizer.decode(comp.token_ids,
                                               skip_special_tokens=child.params.skip_special_tokens,
                                               clean_up_tokenization_spaces=False)
-        if stopped:
-            return True
         if out.finished:
             comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
         return False

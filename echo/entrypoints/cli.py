@@ -18,6 +18,8 @@ def _flag_options(spec: EngineArg) -> dict:
     options = {"dest": spec.name, "default": None, "help": text.replace("%", "%%")}
     if spec.type is bool:
         options["action"] = argparse.BooleanOptionalAction if spec.default else "store_true"
+    elif spec.type is dict:  # a JSON object, as vLLM's --speculative-config
+        options["type"] = _json_object
     else:
         options["type"] = spec.type
     if spec.choices is not None:

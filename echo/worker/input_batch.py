@@ -31,6 +31,9 @@ class StepInputs:
     # the flat batch, and the row they belong to
     placeholder_idx: np.ndarray
     placeholder_rows: np.ndarray
+    # speculative decoding: per sampling request, its drafts verified this step (0: none); its
+    # logits rows are its last 1 + drafts tokens. None when the step has no drafts
+    num_drafts: np.ndarray | None = None
 
 
 @dataclass
@@ -171,6 +174,10 @@ class InputBatch:
             if blocks:
                 self.append_blocks(row, blocks)
             self.num_computed[row] = computed
+        for req_id, drafts in out.scheduled_spec_decode_tokens.items():
+            # after the known tokens, tentatively: they become tokens only if accepted
+            row = self.row_of[req_id]
+            self.token_ids[row, self.num_tokens[row]:self.num_tokens[row] + len(drafts)] = drafts
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         req_ids = list(out.num_scheduled_tokens)
@@ -186,9 +193,22 @@ class InputBatch:
         seq_lens = (starts + counts).astype(np.int32)
         max_blocks = int(self.num_blocks[rows].max()) if len(rows) else 0
         known = self.num_tokens[rows]
-        samples = np.nonzero(seq_lens >= known + self.num_pending[rows])[0]
-        # positions at or past the host's tokens hold values still on the device
-        placeholders = np.nonzero(positions >= np.repeat(known, counts))[0]
+        pending = self.num_pending[rows]
+        samples = np.nonzero(seq_lens >= known + pending)[0]
+        # positions past the host's tokens hold values still on the device, or drafts
+        known_of_token = np.repeat(known, counts)
+        placeholders = np.nonzero((positions >= known_of_token)
+                                  & (positions < known_of_token + np.repeat(pending, counts)))[0]
+        logits_indices, num_drafts = cu[1:][samples] - 1, None
+        spec = out.scheduled_spec_decode_tokens
+        if spec:
+            num_drafts = np.array([len(spec.get(req_ids[i], ())) for i in samples],
+                                  dtype=np.int64)
+            per_request = num_drafts + 1  # the last token's logits and each draft's
+            firsts = np.repeat(logits_indices - num_drafts, per_request)
+            logits_indices = firsts + (np.arange(per_request.sum())
+                                       - np.repeat(np.cumsum(per_request) - per_request,
+                                                   per_request))
         return StepInputs(
             req_ids=req_ids,
             rows=rows,
@@ -199,14 +219,22 @@ class InputBatch:
             cu_seqlens_q=cu,
             seq_lens=seq_lens,
             sample_seq_idx=samples,
-            logits_indices=cu[1:][samples] - 1,
+            logits_indices=logits_indices,
             placeholder_idx=placeholders,
             placeholder_rows=token_rows[placeholders],
+            num_drafts=num_drafts,
         )
 
     def num_output_tokens(self, rows: np.ndarray) -> np.ndarray:
         """Generated so far, counting tokens still on the device."""
         return self.num_tokens[rows] + self.num_pending[rows] - self.num_prompt_tokens[rows]
+
+    def append_tokens(self, req_id: str, token_ids: list[int]) -> None:
+        """Several tokens of one request at once (accepted drafts and the token after)."""
+        row = self.row_of[req_id]
+        start = self.num_tokens[row]
+        self.token_ids[row, start:start + len(token_ids)] = token_ids
+        self.num_tokens[row] = start + len(token_ids)
 
     def append_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
         """Tokens that reached the host; requests forgotten meanwhile are skipped."""

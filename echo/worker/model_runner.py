@@ -17,6 +17,7 @@ the step's output carries the chunk's logprobs; the frontend joins the chunks.
 
 import sys
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from echo.worker.grammar_bitmask import apply_grammar_bitmask
 from echo.worker.input_batch import InputBatch, StepInputs
 from echo.worker.kv_cache import KVCacheSpec
 from echo.worker.model_loader import build_model
+from echo.worker.rejection_sampler import rejection_sample
 from echo.worker.sampler import Sampler, SamplerOutput
 from echo.worker.sampling_inputs import build_sampling_tensors, upload
 from echo.worker.step_buffers import StepBuffers
@@ -149,6 +151,10 @@ class ModelRunner:
 
     def _sample(self, step_id: int, inp: StepInputs, hidden: torch.Tensor,
                 logits: torch.Tensor) -> None:
+        if inp.num_drafts is not None:
+            with step_range("verify", step_id):
+                self.in_flight.append(self._verify(step_id, inp, hidden, logits))
+            return
         batch = self.input_batch
         with step_range("sample", step_id):
             sample_rows = inp.rows[inp.sample_seq_idx]
@@ -159,6 +165,56 @@ class ModelRunner:
             prompt = self._prompt_logprobs(inp, hidden) if self.prompt_logprobs else None
             self.in_flight.append(_StepInFlight(step_id, inp, sample_rows, sampled,
                                                 logprobs, prompt))
+
+    def _verify(self, step_id: int, inp: StepInputs, hidden: torch.Tensor,
+                logits: torch.Tensor) -> ModelRunnerOutput:
+        """A step with drafts (speculative decoding; one step in flight): requests with drafts
+        through the rejection sampler, the others through the sampler on their last row; all
+        landed on the host before returning."""
+        batch = self.input_batch
+        drafts = inp.num_drafts
+        last_rows = np.cumsum(drafts + 1) - 1  # each sampling request's last logits row
+        spec = np.flatnonzero(drafts > 0)
+        plain = np.flatnonzero(drafts == 0)
+        sampled: dict[int, list[int]] = {}  # index into sample_seq_idx -> emitted tokens
+        output = ModelRunnerOutput(step_id=step_id)
+        if len(plain):
+            plain_inp = replace(inp, sample_seq_idx=inp.sample_seq_idx[plain])
+            rows = inp.rows[plain_inp.sample_seq_idx]
+            result = self.sampler(logits[torch.from_numpy(last_rows[plain]).to(logits.device)],
+                                  build_sampling_tensors(batch, rows, self.vocab_size,
+                                                         self.arch.eos_token_ids, self.device))
+            logprobs = [n if n >= 0 else None for n in batch.logprobs[rows].tolist()]
+            step = _StepInFlight(step_id, plain_inp, rows, result, logprobs)
+            step.ready.synchronize()
+            tokens = step.host_tokens.tolist()
+            output = self._runner_output(step, tokens)
+            sampled.update((int(i), [t]) for i, t in zip(plain, tokens))
+        if len(spec):
+            seqs = inp.sample_seq_idx[spec]
+            rows = inp.rows[seqs]
+            firsts = last_rows[spec] - drafts[spec]
+            row_index = np.concatenate([np.arange(a, b + 1) for a, b in
+                                        zip(firsts, last_rows[spec])])
+            draft_ids = [batch.token_ids[r, batch.num_tokens[r]:batch.num_tokens[r] + k].tolist()
+                         for r, k in zip(rows, drafts[spec])]
+            device = logits.device
+            emitted = rejection_sample(
+                logits[torch.from_numpy(row_index).to(device)], draft_ids,
+                torch.from_numpy(batch.temperature[rows]).to(device),
+                torch.from_numpy(batch.seeds[rows]).to(device),
+                torch.from_numpy(batch.num_output_tokens(rows)).to(device))
+            sampled.update((int(i), tokens) for i, tokens in zip(spec, emitted))
+        sampled_ids = output.sampled_token_ids or [[] for _ in inp.req_ids]
+        for i, seq in enumerate(inp.sample_seq_idx.tolist()):
+            tokens = sampled[i]
+            sampled_ids[seq] = tokens
+            batch.append_tokens(inp.req_ids[seq], tokens)
+        output.req_ids, output.sampled_token_ids = inp.req_ids, sampled_ids
+        if self.prompt_logprobs:  # prefill chunks beside the drafts may score their prompts
+            prompt = self._prompt_logprobs(inp, hidden)
+            output.prompt_logprobs = prompt.to_host() if prompt else {}
+        return output
 
     def _track_prompt_logprobs(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids:

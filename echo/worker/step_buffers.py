@@ -33,7 +33,8 @@ class StepBuffers:
             ("cu_seqlens_q", max_num_seqs + 1, torch.int32),
             ("seq_lens", max_num_seqs, torch.int32),
             ("seq_order", max_num_seqs, torch.int32),
-            ("logits_indices", max_num_seqs, torch.int64),
+            # one row per sampling request, or 1 + its drafts under speculative decoding
+            ("logits_indices", max_num_tokens, torch.int64),
             ("placeholder_idx", max_num_seqs, torch.int64),
             ("placeholder_src", max_num_seqs, torch.int64),
             ("block_table", max_num_seqs * max_blocks_per_seq, torch.int32),

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from echo.config import engine_arg_specs
+from echo.config import EngineConfig, engine_arg_specs
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -82,6 +82,10 @@ def test_every_engine_argument_has_a_flag_with_the_config_choices():
         if value_type is bool:
             boolean = argparse.BooleanOptionalAction if default else argparse._StoreTrueAction
             assert isinstance(action, boolean), name
+        elif value_type is dict:  # a JSON object on the command line
+            assert action.type('{"a": 1}') == {"a": 1}, name
+            with pytest.raises(argparse.ArgumentTypeError):
+                action.type("[1]")
         else:
             assert action.type is value_type, name
     assert set(flags) - {"help", "model"} == set(expected)
@@ -125,3 +129,13 @@ def test_a_command_line_gives_the_python_calls_config(tiny_llama):
     assert engine_kwargs(bare) == {"device": "cpu"}
     on = build_parser().parse_args(["serve", "--enable-prefix-caching", "--async-scheduling"])
     assert engine_kwargs(on) == {"enable_prefix_caching": True, "async_scheduling": True}
+
+
+def test_speculative_config_reaches_the_engine_config(tiny_llama):
+    from echo.entrypoints.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(
+        ["generate", "--model", str(tiny_llama), "--speculative-config",
+         '{"method": "ngram", "num_speculative_tokens": 3}'])
+    config = EngineConfig.create(args.model, device="cpu", **engine_kwargs(args))
+    assert config.speculative.num_speculative_tokens == 3

@@ -1,0 +1,108 @@
+"""Speculative decoding (n-gram drafts) end to end on the CPU: greedy tokens identical to the
+run without speculation, on SmolLM2 with repeated text (where drafts are accepted) and on tiny
+random Qwen3 and Llama (where they mostly are not); stops inside an accepted run; no KV block
+kept; a prefix reused after rejections."""
+
+import pytest
+
+from echo import LLM, SamplingParams
+
+REPEATS = ["The quick brown fox jumps over the lazy dog. " * 3 + "The quick brown",
+           "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,",
+           "Write a haiku about the sea."]
+SPEC = {"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+
+
+def run(model, prompts, params, speculative: bool, **kwargs):
+    llm = LLM(str(model), device="cpu", max_model_len=512, max_num_seqs=8,
+              speculative_config=SPEC if speculative else None, **kwargs)
+    drafted = accepted = 0
+    if speculative:
+        scheduler = llm.engine.scheduler
+        update = scheduler.update_from_output
+
+        def counting(scheduler_output, runner_output):
+            nonlocal drafted, accepted
+            for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+                emitted = runner_output.sampled_token_ids[runner_output.req_ids.index(rid)]
+                drafted += len(drafts)
+                accepted += len(emitted) - 1
+            return update(scheduler_output, runner_output)
+
+        scheduler.update_from_output = counting
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.scheduler.kv.usage == 0  # every block back in the pool
+        return outputs, drafted, accepted, llm.engine.scheduler
+    finally:
+        llm.shutdown()
+
+
+def completions(outputs):
+    return [(c.token_ids, c.text, c.finish_reason) for o in outputs for c in o.outputs]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from echo.models.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def test_greedy_equals_no_speculation_and_drafts_are_accepted(smollm2):
+    greedy = SamplingParams(temperature=0, max_tokens=48)
+    expected, _, _, _ = run(smollm2, REPEATS, greedy, speculative=False)
+    outputs, drafted, accepted, _ = run(smollm2, REPEATS, greedy, speculative=True)
+    assert completions(outputs) == completions(expected)
+    assert accepted > drafted // 3 > 0  # the repeated text is drafted, mostly right
+
+
+def test_max_tokens_and_stop_strings_inside_an_accepted_run(smollm2):
+    prompt = [REPEATS[0]]
+    cases = [SamplingParams(temperature=0, max_tokens=n) for n in (3, 6, 7)] + [
+        SamplingParams(temperature=0, max_tokens=40, stop=["lazy"]),
+        SamplingParams(temperature=0, max_tokens=40, stop=["over the"],
+                       include_stop_str_in_output=True)]
+    for params in cases:
+        expected, _, _, _ = run(smollm2, prompt, params, speculative=False)
+        outputs, _, _, _ = run(smollm2, prompt, params, speculative=True)
+        assert completions(outputs) == completions(expected), params
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_llama"])
+def test_tiny_random_models_equal_no_speculation(fixture, request):
+    model = request.getfixturevalue(fixture)
+    prompts = [[1, 5, 9, 5, 9, 5, 9, 5], list(range(10, 40)) * 2, [1, 2]]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected, _, _, _ = run(model, prompts, greedy, False, num_gpu_blocks_override=64)
+    outputs, drafted, _, _ = run(model, prompts, greedy, True, num_gpu_blocks_override=64)
+    assert completions(outputs) == completions(expected)
+    assert drafted > 0
+
+
+def test_a_prefix_reused_after_rejections_hits_the_cache_and_gives_the_same_output(smollm2):
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    llm = LLM(str(smollm2), device="cpu", max_model_len=512, max_num_seqs=8,
+              speculative_config=SPEC)
+    try:
+        first = llm.generate([REPEATS[1]], greedy, use_tqdm=False)
+        hits = llm.engine.scheduler.kv.prefix_cache_hits
+        again = llm.generate([REPEATS[1]], greedy, use_tqdm=False)
+        assert llm.engine.scheduler.kv.prefix_cache_hits > hits
+        assert completions(again) == completions(first)
+    finally:
+        llm.shutdown()
+
+
+def test_sampled_requests_and_requests_without_drafts_share_a_step(smollm2):
+    """Seeded sampling with drafts, top-p requests (no drafts) beside them: outputs are valid
+    and the seeded ones reproduce."""
+    params = [SamplingParams(temperature=0.8, seed=7, max_tokens=24),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24),
+              SamplingParams(temperature=0, max_tokens=24, logprobs=2)]
+    first, _, _, _ = run(smollm2, REPEATS, params, speculative=True)
+    again, _, _, _ = run(smollm2, REPEATS, params, speculative=True)
+    assert completions(first) == completions(again)
+    plain, _, _, _ = run(smollm2, REPEATS[2:], params[2:], speculative=False)
+    assert completions(first)[2] == completions(plain)[0]  # greedy, no drafts: unchanged
+    assert len(first[2].outputs[0].logprobs) == len(first[2].outputs[0].token_ids)
