@@ -90,6 +90,9 @@ class Scheduler:
         self._finished_req_ids: list[str] = []
         self._step_id = 0
         self.num_preemptions = 0
+        # speculative decoding, cumulative (SchedulerStats' spec_* fields)
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted = 0
+        self.spec_accepted_per_position: list[int] = []
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -392,6 +395,7 @@ class Scheduler:
             placeholders = request.num_output_placeholders - len(new_token_ids)
             request.num_output_placeholders = placeholders if placeholders > 0 else 0
             if spec and rid in spec:  # rejected drafts: their KV is recomputed, not kept
+                self._count_verification(len(spec[rid]), len(new_token_ids) - 1)
                 request.num_computed_tokens -= len(spec[rid]) + 1 - len(new_token_ids)
             if len(new_token_ids) == 1:  # the usual case, without a call
                 request.output_token_ids.append(new_token_ids[0])
@@ -442,6 +446,16 @@ class Scheduler:
 
     # ---- speculative decoding ------------------------------------------------------------
 
+    def _count_verification(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted += num_accepted
+        per_position = self.spec_accepted_per_position
+        if len(per_position) < num_drafts:
+            per_position.extend([0] * (num_drafts - len(per_position)))
+        for position in range(num_accepted):
+            per_position[position] += 1
+
     def propose_drafts(self, propose, max_batch_size: int | None = None) -> None:
         """Give each running decode its drafts for the next step: propose(token ids, limit)
         returns at most limit tokens (limit: what max_tokens and max_model_len leave after
@@ -467,6 +481,10 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             num_total_blocks=self.kv.num_blocks,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted,
+            spec_accepted_per_position=list(self.spec_accepted_per_position),
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -7,7 +7,8 @@ there is one core; with data parallelism each core's stats get their own index).
 - Engine state comes from each core's latest SchedulerStats, read at scrape time by a collector:
   vllm:num_requests_running / num_requests_waiting / kv_cache_usage_perc are gauges, and
   vllm:prefix_cache_queries / prefix_cache_hits / num_preemptions are counters whose value is the
-  core's cumulative total.
+  core's cumulative total, and so are speculative decoding's vllm:spec_decode_num_drafts /
+  num_draft_tokens / num_accepted_tokens / num_accepted_tokens_per_pos{position}.
 - Requests are observed in the frontend by a RequestTimer, one per prompt (one stream of
   RequestOutputs): vllm:prompt_tokens and vllm:generation_tokens count tokens (so they add up to
   the usage the responses report); vllm:request_success{finished_reason} counts each finished
@@ -83,10 +84,26 @@ class _EngineCollector:
                                  labels=LABELS),
              lambda s: s.num_preemptions),
         ]
+        families += [
+            (CounterMetricFamily("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                                 labels=LABELS), lambda s: s.spec_num_drafts),
+            (CounterMetricFamily("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                                 labels=LABELS), lambda s: s.spec_num_draft_tokens),
+            (CounterMetricFamily("vllm:spec_decode_num_accepted_tokens",
+                                 "Number of accepted tokens.", labels=LABELS),
+             lambda s: s.spec_num_accepted_tokens),
+        ]
         for family, value in families:
             for engine, stats in enumerate(self.metrics.engine_stats):
                 family.add_metric([model, str(engine)], value(stats))
             yield family
+        per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                           "Accepted tokens per draft position.",
+                                           labels=[*LABELS, "position"])
+        for engine, stats in enumerate(self.metrics.engine_stats):
+            for position, count in enumerate(stats.spec_accepted_per_position):
+                per_position.add_metric([model, str(engine), str(position)], count)
+        yield per_position
 
 
 class ServerMetrics:

@@ -52,9 +52,13 @@ def smollm2():
 def test_greedy_equals_no_speculation_and_drafts_are_accepted(smollm2):
     greedy = SamplingParams(temperature=0, max_tokens=48)
     expected, _, _, _ = run(smollm2, REPEATS, greedy, speculative=False)
-    outputs, drafted, accepted, _ = run(smollm2, REPEATS, greedy, speculative=True)
+    outputs, drafted, accepted, scheduler = run(smollm2, REPEATS, greedy, speculative=True)
     assert completions(outputs) == completions(expected)
     assert accepted > drafted // 3 > 0  # the repeated text is drafted, mostly right
+    stats = scheduler.make_stats()  # what vllm:spec_decode_* report
+    assert (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == (drafted, accepted)
+    per_position = stats.spec_accepted_per_position
+    assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)
 
 
 def test_max_tokens_and_stop_strings_inside_an_accepted_run(smollm2):

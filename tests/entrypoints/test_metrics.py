@@ -204,6 +204,22 @@ def test_server_metrics_names_types_labels_and_values(monkeypatch):
     assert value(f, "vllm:num_requests_running", **e0) == 0
 
 
+def test_speculative_decoding_counters_under_vllms_names():
+    m = ServerMetrics("m")
+    stats = [SchedulerStats(spec_num_drafts=3, spec_num_draft_tokens=12,
+                            spec_num_accepted_tokens=7, spec_accepted_per_position=[3, 2, 2, 0])]
+    f = parse(m.render(stats))
+    for name, total in (("vllm:spec_decode_num_drafts", 3),
+                        ("vllm:spec_decode_num_draft_tokens", 12),
+                        ("vllm:spec_decode_num_accepted_tokens", 7)):
+        assert f[name].type == "counter"
+        assert value(f, name, name + "_total", engine="0") == total
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+    per_position = {s.labels["position"]: s.value for s in f[name].samples
+                    if s.name == name + "_total"}
+    assert per_position == {"0": 3, "1": 2, "2": 2, "3": 0}
+
+
 def test_queue_time_reaches_the_request_output():
     proc = OutputProcessor(None)
     proc.add_request("r", None, [1, 2, 3], SamplingParams(n=2, max_tokens=4), 0.0)
