@@ -4,6 +4,13 @@ Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` th
 rank's slice of a full checkpoint tensor into place (reading only that slice when the tensor is
 a lazy CheckpointTensor); fused layers (QKV, gate/up) take a shard id naming which checkpoint
 tensor the slice came from.
+
+AWQ (W4A16, `quant`): instead of `weight` [out, in] a layer holds AutoAWQ's `qweight` int32
+[in, out/8] (eight 4-bit values per int32 along the output, in AWQ's interleaved order),
+`qzeros` int32 [in/G, out/8] and `scales` [in/G, out]; W = (q - z) * s per group of G inputs.
+Each parameter says where its output and input dimensions are and how they are packed
+(`output_dim`, `output_pack`, `input_dim`, `input_block`), so the same loaders slice both
+layouts: column-parallel layers along the packed output, row-parallel ones along whole groups.
 """
 
 from collections.abc import Callable
@@ -15,6 +22,7 @@ from torch import nn
 from echo.distributed.communication import all_reduce
 from echo.distributed.parallel_state import SINGLE, TPGroup
 from echo.layers.checkpoint_tensor import whole
+from echo.layers.quantization import AWQ_PACK, AwqConfig
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -25,12 +33,17 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup,
+                 quant: AwqConfig | None = None):
         super().__init__()
         self.tp = tp
         self.input_size, self.output_size = input_size, output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.quant = quant
+        if quant is None:
+            self.weight = self._param((output_size, input_size), torch.get_default_dtype(),
+                                      output_dim=0, input_dim=1)
+        else:
+            self._awq_params(input_size, output_size, quant.group_size)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -39,18 +52,71 @@ class LinearBase(nn.Module):
         # row count -> a kernel that beat cuBLAS for this shape (worker/linear_tuning.py)
         self.small_m_kernels: dict[int, Callable] = {}
 
+    def _param(self, shape, dtype, output_dim: int, input_dim: int, output_pack: int = 1,
+               input_block: int = 1) -> nn.Parameter:
+        param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        param.output_dim, param.output_pack = output_dim, output_pack
+        param.input_dim, param.input_block = input_dim, input_block
+        param.weight_loader = self.weight_loader
+        return param
+
+    def _awq_params(self, input_size: int, output_size: int, group_size: int) -> None:
+        if output_size % AWQ_PACK:
+            raise ValueError(f"AWQ: output size {output_size} (per rank) is not a multiple of "
+                             f"{AWQ_PACK}: tensor_parallel_size splits a pack")
+        if input_size % group_size:
+            raise ValueError(f"AWQ: input size {input_size} (per rank) is not a multiple of "
+                             f"group_size {group_size}: tensor_parallel_size splits a group")
+        groups, packed = input_size // group_size, output_size // AWQ_PACK
+        self.qweight = self._param((input_size, packed), torch.int32, 1, 0, AWQ_PACK)
+        self.qzeros = self._param((groups, packed), torch.int32, 1, 0, AWQ_PACK, group_size)
+        self.scales = self._param((groups, output_size), torch.get_default_dtype(), 1, 0, 1,
+                                  group_size)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy_checked(param.data, loaded)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ weight^T: cuBLAS, or the kernel start-up tuning picked for this many rows."""
+        """x @ weight^T: cuBLAS, or the kernel start-up tuning picked for this many rows; AWQ
+        layers through the W4A16 kernels (their PyTorch reference off the GPU)."""
+        if self.quant is not None:
+            return self._awq_matmul(x)
         kernel = self.small_m_kernels.get(x.shape[0]) if self.small_m_kernels else None
         return F.linear(x, self.weight) if kernel is None else kernel(x, self.weight)
 
+    def _awq_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        args = (self.qweight, self.qzeros, self.scales, self.quant.group_size)
+        if x.is_cuda:
+            from echo_kernels import awq_linear
+
+            return awq_linear(x.contiguous(), *args)
+        from echo_kernels.reference import awq_linear_ref
+
+        return awq_linear_ref(x, *args)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None:
+            if self.quant is not None:
+                return self.matmul(x) + self.bias
             return F.linear(x, self.weight, self.bias)
         return self.matmul(x)
+
+
+def _output_part(param: nn.Parameter, tensor, start: int, size: int):
+    """Output features [start, start + size) of tensor laid out as param is (packed or not)."""
+    pack = getattr(param, "output_pack", 1)
+    if start % pack or size % pack:
+        raise ValueError(f"output features {start}..{start + size} split a pack of {pack}")
+    return tensor.narrow(getattr(param, "output_dim", 0), start // pack, size // pack)
+
+
+def _input_part(param: nn.Parameter, tensor, start: int, size: int):
+    """Input features [start, start + size): rows of a dense weight's columns, or whole groups
+    of AWQ's qzeros and scales."""
+    block = getattr(param, "input_block", 1)
+    if start % block or size % block:
+        raise ValueError(f"input features {start}..{start + size} split a group of {block}")
+    return tensor.narrow(getattr(param, "input_dim", 1), start // block, size // block)
 
 
 def _copy_checked(dst: torch.Tensor, src) -> None:
@@ -68,39 +134,41 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; each rank keeps its slice of the result."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = SINGLE):
-        super().__init__(input_size, _divide(output_size, tp.size, "output size"), bias, tp)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = SINGLE,
+                 quant: AwqConfig | None = None):
+        super().__init__(input_size, _divide(output_size, tp.size, "output size"), bias, tp,
+                         quant)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        size = param.shape[0]
-        _copy_checked(param.data, loaded.narrow(0, self.tp.rank * size, size))
+        size = self.output_size
+        _copy_checked(param.data, _output_part(param, loaded, self.tp.rank * size, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul (gate and up of SwiGLU)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 tp: TPGroup = SINGLE):
+                 tp: TPGroup = SINGLE, quant: AwqConfig | None = None):
         # each part must split evenly on its own: a sum that divides while its parts do not
         # would make the loader place rows at the wrong offsets
         for size in output_sizes:
             _divide(size, tp.size, "output size")
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, tp)
+        super().__init__(input_size, sum(output_sizes), bias, tp, quant)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         tp = self.tp
         offset = sum(self.output_sizes[:shard_id]) // tp.size
         size = self.output_sizes[shard_id] // tp.size
-        shard = loaded.narrow(0, tp.rank * size, size)
-        _copy_checked(param.data.narrow(0, offset, size), shard)
+        shard = _output_part(param, loaded, tp.rank * size, size)
+        _copy_checked(_output_part(param, param.data, offset, size), shard)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matmul; KV heads are replicated when tp > num_kv_heads."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, tp: TPGroup = SINGLE):
+                 bias: bool = False, tp: TPGroup = SINGLE, quant: AwqConfig | None = None):
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp.size, "num_attention_heads")
         if tp.size >= num_kv_heads:
@@ -112,7 +180,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             kv_per_rank = _divide(num_kv_heads, tp.size, "num_key_value_heads")
             self.num_kv_heads, self.kv_replicas = kv_per_rank, 1
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.size
-        super().__init__(hidden_size, output_size, bias, tp)
+        super().__init__(hidden_size, output_size, bias, tp, quant)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -121,7 +189,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, index = kv_size, self.tp.rank // self.kv_replicas
-        _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, index * size, size))
+        _copy_checked(_output_part(param, param.data, offset, size),
+                      _output_part(param, loaded, index * size, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -129,8 +198,9 @@ class RowParallelLinear(LinearBase):
     or (reduce_results=False) by whoever consumes them."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = SINGLE,
-                 reduce_results: bool = True):
-        super().__init__(_divide(input_size, tp.size, "input size"), output_size, bias, tp)
+                 reduce_results: bool = True, quant: AwqConfig | None = None):
+        super().__init__(_divide(input_size, tp.size, "input size"), output_size, bias, tp,
+                         quant)
         if bias and not reduce_results:
             raise ValueError("a row-parallel bias is added after the all-reduce: "
                              "reduce_results=False needs bias=False")
@@ -140,8 +210,8 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:  # bias: not sharded, added once after the reduce
             _copy_checked(param.data, loaded)
             return
-        size = param.shape[1]
-        _copy_checked(param.data, loaded.narrow(1, self.tp.rank * size, size))
+        size = self.input_size
+        _copy_checked(param.data, _input_part(param, loaded, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from echo.layers.quantization import AwqConfig, parse_quantization
 from echo.layers.rope_scaling import RopeScaling
 
 # architectures[0] in config.json -> echo's model family
@@ -43,6 +44,7 @@ class ModelArch:
     norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1  # every this-many-th layer is sparse
     mlp_only_layers: tuple[int, ...] = ()  # dense layers among the sparse ones
+    quantization: AwqConfig | None = None  # config.json's quantization_config (AWQ)
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
         """Whether layer layer_idx has experts (transformers' Qwen3-MoE rule)."""
@@ -119,6 +121,7 @@ def arch_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArch:
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            quantization=parse_quantization(cfg.get("quantization_config"), source),
             **(_moe_fields(cfg, source) if family == "qwen3_moe" else {}),
         )
     except KeyError as e:

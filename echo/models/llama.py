@@ -14,6 +14,7 @@ from echo.layers.attention import Attention, ForwardContext
 from echo.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from echo.layers.layernorm import RMSNorm
 from echo.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from echo.layers.quantization import AwqConfig
 from echo.layers.rotary import RotaryEmbedding
 from echo.models.arch import ModelArch
 
@@ -25,16 +26,26 @@ def norm_reduces(arch: ModelArch, tp: TPGroup) -> bool:
     return tp.size > 1 and tp.reduce_in_norm and not (arch.attention_bias or arch.mlp_bias)
 
 
+def quantization_of(arch: ModelArch, name: str) -> AwqConfig | None:
+    """The quantization of the linear layer called name in the checkpoint (a fused layer goes
+    by its first part: q_proj, gate_proj), None where it is not quantized."""
+    quant = arch.quantization
+    return quant if quant is not None and quant.applies_to(name) else None
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, arch: ModelArch, layer_idx: int, rope: RotaryEmbedding, tp: TPGroup):
         super().__init__()
+        prefix = f"model.layers.{layer_idx}.self_attn"
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads,
-                                          arch.num_kv_heads, arch.attention_bias, tp)
+                                          arch.num_kv_heads, arch.attention_bias, tp,
+                                          quantization_of(arch, f"{prefix}.q_proj"))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = arch.head_dim
         self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size,
                                         arch.attention_bias, tp,
-                                        reduce_results=not norm_reduces(arch, tp))
+                                        reduce_results=not norm_reduces(arch, tp),
+                                        quant=quantization_of(arch, f"{prefix}.o_proj"))
         self.rope = rope
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
 
@@ -56,13 +67,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArch, tp: TPGroup):
+    def __init__(self, arch: ModelArch, tp: TPGroup, prefix: str = "mlp"):
         super().__init__()
         size = arch.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size],
-                                                       arch.mlp_bias, tp)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            arch.hidden_size, [size, size], arch.mlp_bias, tp,
+            quantization_of(arch, f"{prefix}.gate_proj"))
         self.down_proj = RowParallelLinear(size, arch.hidden_size, arch.mlp_bias, tp,
-                                           reduce_results=not norm_reduces(arch, tp))
+                                           reduce_results=not norm_reduces(arch, tp),
+                                           quant=quantization_of(arch, f"{prefix}.down_proj"))
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +97,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def make_mlp(self, arch: ModelArch, layer_idx: int, tp: TPGroup) -> nn.Module:
         """The block after attention (a mixture of experts overrides it)."""
-        return LlamaMLP(arch, tp)
+        return LlamaMLP(arch, tp, f"model.layers.{layer_idx}.mlp")
 
     def forward(self, positions, hidden, residual, ctx: ForwardContext):
         if residual is None:

@@ -66,7 +66,7 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
     """Set `small_m_kernels[1]` on every bias-free linear layer whose shape the GEMV wins."""
     by_shape: dict[tuple[int, int], list[LinearBase]] = defaultdict(list)
     for module in model.modules():
-        if isinstance(module, LinearBase) and module.bias is None:
+        if isinstance(module, LinearBase) and module.bias is None and module.quant is None:
             by_shape[tuple(module.weight.shape)].append(module)
     choices = []
     for shape, layers in by_shape.items():

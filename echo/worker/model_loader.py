@@ -97,6 +97,8 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             generator = torch.Generator(device=param.device).manual_seed(seed)
         if "norm" in name:
             param.data.fill_(1.0)
+        elif not param.is_floating_point():  # AWQ's packed int32 nibbles: any bits will do
+            param.data.random_(generator=generator)
         else:
             param.data.normal_(0.0, 0.02, generator=generator)
 

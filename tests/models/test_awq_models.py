@@ -1,0 +1,148 @@
+"""AWQ checkpoints (W4A16, AutoAWQ's "gemm" layout) of tiny random Llama and Qwen3, packed by the
+tests' own packer (tests/kernels/test_awq.py, written from the format description): echo's
+logits and greedy tokens equal transformers' model holding the same dequantized weights."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from echo import LLM, SamplingParams
+from tests.helpers import VOCAB
+from tests.kernels.test_awq import pack_awq, quantize_rtn
+from tests.models.test_logits_vs_transformers import (
+    PROMPTS,
+    echo_logits,
+    hf_logits,
+    make_runner,
+    prefill_output,
+)
+
+GROUP = 32
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
+              "version": "gemm"}
+
+
+def write_awq_model(folder, family: str):
+    """(echo's AWQ folder, transformers' model with the dequantized weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  rms_norm_eps=1e-6)
+    if family == "qwen3":
+        config, model_cls = Qwen3Config(head_dim=32, rope_theta=10000.0, **common), \
+            Qwen3ForCausalLM
+    else:
+        config, model_cls = LlamaConfig(rope_theta=10000.0, **common), LlamaForCausalLM
+    torch.manual_seed(0)
+    model = model_cls(config).to(torch.float32).eval()
+    tensors = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            if not any(f".{p}." in name for p in QUANTIZED):
+                tensors[name] = param.detach().clone().contiguous()
+                continue
+            w = param.detach().T.contiguous()  # AWQ multiplies x @ W with W [in, out]
+            q, z, s = quantize_rtn(w, GROUP)
+            base = name.removesuffix(".weight")
+            tensors[f"{base}.qweight"] = pack_awq(q)
+            tensors[f"{base}.qzeros"] = pack_awq(z)
+            tensors[f"{base}.scales"] = s
+            groups = torch.arange(w.shape[0]) // GROUP
+            param.copy_(((q - z[groups]).float() * s.float()[groups]).T)  # the dequantized W
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "model.safetensors")
+    cfg = {**config.to_dict(), "architectures": [model_cls.__name__],
+           "quantization_config": AWQ_CONFIG, "torch_dtype": "float32"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder, model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def awq_model(request, tmp_path_factory):
+    return write_awq_model(tmp_path_factory.mktemp(f"awq_{request.param}"), request.param)
+
+
+def test_prefill_logits_match_transformers_with_the_dequantized_weights(awq_model):
+    folder, hf = awq_model
+    logits = echo_logits(make_runner(folder), prefill_output(PROMPTS))
+    start = 0
+    for prompt in PROMPTS:
+        torch.testing.assert_close(logits[start:start + len(prompt)], hf_logits(hf, prompt),
+                                   atol=1e-4, rtol=1e-4)
+        start += len(prompt)
+
+
+def test_greedy_tokens_equal_transformers_at_one_and_two_ranks(awq_model):
+    folder, hf = awq_model
+    prompt = list(range(10, 40))
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+    for tp in (1, 2):
+        llm = LLM(str(folder), device="cpu", num_gpu_blocks_override=64, max_num_seqs=4,
+                  tensor_parallel_size=tp)
+        try:
+            out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16,
+                                                        ignore_eos=True), use_tqdm=False)
+        finally:
+            llm.shutdown()
+        assert out[0].outputs[0].token_ids == expected, f"tensor_parallel_size={tp}"
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"bits": 8}, "quantization_config.bits"),
+    ({"desc_act": True}, "quantization_config.desc_act"),
+    ({"version": "gemv"}, "quantization_config.version"),
+    ({"group_size": 48}, "quantization_config.group_size"),
+    ({"zero_point": False}, "quantization_config.zero_point"),
+    ({"quant_method": "gptq"}, "quantization_config.quant_method"),
+])
+def test_unsupported_quantization_configs_name_the_field(awq_model, tmp_path, change, field):
+    folder, _ = awq_model
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {**AWQ_CONFIG, **change}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=field):
+        LLM(str(tmp_path), device="cpu", num_gpu_blocks_override=16)
+
+
+def test_missing_or_misshapen_awq_tensors_name_the_tensor(awq_model, tmp_path):
+    folder, _ = awq_model
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    tensors = load_file(folder / "model.safetensors")
+    scales = "model.layers.0.self_attn.o_proj.scales"
+    save_file({k: v for k, v in tensors.items() if k != scales}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="o_proj.scales"):
+        LLM(str(tmp_path), device="cpu", num_gpu_blocks_override=16)
+    qweight = "model.layers.1.mlp.down_proj.qweight"
+    save_file({**tensors, qweight: tensors[qweight][:, :4].contiguous()},
+              tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="down_proj.qweight"):
+        LLM(str(tmp_path), device="cpu", num_gpu_blocks_override=16)
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_and_graphs_give_transformers_greedy_tokens(awq_model):
+    """On the GPU the linear layers run awq_gemv / awq_gemm, decodes replay CUDA graphs."""
+    folder, hf = awq_model
+    prompt = list(range(10, 40))
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(str(folder), device="cuda", dtype="float32", num_gpu_blocks_override=64,
+              max_num_seqs=4)
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16,
+                                                    ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert out[0].outputs[0].token_ids == expected
