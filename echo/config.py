@@ -79,6 +79,9 @@ MODEL_ARGS = (
               "benchmarks)", choices=LOAD_FORMATS),
     EngineArg("seed", int, 0,
               "engine seed: dummy weights and the sampling of requests that give no seed"),
+    EngineArg("quantization", str, None,
+              "the checkpoint's weight format, checked against its config.json's "
+              "quantization_config (read from there when not given)", choices=("awq",)),
     EngineArg("speculative_config", dict, None,
               'speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
               '"num_speculative_tokens": 4, "prompt_lookup_max": 4}'),
@@ -364,6 +367,12 @@ def _create(model: str | None, **kwargs) -> EngineConfig:
             _check_int(given[name], name)
     path, hf_config = _resolve_model(model, load_format)
     arch = arch_from_hf_config(hf_config, source=f"{path or model}/config.json")
+    quantization = model_kwargs.get("quantization")
+    if quantization is not None:
+        _check_choice(quantization, "quantization", ("awq",))
+        _check(arch.quantization is not None, "quantization",
+               f"{quantization!r} given, but {path or model}/config.json has no "
+               "quantization_config: the weights are not quantized")
 
     device = _resolve_device(device_cfg.device)
     backend = device_cfg.attention_backend

@@ -146,3 +146,15 @@ def test_gpu_kernels_and_graphs_give_transformers_greedy_tokens(awq_model):
     finally:
         llm.shutdown()
     assert out[0].outputs[0].token_ids == expected
+
+
+def test_the_quantization_argument_is_checked_against_the_checkpoint(awq_model, tiny_llama):
+    from echo.config import EngineConfig
+
+    folder, _ = awq_model
+    config = EngineConfig.create(str(folder), device="cpu", quantization="awq")
+    assert config.model.arch.quantization.group_size == GROUP
+    with pytest.raises(ValueError, match="quantization: 'awq' given"):
+        EngineConfig.create(str(tiny_llama), device="cpu", quantization="awq")
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig.create(str(folder), device="cpu", quantization="gptq")
