@@ -14,8 +14,9 @@ SPEC = {"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max"
 
 
 def run(model, prompts, params, speculative: bool, **kwargs):
-    llm = LLM(str(model), device="cpu", max_model_len=512, max_num_seqs=8,
-              speculative_config=SPEC if speculative else None, **kwargs)
+    kwargs = {"max_model_len": 512, "max_num_seqs": 8, **kwargs}
+    llm = LLM(str(model), device="cpu", speculative_config=SPEC if speculative else None,
+              **kwargs)
     drafted = accepted = 0
     if speculative:
         scheduler = llm.engine.scheduler
@@ -110,3 +111,4 @@ def test_sampled_requests_and_requests_without_drafts_share_a_step(smollm2):
     plain, _, _, _ = run(smollm2, REPEATS[2:], params[2:], speculative=False)
     assert completions(first)[2] == completions(plain)[0]  # greedy, no drafts: unchanged
     assert len(first[2].outputs[0].logprobs) == len(first[2].outputs[0].token_ids)
+
