@@ -28,14 +28,42 @@ def write_tiny_model(folder: Path, family: str, tie: bool, rope_scaling: bool = 
         config = LlamaConfig(rope_parameters=rope, **common)
         model_cls = LlamaForCausalLM
     torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32)
-    # random norms too, so a wrong norm weight shows up
+    model = randomize_norms(model_cls(config).to(torch.float32))
+    model.save_pretrained(folder, max_shard_size="100KB" if sharded else "5GB")
+    return folder
+
+
+def randomize_norms(model):
+    """Random norm weights too (transformers starts them at 1), so a wrong norm weight shows
+    up; returns the model."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-    model.save_pretrained(folder, max_shard_size="100KB" if sharded else "5GB")
-    return folder
+    return model
+
+
+def hf_greedy_tokens(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' raw greedy continuation (EOS does not stop it)."""
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def echo_greedy_tokens(folder: Path, prompts: list[list[int]], max_new_tokens: int,
+                       **engine_args) -> list[list[int]]:
+    """echo.LLM's greedy tokens for each prompt (EOS ignored), the engine shut down after."""
+    from echo import LLM, SamplingParams
+
+    llm = LLM(str(folder), **{"device": "cpu", "num_gpu_blocks_override": 64,
+                              "max_num_seqs": 4, **engine_args})
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    finally:
+        llm.shutdown()
 
 
 def load_hf(folder: Path):

@@ -4,18 +4,13 @@ import pytest
 import torch
 
 from echo import LLM, SamplingParams
-from tests.helpers import load_hf
+from tests.helpers import hf_greedy_tokens, load_hf
 
 PROMPTS = [[1, 17, 42, 99, 5], [1, 3], list(range(10, 60)), [1] + [7, 8, 9] * 9]
 
 
 def hf_greedy(folder, prompt: list[int], max_new_tokens: int) -> list[int]:
-    model = load_hf(folder)
-    model.generation_config.eos_token_id = None  # compare raw greedy continuations
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return hf_greedy_tokens(load_hf(folder), prompt, max_new_tokens)
 
 
 def make_llm(folder, **kwargs) -> LLM:

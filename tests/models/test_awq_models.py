@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from echo import LLM, SamplingParams
-from tests.helpers import VOCAB
+from echo import LLM
+from tests.helpers import VOCAB, echo_greedy_tokens, hf_greedy_tokens, randomize_norms
 from tests.kernels.test_awq import pack_awq, quantize_rtn
 from tests.models.test_logits_vs_transformers import (
     PROMPTS,
@@ -39,12 +39,10 @@ def write_awq_model(folder, family: str):
     else:
         config, model_cls = LlamaConfig(rope_theta=10000.0, **common), LlamaForCausalLM
     torch.manual_seed(0)
-    model = model_cls(config).to(torch.float32).eval()
+    model = randomize_norms(model_cls(config).to(torch.float32).eval())
     tensors = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
             if not any(f".{p}." in name for p in QUANTIZED):
                 tensors[name] = param.detach().clone().contiguous()
                 continue
@@ -82,19 +80,10 @@ def test_prefill_logits_match_transformers_with_the_dequantized_weights(awq_mode
 def test_greedy_tokens_equal_transformers_at_one_and_two_ranks(awq_model):
     folder, hf = awq_model
     prompt = list(range(10, 40))
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                               pad_token_id=0)[0, len(prompt):].tolist()
+    expected = hf_greedy_tokens(hf, prompt, 16)
     for tp in (1, 2):
-        llm = LLM(str(folder), device="cpu", num_gpu_blocks_override=64, max_num_seqs=4,
-                  tensor_parallel_size=tp)
-        try:
-            out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16,
-                                                        ignore_eos=True), use_tqdm=False)
-        finally:
-            llm.shutdown()
-        assert out[0].outputs[0].token_ids == expected, f"tensor_parallel_size={tp}"
+        assert echo_greedy_tokens(folder, [prompt], 16, tensor_parallel_size=tp) == \
+            [expected], f"tensor_parallel_size={tp}"
 
 
 @pytest.mark.parametrize("change,field", [
@@ -134,18 +123,10 @@ def test_gpu_kernels_and_graphs_give_transformers_greedy_tokens(awq_model):
     """On the GPU the linear layers run awq_gemv / awq_gemm, decodes replay CUDA graphs."""
     folder, hf = awq_model
     prompt = list(range(10, 40))
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                               pad_token_id=0)[0, len(prompt):].tolist()
-    llm = LLM(str(folder), device="cuda", dtype="float32", num_gpu_blocks_override=64,
-              max_num_seqs=4)
-    try:
-        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16,
-                                                    ignore_eos=True), use_tqdm=False)
-    finally:
-        llm.shutdown()
-    assert out[0].outputs[0].token_ids == expected
+    expected = hf_greedy_tokens(hf, prompt, 16)
+    assert echo_greedy_tokens(folder, [prompt], 16, device="cuda", dtype="float32") == \
+        [expected]
+
 
 
 def test_the_quantization_argument_is_checked_against_the_checkpoint(awq_model, tiny_llama):

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from echo import LLM, SamplingParams
+from tests.helpers import hf_greedy_tokens
 from tests.kernels.test_awq import pack_awq, quantize_rtn
 from tests.models.test_awq_models import AWQ_CONFIG, GROUP, QUANTIZED
 
@@ -73,10 +74,8 @@ def test_logits_and_greedy_tokens_equal_transformers(smollm2_awq):
                            use_tqdm=False)[0]
     finally:
         llm.shutdown()
-    dequantized.generation_config.eos_token_id = None
+    expected = hf_greedy_tokens(dequantized, ids[:24], 16)
     with torch.no_grad():
-        expected = dequantized.generate(torch.tensor([ids[:24]]), max_new_tokens=16,
-                                        do_sample=False, pad_token_id=0)[0, 24:].tolist()
         reference = torch.log_softmax(dequantized(torch.tensor([ids[:24]])).logits[0], -1)
     assert out.outputs[0].token_ids == expected
     for position, entry in enumerate(out.prompt_logprobs[1:], 1):  # prompt token logprobs

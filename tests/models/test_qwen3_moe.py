@@ -7,9 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from echo import LLM, SamplingParams
 from echo.models.arch import arch_from_hf_config
-from tests.helpers import VOCAB, load_hf
+from tests.helpers import VOCAB, echo_greedy_tokens, hf_greedy_tokens, load_hf, randomize_norms
 from tests.models.test_logits_vs_transformers import (
     PROMPTS,
     echo_logits,
@@ -30,12 +29,10 @@ def write_tiny_moe(folder, norm_topk_prob: bool = True, seed: int = 0):
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         rms_norm_eps=1e-6, rope_theta=10000.0)
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).to(torch.float32)
+    model = randomize_norms(Qwen3MoeForCausalLM(config).to(torch.float32))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif "gate.weight" in name:  # a router that prefers some experts clearly
+            if "gate.weight" in name:  # a router that prefers some experts clearly
                 p.normal_(0.0, 0.5)
     model.save_pretrained(folder)
     return folder
@@ -89,24 +86,11 @@ def test_packed_expert_layout_loads_the_same(tiny_moe, tmp_path):
 
 def test_greedy_tokens_equal_transformers_and_tensor_parallel_equals_one_rank(tiny_moe):
     hf = load_hf(tiny_moe)
-    hf.generation_config.eos_token_id = None
     prompts = [[1, 17, 42, 99, 5], list(range(10, 40))]
-    expected = []
-    with torch.no_grad():
-        for prompt in prompts:
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                              pad_token_id=0)
-            expected.append(out[0, len(prompt):].tolist())
-    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    expected = [hf_greedy_tokens(hf, prompt, 32) for prompt in prompts]
     for tp in (1, 2):
-        llm = LLM(str(tiny_moe), device="cpu", num_gpu_blocks_override=64, max_num_seqs=4,
-                  tensor_parallel_size=tp)
-        try:
-            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy,
-                                                                  use_tqdm=False)]
-        finally:
-            llm.shutdown()
-        assert tokens == expected, f"tensor_parallel_size={tp}"
+        assert echo_greedy_tokens(tiny_moe, prompts, 32, tensor_parallel_size=tp) == expected, \
+            f"tensor_parallel_size={tp}"
 
 
 @pytest.mark.parametrize("preset,billions", [("qwen3-30b-a3b", 30.5), ("qwen3-235b-a22b", 235.1)])
@@ -127,17 +111,7 @@ def test_presets_have_the_published_parameter_counts(preset, billions):
 def test_gpu_kernels_and_graphs_give_transformers_greedy_tokens(tiny_moe):
     """On the GPU the routing and experts are echo_kernels.fused_moe's, decodes replay CUDA
     graphs; float32 so the tokens can be compared exactly."""
-    hf = load_hf(tiny_moe)
-    hf.generation_config.eos_token_id = None
     prompt = list(range(10, 40))
-    with torch.no_grad():
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                               pad_token_id=0)[0, len(prompt):].tolist()
-    llm = LLM(str(tiny_moe), device="cuda", dtype="float32", num_gpu_blocks_override=64,
-              max_num_seqs=4)
-    try:
-        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32,
-                                                    ignore_eos=True), use_tqdm=False)
-    finally:
-        llm.shutdown()
-    assert out[0].outputs[0].token_ids == expected
+    expected = hf_greedy_tokens(load_hf(tiny_moe), prompt, 32)
+    assert echo_greedy_tokens(tiny_moe, [prompt], 32, device="cuda", dtype="float32") == \
+        [expected]
