@@ -83,12 +83,13 @@ class EngineCore:
 
     def _fail(self, failures: list[tuple[str, str]]) -> list[EngineCoreOutput]:
         """Finish requests with an error (a grammar that failed), as refusals are reported."""
-        outputs = []
-        for rid, error in failures:
-            self.structured.forget([rid])
-            for output in self.scheduler.abort_requests([rid]):
-                output.finish_reason, output.error = "error", error
-                outputs.append(output)
+        return [output for rid, error in failures for output in self._abort(rid, error)]
+
+    def _abort(self, request_id: str, error: str) -> list[EngineCoreOutput]:
+        self.structured.forget([request_id])
+        outputs = self.scheduler.abort_requests([request_id])
+        for output in outputs:
+            output.finish_reason, output.error = "error", error
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -147,8 +148,7 @@ class EngineCore:
         for output in outputs:
             error = errors.get(output.request_id)
             if error is not None and output.finish_reason is None:
-                self.structured.forget([output.request_id])
-                self.scheduler.abort_requests([output.request_id])
+                self._abort(output.request_id, error)  # this output, with its token, ends it
                 output.finish_reason, output.error = "error", error
 
     def has_work(self) -> bool:

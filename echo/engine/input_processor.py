@@ -100,9 +100,11 @@ class InputProcessor:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens_must_fit: bool = False) -> None:
+                 max_tokens_must_fit: bool = False, structured_field: str | None = None) -> None:
         """What the engine would refuse; with max_tokens_must_fit (the OpenAI server), also a
-        max_tokens that would run past max_model_len instead of stopping there."""
+        max_tokens that would run past max_model_len instead of stopping there.
+        structured_field: the request field a grammar error names (the server's
+        response_format, guided_regex, ...; structured_outputs.KIND by default)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: expected SamplingParams, got {type(params)}")
         check_request_length(len(prompt_token_ids), self.config.max_model_len,
@@ -113,4 +115,4 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise ValueError(f"structured_outputs: model {self.config.model!r} has no "
                                  "tokenizer to compile a grammar against")
-            build_grammar(params.structured_outputs)
+            build_grammar(params.structured_outputs, structured_field)

@@ -189,10 +189,12 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
             params = body.sampling_params(max_tokens, logprobs, options.generation_defaults)
             if reasoning_ids is not None and params.structured_outputs is not None:
                 params.structured_outputs.reasoning_token_ids = reasoning_ids
+            constraint = body.structured_constraint()  # a grammar error names its field
             # a max_tokens the client gave must fit (OpenAI's 400); a default one (the
             # generation config's max_new_tokens) stops at max_model_len instead, as in vLLM
-            client.input_processor.validate(ids, params,
-                                            max_tokens_must_fit=max_tokens is not None)
+            client.input_processor.validate(
+                ids, params, max_tokens_must_fit=max_tokens is not None,
+                structured_field=constraint[0] if constraint else None)
         except ValueError as e:
             raise bad_request(e) from None
         return ids, params

@@ -17,7 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from echo.engine.generation_config import GenerationDefaults
 from echo.entrypoints.tool_calls import ToolPlan
 from echo.sampling_params import STRUCTURED_KINDS, SamplingParams, StructuredOutputsParams
-from echo.structured_output.grammar_spec import build_grammar
 
 NO_DEFAULTS = GenerationDefaults()
 
@@ -171,8 +170,9 @@ class _SamplingFields(Utf8Only):
         return None
 
     def structured_constraint(self) -> tuple[str, StructuredOutputsParams] | None:
-        """The request's structured output constraint and the field it came from, checked
-        (ValueError naming that field); None without one."""
+        """The request's structured output constraint and the field it came from (ValueError
+        naming it when two are given or one is malformed); None without one. Its grammar is
+        checked once, by InputProcessor.validate, under that field's name."""
         found = []
         fmt = self.response_format
         if fmt is not None and fmt.get("type", "text") != "text":
@@ -189,9 +189,7 @@ class _SamplingFields(Utf8Only):
                              f"request, but {found[0][0]} is given too")
         if not found:
             return None
-        field, params = found[0]
-        build_grammar(params, field)
-        return field, params
+        return found[0]
 
     def _tool_constraint(self) -> list[tuple[str, StructuredOutputsParams]]:
         return []  # chat completions': a required or named tool_choice

@@ -193,15 +193,16 @@ class InputBatch:
         seq_lens = (starts + counts).astype(np.int32)
         max_blocks = int(self.num_blocks[rows].max()) if len(rows) else 0
         known = self.num_tokens[rows]
-        pending = self.num_pending[rows]
-        samples = np.nonzero(seq_lens >= known + pending)[0]
-        # positions past the host's tokens hold values still on the device, or drafts
-        known_of_token = np.repeat(known, counts)
-        placeholders = np.nonzero((positions >= known_of_token)
-                                  & (positions < known_of_token + np.repeat(pending, counts)))[0]
+        samples = np.nonzero(seq_lens >= known + self.num_pending[rows])[0]
         logits_indices, num_drafts = cu[1:][samples] - 1, None
         spec = out.scheduled_spec_decode_tokens
-        if spec:
+        if not spec:
+            # positions at or past the host's tokens hold values still on the device
+            placeholders = np.nonzero(positions >= np.repeat(known, counts))[0]
+        else:
+            # with drafts one step is in flight: nothing is pending, and the positions past
+            # the host's tokens are the drafts written in update()
+            placeholders = np.zeros(0, dtype=np.int64)
             num_drafts = np.array([len(spec.get(req_ids[i], ())) for i in samples],
                                   dtype=np.int64)
             per_request = num_drafts + 1  # the last token's logits and each draft's
