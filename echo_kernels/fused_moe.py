@@ -396,7 +396,9 @@ def _moe_sum_kernel(
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              block_m: int | None = None) -> torch.Tensor:
+              block_m: int | None = None, block_n: int | None = None,
+              block_k: int | None = None, num_warps: int | None = None,
+              num_stages: int | None = None) -> torch.Tensor:
     """hidden [M, H], w13 [E, 2I, H] (gate rows, then up: transformers' Qwen3-MoE
     experts.gate_up_proj), w2 [E, H, I], topk_weights [M, k] float32, topk_ids [M, k] int32
     -> out [M, H] in hidden's dtype: out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)
@@ -404,7 +406,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
     Products accumulate in float32; silu(g) * u and each pair's weighted row are rounded to
     hidden's dtype (what the next tensor-core GEMM and the k-way sum read), the sum over k is
-    float32. block_m (the sorted groups' padding) defaults to a tile chosen by M.
+    float32. The GEMMs' tiles (block_m, also the sorted groups' padding) default to a config
+    chosen by M; the overrides are for bench_kernels' sweep and the tests.
     """
     assert hidden.dim() == 2 and hidden.stride(1) == 1
     num_tokens, hidden_size = hidden.shape
@@ -419,8 +422,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     if not num_tokens:
         return out
-    tile_m, tile_n, tile_k, num_warps = _gemm_config(num_tokens)
-    block_m = block_m or tile_m
+    tile_m, tile_n, tile_k, warps = _gemm_config(num_tokens)
+    block_m, block_n, block_k = block_m or tile_m, block_n or tile_n, block_k or tile_k
     sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids.contiguous(), block_m,
                                                      num_experts)
     num_pairs = topk_ids.numel()
@@ -429,12 +432,14 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     rows = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
     pdl = pdl_options(hidden.device)
-    gemm = {"BLOCK_M": block_m, "BLOCK_N": tile_n, "BLOCK_K": tile_k, "PRECISION": precision,
-            "num_warps": num_warps, **pdl}
-    _moe_gate_up_kernel[(num_m * triton.cdiv(inter_size, tile_n),)](
+    gemm = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "PRECISION": precision,
+            "num_warps": num_warps or warps, **pdl}
+    if num_stages is not None:
+        gemm["num_stages"] = num_stages
+    _moe_gate_up_kernel[(num_m * triton.cdiv(inter_size, block_n),)](
         hidden, w13, act, sorted_ids, expert_ids, num_pairs, top_k, hidden_size, inter_size,
         hidden.stride(0), w13.stride(0), w13.stride(1), **gemm)
-    _moe_down_kernel[(num_m * triton.cdiv(hidden_size, tile_n),)](
+    _moe_down_kernel[(num_m * triton.cdiv(hidden_size, block_n),)](
         act, w2, topk_weights.contiguous(), rows, sorted_ids, expert_ids, num_pairs,
         hidden_size, inter_size, w2.stride(0), w2.stride(1), **gemm)
     block = min(1024, triton.next_power_of_2(hidden_size))

@@ -37,6 +37,7 @@ from echo_kernels import (  # noqa: E402
 )
 from echo_kernels.attention import flash_attn_varlen, paged_attention  # noqa: E402
 from echo_kernels.attention.common import TileConfig, tile_config  # noqa: E402
+from echo_kernels.awq import awq_gemm, awq_gemv, awq_linear  # noqa: E402
 from echo_kernels.linear import small_m_linear  # noqa: E402
 from echo_kernels.reference import fused_moe_ref  # noqa: E402
 
@@ -437,34 +438,132 @@ def bench_linear(rows: Rows, sweep: bool) -> None:
 
 # Qwen3-30B-A3B's experts (TP=1): 128 experts, top-8, hidden 2048, expert intermediate 768
 MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTERMEDIATE = 128, 8, 2048, 768
+MOE_ROUTINGS = 4  # decode rows replayed in turn: their experts together exceed the L2
+# (block_m, block_n, block_k, num_warps, num_stages) for --sweep, decode rows and larger
+MOE_SWEEP_SMALL = [(16, bn, bk, w, st) for bn in (32, 64, 128) for bk in (64, 128, 256)
+                   for w in (2, 4) for st in (3, 4)]
+MOE_SWEEP_LARGE = [(bm, bn, 64, w, st) for bm in (32, 64, 128) for bn in (64, 128)
+                   for w in (4, 8) for st in (3, 4)]
 
 
-def bench_moe(rows: Rows) -> None:
+def bench_moe(rows: Rows, sweep: bool) -> None:
     """fused_moe over one layer's experts at M = 1 ... 4096 tokens (routing included). Small M
     reads the weights of the experts its tokens picked: bytes = those experts' gate_up + down
-    (target 70% of copy bandwidth at M <= 16); large M is a grouped GEMM: flops = 2 x 3 x H x I
-    per token and expert (target 50% of the bf16 matmul rate)."""
+    (target 70% of copy bandwidth at M <= 16), timed in a CUDA graph (as decode runs) over
+    MOE_ROUTINGS inputs whose experts differ; large M is a grouped GEMM: flops = 2 x 3 x H x I
+    per token and expert (target 50% of the bf16 matmul rate). --sweep also times tile
+    configs (fused_moe's _GEMM_CONFIGS)."""
     e, k, h, i = MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTERMEDIATE
     w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=DT) * 0.02
     w2 = torch.randn(e, h, i, device="cuda", dtype=DT) * 0.02
     gate = torch.randn(h, e, device="cuda", dtype=DT)
     for m in (1, 2, 4, 8, 16, 64, 256, 1024, 4096):
-        x = torch.randn(m, h, device="cuda", dtype=DT)
-        logits = x @ gate
-        weights, ids = moe_routing(logits, k, True)
-        touched = int(torch.unique(ids).numel())
-        ms = bench(lambda: fused_moe(x, w13, w2, *moe_routing(logits, k, True)))  # noqa: B023
         shape = f"M={m} E={e} k={k} {h}x{i}"
+        xs = [torch.randn(m, h, device="cuda", dtype=DT) for _ in range(MOE_ROUTINGS)]
+        routed = [(x, *moe_routing(x @ gate, k, True)) for x in xs]
         if m <= 16:
-            rows.add("fused_moe", shape, ms, nbytes=touched * 3 * h * i * 2, target=0.7,
-                     note=f"{touched} experts touched")
+            touched = sum(int(torch.unique(ids).numel()) for _, _, ids in routed) / len(routed)
+            measure = dict(nbytes=touched * 3 * h * i * 2, target=0.7)
+            prefix = f"{touched:.1f} experts touched, cuda graph"
         else:
-            rows.add("fused_moe", shape, ms, flops=2 * 3 * h * i * m * k,
-                     target=0.5 * rows.ceil["matmul_bf16_TFLOPs"])
+            measure = dict(flops=2 * 3 * h * i * m * k,
+                           target=0.5 * rows.ceil["matmul_bf16_TFLOPs"])
+            prefix = ""
+        configs = [{}]
+        if sweep:
+            configs += [dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), c))
+                        for c in (MOE_SWEEP_SMALL if m <= 16 else MOE_SWEEP_LARGE)]
+        for tiles in configs:
+            note = " ".join(f"{key}={value}" for key, value in tiles.items())
+            rows.add("fused_moe sweep" if tiles else "fused_moe", shape,
+                     time_fused_moe(xs, gate, w13, w2, k, graph=m <= 16, **tiles), **measure,
+                     note=f"{prefix} {note}".strip())
         if m <= 64:  # the reference loops over experts: a point of comparison, not a target
+            x, weights, ids = routed[0]
             rows.add("fused_moe_ref (torch)", shape,
                      bench(lambda: fused_moe_ref(x, w13, w2, weights, ids),  # noqa: B023
                            rep=20), flops=2 * 3 * h * i * m * k)
+
+
+def time_fused_moe(xs, gate, w13, w2, top_k: int, graph: bool, **tiles) -> float:
+    """ms per fused_moe call with its routing: in a CUDA graph over every x in turn, or with
+    do_bench on the first."""
+    fns = [functools.partial(lambda x: fused_moe(x, w13, w2, *moe_routing(x @ gate, top_k, True),
+                                                 **tiles), x) for x in xs]
+    return bench_graph(fns) if graph else bench(fns[0])
+
+
+AWQ_GROUP = 128
+AWQ_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
+              "down": (4096, 14336)}  # (N, K) of Llama-3.1-8B's layers
+# --sweep: awq_gemv's (block_n, block_k, num_warps, prefetch) at one row, awq_gemm's
+# (block_m, block_n, block_k, num_warps, num_stages) at M = 4096
+AWQ_GEMV_SWEEP = [(bn, bk, w, pf) for bn in (64, 128, 256) for bk in (32, 64, 128)
+                  for w in (4, 8) for pf in (False, True)]
+AWQ_GEMM_SWEEP = [(bm, bn, bk, w, 3) for bm in (64, 128) for bn in (128, 256) for bk in (64, 128)
+                  for w in (4, 8)]
+
+
+def random_awq(n: int, k: int):
+    """Random AWQ tensors (qweight, qzeros, scales) of an [K, N] weight: any bits will do."""
+    g = k // AWQ_GROUP
+    qweight = torch.randint(-2**31, 2**31 - 1, (k, n // 8), device="cuda", dtype=torch.int32)
+    qzeros = torch.randint(-2**31, 2**31 - 1, (g, n // 8), device="cuda", dtype=torch.int32)
+    scales = torch.rand(g, n, device="cuda", dtype=torch.float16) * 0.01
+    return qweight, qzeros, scales
+
+
+def bench_awq(rows: Rows, sweep: bool) -> None:
+    """AWQ W4A16 at Llama-3.1-8B's layer shapes, fp16 activations (AutoAWQ's dtype). Decode
+    rows (M = 1, 4, 16, awq_linear's GEMV) read the packed weight, zeros and scales: bytes =
+    those, against cuBLAS bf16 over its 4x larger weight, in CUDA graphs over weight copies
+    that exceed the L2. M = 4096 (awq_linear's GEMM): flops, target 70% of cuBLAS bf16 at the
+    same shape in the same run."""
+    for name, (n, k) in AWQ_SHAPES.items():
+        g = k // AWQ_GROUP
+        nbytes = k * n // 2 + g * n * 2 + g * n // 2
+        copies = [random_awq(n, k) for _ in range(max(2, -(-160 * 2**20 // nbytes)))]
+        dense = [torch.randn(n, k, device="cuda", dtype=DT) for _ in range(2)]
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            shape = f"M={m} {n}x{k} G={AWQ_GROUP}"
+            rows.add(f"torch linear bf16 {name}", shape,
+                     bench_graph([lambda w=w: F.linear(x.to(DT), w) for w in dense]),  # noqa: B023
+                     nbytes=n * k * 2, note="cuda graph")
+            rows.add(f"awq_linear {name}", shape,
+                     bench_graph([lambda c=c: awq_linear(x, *c, AWQ_GROUP)  # noqa: B023
+                                  for c in copies]), nbytes=nbytes, target=0.7, note="cuda graph")
+            if sweep and m == 1:
+                for bn, bk, w, pf in AWQ_GEMV_SWEEP:
+                    gemv = functools.partial(awq_gemv, block_n=bn, block_k=bk, num_warps=w,
+                                             prefetch=pf)
+                    rows.add(f"awq_gemv {name} sweep", shape,
+                             bench_graph([lambda c=c: gemv(x, *c, AWQ_GROUP)  # noqa: B023
+                                          for c in copies]), nbytes=nbytes,
+                             note=f"block_n={bn} block_k={bk} num_warps={w} prefetch={pf}")
+        m = 4096
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        shape = f"M={m} {n}x{k} G={AWQ_GROUP}"
+        flops = 2 * m * n * k
+        xb = x.to(DT)
+        cublas_ms = bench(lambda: F.linear(xb, dense[0]))  # noqa: B023
+        rows.add(f"torch linear bf16 {name}", shape, cublas_ms, flops=flops)
+        target = 0.7 * flops / cublas_ms / 1e9
+        qweight, qzeros, scales = copies[0]
+        rows.add(f"awq_linear {name}", shape,
+                 bench(lambda: awq_linear(x, qweight, qzeros, scales, AWQ_GROUP)),  # noqa: B023
+                 flops=flops, target=target, note="70% of cuBLAS bf16")
+        if sweep:
+            for bm, bn, bk, w, st in AWQ_GEMM_SWEEP:
+                gemm = functools.partial(awq_gemm, block_m=bm, block_n=bn, block_k=bk,
+                                         num_warps=w, num_stages=st)
+                rows.add(f"awq_gemm {name} sweep", shape,
+                         bench(lambda: gemm(x, qweight, qzeros, scales, AWQ_GROUP)),  # noqa: B023
+                         flops=flops, target=target,
+                         note=f"block_m={bm} block_n={bn} block_k={bk} num_warps={w} "
+                              f"num_stages={st}")
+        copies = dense = None
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -478,8 +577,10 @@ def main() -> None:
     parser.add_argument("--decode-pool-blocks", type=int, default=0,
                         help="draw decode blocks from a cache of this many 16-token blocks, as "
                              "large as the engine's (default: what the batch needs)")
-    parser.add_argument("--only", default="decode,prefill,mixed,elementwise,linear,moe")
-    parser.add_argument("--sweep", action="store_true", help="also sweep attention tile configs")
+    parser.add_argument("--only",
+                        default="decode,prefill,mixed,elementwise,linear,moe,awq")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also sweep tile configs (attention, linear, moe, awq)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "bench_kernels needs a CUDA GPU"
     torch.manual_seed(0)
@@ -501,7 +602,9 @@ def main() -> None:
     if "linear" in parts:
         bench_linear(rows, args.sweep)
     if "moe" in parts:
-        bench_moe(rows)
+        bench_moe(rows, args.sweep)
+    if "awq" in parts:
+        bench_awq(rows, args.sweep)
     missed = [r["kernel"] for r in rows.rows if r.get("pass") is False]
     print(f"# targets missed: {', '.join(missed) if missed else 'none'}")
     if args.out:

@@ -139,3 +139,27 @@ def test_the_quantization_argument_is_checked_against_the_checkpoint(awq_model, 
         EngineConfig.create(str(tiny_llama), device="cpu", quantization="awq")
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig.create(str(folder), device="cpu", quantization="gptq")
+
+
+def test_the_awq_presets_weigh_what_a_4_bit_checkpoint_weighs():
+    """The shapes alone (meta tensors) of the benchmarks' llama-3.1-8b-awq preset: 5.73 GB, the
+    size of a published 4-bit group-128 AWQ checkpoint of Llama-3.1-8B-Instruct, of which a
+    decode step reads all but the embedding table (~4.6 GB, the issue's floor)."""
+    from echo.config import EngineConfig
+    from echo.models.registry import model_class
+
+    config = EngineConfig.create("llama-3.1-8b-awq", load_format="dummy", device="cpu",
+                                 dtype="float16").model
+    assert config.arch.quantization.group_size == 128
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        with torch.device("meta"):
+            model = model_class(config.arch.family)(config.arch)
+    finally:
+        torch.set_default_dtype(previous)
+    sizes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
+    total = sum(sizes.values())
+    read = total - sum(size for name, size in sizes.items() if "embed_tokens" in name)
+    assert abs(total / 1e9 - 5.73) < 0.02, total
+    assert abs(read / 1e9 - 4.6) < 0.1, read
