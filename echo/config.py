@@ -24,6 +24,8 @@ KV_CACHE_DTYPES = ("auto", "bf16", "int8")
 DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
+ROUTER_POLICIES = ("cache_aware", "least_load", "round_robin")  # echo.engine.router's
 DEFAULT_MODEL_NAMES = (None, "", "default")
 
 
@@ -175,11 +177,31 @@ class ParallelConfig:
     tensor_parallel_size: int = _arg(
         1, "number of tensor-parallel ranks (GPUs on cuda, processes on cpu)",
         aliases=("--tp", "-tp", "--tp-size"))
+    # data parallelism: replicas of the whole engine (each with its tensor-parallel ranks)
+    # behind one frontend; the core of each replica sees only its own part
+    data_parallel_size: int = _arg(
+        1, "number of engine replicas behind one frontend, each with its own EngineCore and "
+        "tensor-parallel workers", aliases=("-dp", "--dp", "--dp-size"))
+    data_parallel_backend: str = _arg(
+        "mp", "how replicas run: mp, processes on this node; ray, Ray actors on a cluster",
+        choices=DATA_PARALLEL_BACKENDS)
+    ray_address: str | None = _arg(
+        None, "the Ray cluster of --data-parallel-backend ray (default: RAY_ADDRESS, else a "
+        "local cluster started for the engine)")
+    router_policy: str = _arg(
+        "cache_aware", "which replica takes a request: cache_aware, the one whose recent "
+        "prompts share its longest prefix unless it is much busier; least_load; round_robin",
+        choices=ROUTER_POLICIES)
 
     def __post_init__(self):
-        _check_int(self.tensor_parallel_size, "tensor_parallel_size")
-        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size",
-               f"must be >= 1, got {self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            _check_int(getattr(self, name), name)
+            _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _check_choice(self.data_parallel_backend, "data_parallel_backend",
+                      DATA_PARALLEL_BACKENDS)
+        _check_choice(self.router_policy, "router_policy", ROUTER_POLICIES)
+        _check(self.ray_address is None or isinstance(self.ray_address, str), "ray_address",
+               f"must be a string, got {self.ray_address!r}")
 
 
 @dataclass(frozen=True)
@@ -267,6 +289,11 @@ class EngineConfig:
             visible = torch.cuda.device_count()
             _check(tp <= visible, "tensor_parallel_size",
                    f"{tp} ranks need {tp} GPUs, but {visible} CUDA device(s) are visible")
+            dp = self.parallel.data_parallel_size
+            # Ray places replicas over its cluster's GPUs, which this node need not have
+            _check(self.parallel.data_parallel_backend == "ray" or dp * tp <= visible,
+                   "data_parallel_size", f"{dp} replicas of {tp} rank(s) need {dp * tp} GPUs, "
+                   f"but {visible} CUDA device(s) are visible")
         _check(self.model.max_model_len == self.scheduler.max_model_len, "max_model_len",
                "model and scheduler disagree")
 

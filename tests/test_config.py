@@ -43,6 +43,8 @@ def test_unsupported_architecture_is_named(tmp_path):
     ("block_size", 7), ("gpu_memory_utilization", 1.5), ("max_num_seqs", 0),
     ("tensor_parallel_size", 3), ("dtype", "int4"), ("kv_cache_dtype", "fp8"),
     ("load_format", "pickle"), ("num_gpu_blocks_override", 0),
+    ("data_parallel_size", 0), ("data_parallel_backend", "k8s"), ("router_policy", "random"),
+    ("ray_address", 6379),
 ])
 def test_bad_values_name_their_field(tiny_llama, field, value):
     with pytest.raises(ValueError, match=field):
@@ -73,7 +75,7 @@ def test_cli_offers_the_same_kv_cache_dtypes():
     ("block_size", 16.0), ("max_num_seqs", "8"), ("max_num_batched_tokens", 1e4),
     ("num_gpu_blocks_override", 64.0), ("max_model_len", "256"), ("seed", 1.5),
     ("gpu_memory_utilization", "0.5"), ("enable_prefix_caching", "no"),
-    ("async_scheduling", 0), ("enforce_eager", 1),
+    ("async_scheduling", 0), ("enforce_eager", 1), ("data_parallel_size", 2.0),
 ])
 def test_values_of_the_wrong_type_name_their_field(tiny_llama, field, value):
     name = {"tp": "tensor_parallel_size"}.get(field, field)

@@ -126,6 +126,15 @@ def run_paged(inp, q, cu_q, max_q, max_k, out, **kw):
                                   inp["k_scale"], inp["v_scale"], out=out, **kw)
 
 
+def fits(timer) -> float | None:
+    """timer()'s milliseconds, or None for a swept tile config the GPU cannot hold (shared
+    memory, registers): Triton refuses it at compile time, in the warm-up call."""
+    try:
+        return timer()
+    except triton.runtime.errors.OutOfResources:
+        return None
+
+
 def bench_graph(fns, reps: int = 20, inner: int = 10) -> float:
     """Median ms per call of `fns` replayed from one CUDA graph, as the engine's decode runs.
 
@@ -475,9 +484,11 @@ def bench_moe(rows: Rows, sweep: bool) -> None:
                         for c in (MOE_SWEEP_SMALL if m <= 16 else MOE_SWEEP_LARGE)]
         for tiles in configs:
             note = " ".join(f"{key}={value}" for key, value in tiles.items())
-            rows.add("fused_moe sweep" if tiles else "fused_moe", shape,
-                     time_fused_moe(xs, gate, w13, w2, k, graph=m <= 16, **tiles), **measure,
-                     note=f"{prefix} {note}".strip())
+            ms = fits(lambda: time_fused_moe(xs, gate, w13, w2, k, graph=m <= 16,  # noqa: B023
+                                             **tiles))  # noqa: B023
+            if ms is not None:
+                rows.add("fused_moe sweep" if tiles else "fused_moe", shape, ms, **measure,
+                         note=f"{prefix} {note}".strip())
         if m <= 64:  # the reference loops over experts: a point of comparison, not a target
             x, weights, ids = routed[0]
             rows.add("fused_moe_ref (torch)", shape,
@@ -537,10 +548,11 @@ def bench_awq(rows: Rows, sweep: bool) -> None:
                 for bn, bk, w, pf in AWQ_GEMV_SWEEP:
                     gemv = functools.partial(awq_gemv, block_n=bn, block_k=bk, num_warps=w,
                                              prefetch=pf)
-                    rows.add(f"awq_gemv {name} sweep", shape,
-                             bench_graph([lambda c=c: gemv(x, *c, AWQ_GROUP)  # noqa: B023
-                                          for c in copies]), nbytes=nbytes,
-                             note=f"block_n={bn} block_k={bk} num_warps={w} prefetch={pf}")
+                    ms = fits(lambda: bench_graph([lambda c=c: gemv(x, *c, AWQ_GROUP)  # noqa: B023
+                                                   for c in copies]))  # noqa: B023
+                    if ms is not None:
+                        rows.add(f"awq_gemv {name} sweep", shape, ms, nbytes=nbytes,
+                                 note=f"block_n={bn} block_k={bk} num_warps={w} prefetch={pf}")
         m = 4096
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         shape = f"M={m} {n}x{k} G={AWQ_GROUP}"
@@ -557,11 +569,12 @@ def bench_awq(rows: Rows, sweep: bool) -> None:
             for bm, bn, bk, w, st in AWQ_GEMM_SWEEP:
                 gemm = functools.partial(awq_gemm, block_m=bm, block_n=bn, block_k=bk,
                                          num_warps=w, num_stages=st)
-                rows.add(f"awq_gemm {name} sweep", shape,
-                         bench(lambda: gemm(x, qweight, qzeros, scales, AWQ_GROUP)),  # noqa: B023
-                         flops=flops, target=target,
-                         note=f"block_m={bm} block_n={bn} block_k={bk} num_warps={w} "
-                              f"num_stages={st}")
+                ms = fits(lambda: bench(lambda: gemm(x, qweight, qzeros, scales,  # noqa: B023
+                                                     AWQ_GROUP)))
+                if ms is not None:
+                    rows.add(f"awq_gemm {name} sweep", shape, ms, flops=flops, target=target,
+                             note=f"block_m={bm} block_n={bn} block_k={bk} num_warps={w} "
+                                  f"num_stages={st}")
         copies = dense = None
         torch.cuda.empty_cache()
 

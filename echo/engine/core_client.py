@@ -1,12 +1,10 @@
-"""Starting an EngineCore process, and a blocking client of it.
+"""Starting an EngineCore process, and the sockets to one.
 
 `CoreProcess` is what every frontend shares: it spawns the core (which spawns its workers),
-waits for its ready message or its traceback, and ends it by PID. `SyncCoreClient` is the
-blocking frontend of echo.LLM(engine_process=True), as vLLM's LLM has: the scheduler and
-the workers' host work then run in other processes than the caller's tokenizing and
-detokenizing (offline figures of the split processes against one: docs/benchmarks.md,
-Offline throughput and History e20d1fd). AsyncClient is the asyncio frontend over the same
-process and sockets.
+waits for its ready message or its traceback, and ends it by PID. `CoreChannel` holds the two
+sockets to a core and builds the frames that cross them. The frontends over them are
+SyncCoreClient (echo/engine/sync_client.py, behind echo.LLM(engine_process=True)) and
+AsyncClient (behind the server).
 """
 
 import itertools
@@ -27,9 +25,11 @@ class EngineDeadError(RuntimeError):
 
 
 class CoreProcess:
-    """A spawned EngineCore process with its ipc addresses."""
+    """A spawned EngineCore process with its ipc addresses. device_ids: the GPUs it and its
+    workers see (CUDA_VISIBLE_DEVICES, a data-parallel replica's share), None for all."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, device_ids: tuple[str, ...] | None = None,
+                 name: str = "EngineCore"):
         from echo.engine.core_proc import run_engine_core
 
         self.ipc_dir = tempfile.mkdtemp(prefix="echo-")
@@ -37,8 +37,9 @@ class CoreProcess:
         self.output_address = f"ipc://{self.ipc_dir}/output"
         mp = multiprocessing.get_context("spawn")
         self._reader, writer = mp.Pipe(duplex=False)
-        self.proc = mp.Process(target=run_engine_core, name="EngineCore", daemon=False,
-                               args=(config, self.input_address, self.output_address, writer))
+        self.proc = mp.Process(target=run_engine_core, name=name, daemon=False,
+                               args=(config, self.input_address, self.output_address, writer,
+                                     device_ids))
         self.proc.start()
         writer.close()
 
@@ -90,12 +91,13 @@ class CoreProcess:
 
 
 class CoreChannel:
-    """The two sockets to a CoreProcess and the frames that cross them, for both clients: with
-    a zmq.Context the sockets block, with a zmq.asyncio.Context their calls are awaited."""
+    """The two sockets to a core (a CoreProcess, or anything with its input_address and
+    output_address: a data-parallel replica) and the frames that cross them, for both clients:
+    with a zmq.Context the sockets block, with a zmq.asyncio.Context their calls are awaited."""
 
     SHUTDOWN_FRAMES = (RequestType.SHUTDOWN.value, b"")
 
-    def __init__(self, ctx: zmq.Context, core: CoreProcess):
+    def __init__(self, ctx: zmq.Context, core):
         self.ctx = ctx
         self.input = ctx.socket(zmq.PUSH)
         self.input.connect(core.input_address)
@@ -131,63 +133,3 @@ def engine_error(outputs: EngineCoreOutputs) -> EngineDeadError | None:
     if outputs.engine_error:
         return EngineDeadError(f"EngineCore failed:\n{outputs.engine_error}")
     return None
-
-
-class SyncCoreClient:
-    """Blocking sockets to a CoreProcess: send requests, aborts and utility calls, receive the
-    core's outputs one message at a time."""
-
-    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0):
-        self.core = CoreProcess(config)
-        try:
-            self.engine_info = self.core.wait_ready(startup_timeout_s)
-        except BaseException:
-            self.core.join(10)
-            raise
-        self.channel: CoreChannel | None = CoreChannel(zmq.Context(), self.core)
-        # outputs that arrived while a utility call waited for its result
-        self.pending: list[EngineCoreOutputs] = []
-
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self.channel.input.send_multipart(self.channel.add_frames(request))
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids:
-            self.channel.input.send_multipart(self.channel.abort_frames(request_ids))
-
-    def get_outputs(self) -> EngineCoreOutputs:
-        """The core's next message; EngineDeadError if the core died or failed."""
-        if self.pending:
-            return self.pending.pop(0)
-        while not self.channel.output.poll(1000):
-            if (error := self.core.exit_error()) is not None:
-                raise error
-        outputs = self.channel.decode(self.channel.output.recv())
-        if (error := engine_error(outputs)) is not None:
-            raise error
-        return outputs
-
-    def utility(self, method: str):
-        """Call a core method by name (stats, reset_prefix_cache) and wait for its result."""
-        call_id, frames = self.channel.utility_frames(method)
-        self.channel.input.send_multipart(frames)
-        held = []
-        try:
-            while True:
-                outputs = self.get_outputs()
-                if outputs.utility is not None and outputs.utility.call_id == call_id:
-                    if outputs.utility.error:
-                        raise RuntimeError(outputs.utility.error)
-                    return outputs.utility.result
-                held.append(outputs)
-        finally:
-            self.pending = held + self.pending
-
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the core (it stops its workers) and wait for it; idempotent."""
-        if self.channel is not None:
-            if self.core.proc.is_alive():
-                self.channel.input.send_multipart(CoreChannel.SHUTDOWN_FRAMES)
-            self.channel.close()
-            self.channel = None
-        self.core.join(timeout_s)

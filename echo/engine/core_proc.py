@@ -172,10 +172,13 @@ class EngineCoreProc:
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
-                    ready_pipe) -> None:
-    """Process entry point. Reports ('ready', info) or ('error', text) through ready_pipe."""
+                    ready_pipe, device_ids: tuple[str, ...] | None = None) -> None:
+    """Process entry point. Reports ('ready', info) or ('error', text) through ready_pipe.
+    device_ids: the GPUs of this core's workers (a data-parallel replica's), None for all."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when to stop
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
+    if device_ids is not None:  # before any CUDA call; the spawned workers inherit it
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(device_ids)
     try:
         proc = EngineCoreProc(config, input_address, output_address)
     except BaseException:

@@ -113,7 +113,8 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
                max_request_bytes: int = 16 * 2**20,
                options: ServerOptions = ServerOptions()) -> FastAPI:
     app = FastAPI(title="echo", version=__version__)
-    metrics = ServerMetrics(served_model_names[0], client.config.model.max_model_len)
+    metrics = ServerMetrics(served_model_names[0], client.config.model.max_model_len,
+                            client.num_replicas)
     max_model_len = client.config.model.max_model_len
     limits = RequestLimits.create(client.config.scheduler.max_num_seqs, max_model_len,
                                   longest_token_chars(client.tokenizer))
@@ -204,6 +205,7 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
         timer = RequestTimer(metrics, len(ids), params.n)
         try:
             async for out in client.generate(ids, params, request_id, priority):
+                timer.engine = client.replica_of(request_id)
                 timer.on_output(out)
                 yield out
         except EngineDeadError as e:
@@ -307,6 +309,9 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
     async def health():
         if not await client.health():
             return error_response(503, "the engine is not running", kind="service_unavailable")
+        states = client.replica_states()
+        if any(state != "serving" for state in states):  # data parallel, some replica down
+            return JSONResponse({"status": "degraded", "replicas": states})
         return Response(status_code=200)
 
     @app.api_route("/ping", methods=["GET", "POST"])
@@ -354,7 +359,7 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render([client.latest_stats]),
+        return Response(metrics.render(client.replica_stats),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

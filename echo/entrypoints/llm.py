@@ -12,10 +12,10 @@ from tqdm.auto import tqdm
 from echo.config import EngineConfig
 from echo.core.step_results import SchedulerStats
 from echo.engine.core import EngineCore
-from echo.engine.core_client import SyncCoreClient
 from echo.engine.input_processor import InputProcessor, Prompt, load_tokenizer
 from echo.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from echo.engine.output_processor import OutputProcessor
+from echo.engine.sync_client import SyncCoreClient
 from echo.outputs import RequestOutput
 from echo.profiling import step_range
 from echo.sampling_params import SamplingParams
@@ -31,6 +31,8 @@ class LLM:
     `echo serve` does, while this process tokenizes and detokenizes: the host work of a step is
     then split three ways (offline figures of both: docs/benchmarks.md, Offline throughput and
     History e20d1fd). With tensor_parallel_size > 1 the ranks always run in worker processes.
+    data_parallel_size=N runs N such engines (replicas) and spreads the batch over them, as
+    the router of `echo serve --data-parallel-size N` does.
     Processes are ended by `shutdown()`, when the LLM is garbage collected, or at exit.
     """
 
@@ -42,7 +44,8 @@ class LLM:
         # exactly one of the two: the engine in this process, or a client of its process
         self.engine: EngineCore | None = None
         self.client: SyncCoreClient | None = None
-        if engine_process:
+        # replicas run in their own processes, as the engine process does
+        if engine_process or self.config.parallel.data_parallel_size > 1:
             self.client = SyncCoreClient(self.config)
             core = self.client
             # the core process keeps its own two steps in flight
