@@ -37,7 +37,7 @@ from echo_kernels import (  # noqa: E402
 )
 from echo_kernels.attention import flash_attn_varlen, paged_attention  # noqa: E402
 from echo_kernels.attention.common import TileConfig, tile_config  # noqa: E402
-from echo_kernels.awq import awq_gemm, awq_gemv, awq_linear  # noqa: E402
+from echo_kernels.awq import awq_gemm, awq_linear  # noqa: E402
 from echo_kernels.linear import small_m_linear  # noqa: E402
 from echo_kernels.reference import fused_moe_ref  # noqa: E402
 
@@ -507,10 +507,13 @@ def time_fused_moe(xs, gate, w13, w2, top_k: int, graph: bool, **tiles) -> float
 AWQ_GROUP = 128
 AWQ_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
               "down": (4096, 14336)}  # (N, K) of Llama-3.1-8B's layers
-# --sweep: awq_gemv's (block_n, block_k, num_warps, prefetch) at one row, awq_gemm's
-# (block_m, block_n, block_k, num_warps, num_stages) at M = 4096
-AWQ_GEMV_SWEEP = [(bn, bk, w, pf) for bn in (64, 128, 256) for bk in (32, 64, 128)
-                  for w in (4, 8) for pf in (False, True)]
+# --sweep: decode rows (M = 1, 16) through awq_gemm, the tensor-core kernel whose loads Triton's
+# pipeliner stages (awq_gemv's feed CUDA-core math and are not), one 16-row tile with
+# (block_n, block_k, num_stages, split_k); then awq_gemm's (block_m, block_n, block_k,
+# num_warps, num_stages) at M = 4096. awq_gemv's own sweep (2026-12-02, docs/benchmarks.md AWQ)
+# peaked at 32% of the copy bandwidth
+AWQ_DECODE_SWEEP = [(bn, bk, st, sk) for bn in (64, 128, 256) for bk in (64, 128)
+                    for st in (2, 3, 4) for sk in (1, 2, 4, 8, 16)]
 AWQ_GEMM_SWEEP = [(bm, bn, bk, w, 3) for bm in (64, 128) for bn in (128, 256) for bk in (64, 128)
                   for w in (4, 8)]
 
@@ -544,15 +547,16 @@ def bench_awq(rows: Rows, sweep: bool) -> None:
             rows.add(f"awq_linear {name}", shape,
                      bench_graph([lambda c=c: awq_linear(x, *c, AWQ_GROUP)  # noqa: B023
                                   for c in copies]), nbytes=nbytes, target=0.7, note="cuda graph")
-            if sweep and m == 1:
-                for bn, bk, w, pf in AWQ_GEMV_SWEEP:
-                    gemv = functools.partial(awq_gemv, block_n=bn, block_k=bk, num_warps=w,
-                                             prefetch=pf)
-                    ms = fits(lambda: bench_graph([lambda c=c: gemv(x, *c, AWQ_GROUP)  # noqa: B023
+            if sweep and m in (1, 16):
+                for bn, bk, st, sk in AWQ_DECODE_SWEEP:
+                    gemm = functools.partial(awq_gemm, block_m=16, block_n=bn, block_k=bk,
+                                             num_warps=4, num_stages=st, split_k=sk)
+                    ms = fits(lambda: bench_graph([lambda c=c: gemm(x, *c, AWQ_GROUP)  # noqa: B023
                                                    for c in copies]))  # noqa: B023
                     if ms is not None:
-                        rows.add(f"awq_gemv {name} sweep", shape, ms, nbytes=nbytes,
-                                 note=f"block_n={bn} block_k={bk} num_warps={w} prefetch={pf}")
+                        rows.add(f"awq_gemm {name} sweep", shape, ms, nbytes=nbytes,
+                                 note=f"block_m=16 block_n={bn} block_k={bk} num_stages={st} "
+                                      f"split_k={sk}")
         m = 4096
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         shape = f"M={m} {n}x{k} G={AWQ_GROUP}"

@@ -268,3 +268,10 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs, name):
     kwargs = {"num_replicas": 2, **kwargs}
     with pytest.raises(ValueError, match=name):
         Router(**kwargs)
+
+
+def test_the_engine_arguments_offer_the_routers_policies():
+    from echo.config import ROUTER_POLICIES
+    from echo.engine.router import ROUTING_POLICIES
+
+    assert ROUTER_POLICIES == ROUTING_POLICIES
