@@ -1,0 +1,252 @@
+"""The KV host tier's memory on one worker and the copies between it and the device cache.
+
+A host block holds one device block's K and V (and an int8 cache's scales) of every layer as one
+run of bytes, so storing or loading a block is one host copy, not one per layer and tensor. The
+per-layer tensors are gathered into (and scattered from) a device staging buffer of whole blocks
+first; between staging and host, each run of consecutive host block ids is one copy.
+
+On CUDA the copies go on a side stream of their own, so a step's kernels on the main stream run
+while blocks move. Two orderings make that safe: a transfer starts after the main stream's work
+so far (the KV it stores was written by earlier steps), and `release` makes the main stream wait
+for a transfer before later kernels reuse its device blocks. On CPU (tests, CI) the copies run
+synchronously inside `start`.
+"""
+
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from echo.attention.backend import KVCache
+from echo.worker.kv_cache import KVCacheSpec
+
+
+def host_tier_blocks(kv_offloading_size_gib: float, bytes_per_block: int, tp_size: int) -> int:
+    """How many blocks the host tier holds. kv_offloading_size is the total over every TP rank
+    and every rank keeps its own shard (its KV heads) of each block, so a block costs
+    bytes_per_block (one rank's share) times tp_size of it."""
+    if not kv_offloading_size_gib >= 0:
+        raise ValueError(f"kv_offloading_size_gib: must be >= 0, got {kv_offloading_size_gib!r}")
+    if bytes_per_block < 1:
+        raise ValueError(f"bytes_per_block: must be >= 1, got {bytes_per_block!r}")
+    if tp_size < 1:
+        raise ValueError(f"tp_size: must be >= 1, got {tp_size!r}")
+    # floor(floor(x) / n) == floor(x / n) for a whole n: exact without float division
+    return int(kv_offloading_size_gib * 2**30) // (bytes_per_block * tp_size)
+
+
+def _unregister(data: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(data.data_ptr())
+
+
+class HostKVCache:
+    """The host tier's memory on one worker: `data` [num_host_blocks, bytes_per_block] uint8, a
+    block's K, V (and int8 scales) of every layer one contiguous run, so a block moves in one
+    copy. Pinned with cudaHostRegister rather than pin_memory=True: torch's pinned allocator
+    rounds a request up to a power of two (a 70 GiB tier would lock 128 GiB). The memory is not
+    zeroed: a block's bytes mean something only once a store has written them."""
+
+    def __init__(self, spec: KVCacheSpec, num_host_blocks: int, pin: bool):
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks: must be >= 0, got {num_host_blocks}")
+        self.spec = spec
+        self.num_blocks = num_host_blocks
+        self.bytes_per_block = spec.bytes_per_block()
+        self.data = torch.empty(num_host_blocks, self.bytes_per_block, dtype=torch.uint8)
+        self.pinned = pin and self.data.numel() > 0
+        if self.pinned:
+            error = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), self.data.nbytes, 0)
+            if int(error) != 0:
+                raise RuntimeError(f"cudaHostRegister of the {self.data.nbytes / 2**30:.1f} GiB "
+                                   f"KV host tier failed: {error}")
+            # at exit the process's memory goes anyway; unregistering then may meet a torn-down
+            # CUDA context
+            weakref.finalize(self, _unregister, self.data).atexit = False
+
+
+@dataclass
+class _Transfer:
+    stored_bytes: int
+    loaded_bytes: int
+    begin: torch.cuda.Event | None  # None on CPU, where the copies are done in start
+    end: torch.cuda.Event | None
+    wall_s: float = 0.0
+    reported: bool = False
+
+
+def _runs(ids: list[int]):
+    """(position, first id, length) of each run of consecutive ids."""
+    pos = 0
+    while pos < len(ids):
+        length = 1
+        while pos + length < len(ids) and ids[pos + length] == ids[pos] + length:
+            length += 1
+        yield pos, ids[pos], length
+        pos += length
+
+
+def _check_ids(name: str, ids: list[int], limit: int, unique: bool = False) -> None:
+    bad = [i for i in ids if not 0 <= i < limit]
+    if bad:
+        raise ValueError(f"{name}: ids must be in [0, {limit}), got {bad}")
+    if unique and len(set(ids)) != len(ids):
+        raise ValueError(f"{name}: a block may be written once per transfer, got {ids}")
+
+
+class KVTransfers:
+    """Copies between the device KV cache (one KVCache per layer, as KVCacheSpec.allocate makes
+    it) and a HostKVCache. Transfers are identified by the caller's ids; one is pending from
+    `start` until `release`. Memory: one staging buffer of max_blocks_per_chunk blocks (on CUDA
+    it counts against the GPU beside the KV cache), chunk-sized temporaries, and one pair of
+    events per pending transfer."""
+
+    def __init__(self, device_caches: list[KVCache], host: HostKVCache, device: torch.device,
+                 max_blocks_per_chunk: int = 64):
+        if max_blocks_per_chunk < 1:
+            raise ValueError(f"max_blocks_per_chunk: must be >= 1, got {max_blocks_per_chunk}")
+        if not device_caches:
+            raise ValueError("device_caches: no layers")
+        self.host, self.device = host, torch.device(device)
+        self.max_blocks_per_chunk = max_blocks_per_chunk
+        self.num_device_blocks = device_caches[0].k.shape[0]
+        # every tensor of every layer with its byte range inside a host block
+        self._parts: list[tuple[torch.Tensor, int, int]] = []
+        offset = 0
+        for cache in device_caches:
+            for part in (cache.k, cache.v, cache.k_scale, cache.v_scale):
+                if part is None:
+                    continue
+                if part.shape[0] != self.num_device_blocks:
+                    raise ValueError("device_caches: layers differ in their number of blocks")
+                size = part[0].numel() * part.element_size()
+                self._parts.append((part, offset, offset + size))
+                offset += size
+        if offset != host.bytes_per_block:
+            raise ValueError(f"host: its blocks are {host.bytes_per_block} bytes, the device "
+                             f"cache's {offset}")
+        self._cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._staging = torch.empty(max_blocks_per_chunk, offset, dtype=torch.uint8,
+                                    device=self.device)
+        self._pending: dict[int, _Transfer] = {}  # by start order
+        self._stored_bytes = self._loaded_bytes = 0
+        self._seconds = 0.0
+
+    @property
+    def bytes_moved(self) -> tuple[int, int]:
+        """(stored, loaded) bytes of the transfers poll_done has reported."""
+        return self._stored_bytes, self._loaded_bytes
+
+    @property
+    def seconds(self) -> float:
+        """Copy time of the transfers poll_done has reported: on CUDA between events on the side
+        stream (not counting its wait for the main stream), on CPU the wall time of start."""
+        return self._seconds
+
+    def start(self, transfer_id: int, store_device_blocks: list[int],
+              store_host_blocks: list[int], load_host_blocks: list[int],
+              load_device_blocks: list[int]) -> None:
+        """Copy device block store_device_blocks[i] into host block store_host_blocks[i], then
+        host block load_host_blocks[j] into device block load_device_blocks[j] (stores first,
+        so a transfer may store a block and load into it). Returns at once on CUDA."""
+        if transfer_id in self._pending:
+            raise ValueError(f"transfer_id: {transfer_id} is still pending (not released)")
+        if len(store_device_blocks) != len(store_host_blocks):
+            raise ValueError(f"store_host_blocks: {len(store_host_blocks)} ids for "
+                             f"{len(store_device_blocks)} store_device_blocks")
+        if len(load_host_blocks) != len(load_device_blocks):
+            raise ValueError(f"load_device_blocks: {len(load_device_blocks)} ids for "
+                             f"{len(load_host_blocks)} load_host_blocks")
+        _check_ids("store_device_blocks", store_device_blocks, self.num_device_blocks)
+        _check_ids("store_host_blocks", store_host_blocks, self.host.num_blocks, unique=True)
+        _check_ids("load_host_blocks", load_host_blocks, self.host.num_blocks)
+        _check_ids("load_device_blocks", load_device_blocks, self.num_device_blocks, unique=True)
+        transfer = _Transfer(len(store_device_blocks) * self.host.bytes_per_block,
+                             len(load_device_blocks) * self.host.bytes_per_block, None, None)
+        if not self._cuda:
+            began = time.perf_counter()
+            self._copy(store_device_blocks, store_host_blocks, load_host_blocks,
+                       load_device_blocks)
+            transfer.wall_s = time.perf_counter() - began
+        else:
+            transfer.begin = torch.cuda.Event(enable_timing=True)
+            transfer.end = torch.cuda.Event(enable_timing=True)
+            # the blocks stored were written, and those loaded into were last used, by kernels
+            # queued on the main stream so far
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                transfer.begin.record(self._stream)
+                self._copy(store_device_blocks, store_host_blocks, load_host_blocks,
+                           load_device_blocks)
+                transfer.end.record(self._stream)
+        self._pending[transfer_id] = transfer
+
+    def poll_done(self) -> list[int]:
+        """Ids of started transfers that have completed, oldest first, each reported once. Never
+        blocks: queries events (one stream, so they complete in start order)."""
+        done = []
+        for transfer_id, transfer in self._pending.items():
+            if transfer.reported:
+                continue
+            if transfer.end is not None and not transfer.end.query():
+                break
+            transfer.reported = True
+            self._stored_bytes += transfer.stored_bytes
+            self._loaded_bytes += transfer.loaded_bytes
+            self._seconds += (transfer.wall_s if transfer.end is None
+                              else transfer.begin.elapsed_time(transfer.end) / 1e3)
+            done.append(transfer_id)
+        return done
+
+    def release(self, transfer_ids: list[int]) -> None:
+        """The scheduler has seen these transfers done and reuses their device blocks: the
+        current stream waits (on the GPU, the host goes on) for each one, because on another TP
+        rank the copies may lag the rank that reported them, and a later kernel must not
+        overwrite a block still being stored or read one still being loaded. Unknown or already
+        released ids are ignored, so releasing twice is harmless. A transfer released before
+        poll_done reported it is left out of bytes_moved and seconds."""
+        for transfer_id in transfer_ids:
+            transfer = self._pending.pop(transfer_id, None)
+            if transfer is not None and transfer.end is not None:
+                torch.cuda.current_stream(self.device).wait_event(transfer.end)
+
+    def wait_all(self) -> None:
+        """Block until every started transfer is complete (shutdown, tests)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def _copy(self, store_device: list[int], store_host: list[int], load_host: list[int],
+              load_device: list[int]) -> None:
+        step = self.max_blocks_per_chunk
+        for i in range(0, len(store_device), step):
+            self._store_chunk(store_device[i:i + step], store_host[i:i + step])
+        for i in range(0, len(load_host), step):
+            self._load_chunk(load_host[i:i + step], load_device[i:i + step])
+
+    def _index(self, ids: list[int]) -> torch.Tensor:
+        index = torch.tensor(ids, dtype=torch.int64)
+        if not self._cuda:
+            return index
+        # through pinned memory, so the upload queues on the side stream instead of waiting for
+        # it (a pageable copy would block the host until the main stream's work is done)
+        return index.pin_memory().to(self.device, non_blocking=True)
+
+    def _store_chunk(self, device_ids: list[int], host_ids: list[int]) -> None:
+        n, staging, index = len(device_ids), self._staging, self._index(device_ids)
+        for part, a, b in self._parts:
+            # index_select gives a contiguous copy in logical order, also of the strided int8
+            # scales; _load_chunk scatters in the same order
+            staging[:n, a:b].copy_(part.index_select(0, index).view(torch.uint8).reshape(n, -1))
+        for pos, first, length in _runs(host_ids):
+            self.host.data[first:first + length].copy_(staging[pos:pos + length],
+                                                       non_blocking=True)
+
+    def _load_chunk(self, host_ids: list[int], device_ids: list[int]) -> None:
+        n, staging, index = len(device_ids), self._staging, self._index(device_ids)
+        for pos, first, length in _runs(host_ids):
+            staging[pos:pos + length].copy_(self.host.data[first:first + length],
+                                            non_blocking=True)
+        for part, a, b in self._parts:
+            values = staging[:n, a:b].contiguous().view(part.dtype).view(n, *part.shape[1:])
+            part.index_copy_(0, index, values)

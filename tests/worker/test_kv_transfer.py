@@ -1,0 +1,256 @@
+"""The KV host tier's copies: blocks stored to host memory and loaded back are bit-exact in every
+layer's K, V and int8 scales, and no other device block changes."""
+
+import pytest
+import torch
+
+from echo.worker.kv_cache import KVCacheSpec
+from echo.worker.kv_transfer import HostKVCache, KVTransfers, host_tier_blocks
+
+CPU = torch.device("cpu")
+NUM_BLOCKS = 12
+DTYPES = [(torch.bfloat16, "auto"), (torch.float32, "auto"), (torch.bfloat16, "int8")]
+
+
+def spec(model_dtype=torch.bfloat16, kv_cache_dtype="auto", **shape) -> KVCacheSpec:
+    # odd sizes, so a wrong byte range or stride does not line up by accident
+    shape = {"num_layers": 3, "block_size": 4, "num_kv_heads": 3, "head_dim": 5, **shape}
+    return KVCacheSpec(**shape, model_dtype=model_dtype, kv_cache_dtype=kv_cache_dtype)
+
+
+def parts(caches) -> list[torch.Tensor]:
+    return [p for c in caches for p in (c.k, c.v, c.k_scale, c.v_scale) if p is not None]
+
+
+def random_cache(kv_spec: KVCacheSpec, device=CPU, num_blocks=NUM_BLOCKS):
+    """A cache of random values (scales too, so a block or head mixed up in the strided scale
+    layout shows), and a copy of every tensor."""
+    caches = kv_spec.allocate(num_blocks, device)
+    for p in parts(caches):
+        if p.dtype == torch.int8:
+            p.copy_(torch.randint(-128, 128, p.shape, dtype=torch.int8, device=device))
+        else:
+            p.copy_(torch.randn(p.shape, device=device))
+    return caches, [p.clone() for p in parts(caches)]
+
+
+def setup(kv_spec, num_host_blocks=6, chunk=64):
+    caches, originals = random_cache(kv_spec)
+    host = HostKVCache(kv_spec, num_host_blocks, pin=False)
+    return caches, originals, host, KVTransfers(caches, host, CPU, chunk)
+
+
+def round_trip(xfer, caches, stored, host_ids, loaded_into):
+    xfer.start(1, stored, host_ids, [], [])
+    assert xfer.poll_done() == [1]
+    xfer.release([1])
+    for p in parts(caches):
+        p[stored] = 0
+    xfer.start(2, [], [], host_ids, loaded_into)
+    assert xfer.poll_done() == [2]
+    xfer.release([2])
+
+
+def assert_moved(caches, originals, moves: dict[int, int], zeroed=()):
+    """Device block moves[src] now holds src's original values, blocks in zeroed are zero, every
+    other block is unchanged."""
+    for p, orig in zip(parts(caches), originals):
+        for src, dst in moves.items():
+            assert torch.equal(p[dst], orig[src]), (src, dst)
+        for block in range(p.shape[0]):
+            if block in moves.values():
+                continue
+            expected = torch.zeros_like(orig[block]) if block in zeroed else orig[block]
+            assert torch.equal(p[block], expected), block
+
+
+@pytest.mark.parametrize("model_dtype, kv_cache_dtype", DTYPES)
+def test_store_then_load_into_other_blocks_is_bit_exact(model_dtype, kv_cache_dtype):
+    kv_spec = spec(model_dtype, kv_cache_dtype)
+    caches, originals, host, xfer = setup(kv_spec)
+    round_trip(xfer, caches, [3, 7, 1], [0, 5, 2], [9, 2, 4])
+    assert_moved(caches, originals, {3: 9, 7: 2, 1: 4}, zeroed={3, 7, 1})
+    bpb = kv_spec.bytes_per_block()
+    assert xfer.bytes_moved == (3 * bpb, 3 * bpb)
+    assert xfer.seconds >= 0
+
+
+def test_a_host_block_is_the_device_blocks_bytes_layer_by_layer():
+    kv_spec = spec(torch.bfloat16, "int8")
+    caches, originals, host, xfer = setup(kv_spec)
+    xfer.start(1, [3], [4], [], [])
+    # layer 0's K, V, then its scales in logical [block_size, heads] order, then layer 1 ...
+    expected = torch.cat([p[3].contiguous().view(torch.uint8).reshape(-1) for p in originals])
+    assert torch.equal(host.data[4], expected)
+
+
+@pytest.mark.parametrize("model_dtype, kv_cache_dtype", DTYPES)
+def test_more_blocks_than_a_chunk_and_runs_of_host_ids(model_dtype, kv_cache_dtype):
+    caches, originals, host, xfer = setup(spec(model_dtype, kv_cache_dtype), 8, chunk=2)
+    # chunks [0, 5] [6, 10] [11]; host runs 3-4, then 5 | 0, 7 (a run split by a chunk)
+    round_trip(xfer, caches, [0, 5, 6, 10, 11], [3, 4, 5, 0, 7], [1, 2, 3, 4, 7])
+    assert_moved(caches, originals, {0: 1, 5: 2, 6: 3, 10: 4, 11: 7}, zeroed={0, 5, 6, 10, 11})
+
+
+def test_one_transfer_stores_before_it_loads():
+    caches, originals, host, xfer = setup(spec(kv_cache_dtype="int8"))
+    # block 5 goes to host 1, which is loaded into block 6 within the same transfer
+    xfer.start(1, [5, 8], [1, 0], [1], [6])
+    assert_moved(caches, originals, {5: 6})
+    xfer.start(2, [], [], [0], [10])
+    assert_moved(caches, originals, {5: 6, 8: 10})
+
+
+def test_poll_done_reports_each_transfer_once_oldest_first():
+    caches, _, host, xfer = setup(spec())
+    xfer.start(7, [1], [0], [], [])
+    xfer.start(3, [2], [1], [], [])
+    assert xfer.poll_done() == [7, 3]
+    xfer.start(5, [], [], [0], [4])
+    assert xfer.poll_done() == [5]
+    assert xfer.poll_done() == []
+    xfer.release([3])
+    assert xfer.poll_done() == []
+    xfer.wait_all()
+
+
+def test_release_of_unknown_or_released_ids_is_harmless_and_frees_the_id():
+    caches, originals, host, xfer = setup(spec())
+    xfer.release([42])
+    xfer.start(1, [3], [0], [], [])
+    with pytest.raises(ValueError, match="transfer_id"):
+        xfer.start(1, [4], [1], [], [])  # still pending
+    xfer.release([1, 1])
+    xfer.release([1])
+    xfer.start(1, [], [], [0], [9])  # the id is free again
+    assert xfer.poll_done() == [1]
+    assert_moved(caches, originals, {3: 9})
+
+
+def test_an_empty_transfer_completes():
+    _, _, _, xfer = setup(spec())
+    xfer.start(1, [], [], [], [])
+    assert xfer.poll_done() == [1]
+    assert xfer.bytes_moved == (0, 0)
+
+
+@pytest.mark.parametrize("args, name", [
+    (([1, 2], [0], [], []), "store_host_blocks"),
+    (([], [], [0, 1], [2]), "load_device_blocks"),
+    (([NUM_BLOCKS], [0], [], []), "store_device_blocks"),
+    (([-1], [0], [], []), "store_device_blocks"),
+    (([1], [6], [], []), "store_host_blocks"),
+    (([1, 2], [0, 0], [], []), "store_host_blocks"),  # one host block written twice
+    (([], [], [-1], [2]), "load_host_blocks"),
+    (([], [], [0], [NUM_BLOCKS]), "load_device_blocks"),
+    (([], [], [0, 1], [2, 2]), "load_device_blocks"),
+])
+def test_bad_arguments_name_the_argument_and_move_nothing(args, name):
+    caches, originals, host, xfer = setup(spec())
+    with pytest.raises(ValueError, match=name):
+        xfer.start(1, *args)
+    assert xfer.poll_done() == []
+    assert all(torch.equal(p, o) for p, o in zip(parts(caches), originals))
+
+
+def test_bad_construction_names_the_argument():
+    kv_spec = spec()
+    caches = kv_spec.allocate(4, CPU)
+    other = HostKVCache(spec(num_layers=2), 2, pin=False)
+    with pytest.raises(ValueError, match="host"):
+        KVTransfers(caches, other, CPU)
+    with pytest.raises(ValueError, match="max_blocks_per_chunk"):
+        KVTransfers(caches, HostKVCache(kv_spec, 2, pin=False), CPU, max_blocks_per_chunk=0)
+    with pytest.raises(ValueError, match="num_host_blocks"):
+        HostKVCache(kv_spec, -1, pin=False)
+
+
+def test_host_cache_layout():
+    kv_spec = spec(kv_cache_dtype="int8")
+    host = HostKVCache(kv_spec, 5, pin=False)
+    assert host.data.shape == (5, kv_spec.bytes_per_block()) and host.data.dtype == torch.uint8
+    assert host.data.is_contiguous() and not host.pinned
+    assert HostKVCache(kv_spec, 0, pin=False).data.shape == (0, kv_spec.bytes_per_block())
+
+
+@pytest.mark.parametrize("gib, bytes_per_block, tp, blocks", [
+    (1, 2**20, 2, 512),
+    (1, 2**20, 1, 1024),
+    (1.5, 2**20, 1, 1536),
+    (10, 1536, 1, 10 * 2**30 // 1536),  # 6,990,506.67: rounded down
+    (1, 3 * 2**20, 4, 85),  # 85.33
+    (0.001, 2**20, 1, 1),  # 1.07 MiB
+    (0.0009, 2**20, 1, 0),
+    (0, 2**20, 1, 0),
+])
+def test_host_tier_blocks_by_hand(gib, bytes_per_block, tp, blocks):
+    assert host_tier_blocks(gib, bytes_per_block, tp) == blocks
+
+
+@pytest.mark.parametrize("args, name", [
+    ((-1, 2**20, 1), "kv_offloading_size_gib"),
+    ((float("nan"), 2**20, 1), "kv_offloading_size_gib"),
+    ((1, 0, 1), "bytes_per_block"),
+    ((1, 2**20, 0), "tp_size"),
+])
+def test_host_tier_blocks_bad_arguments(args, name):
+    with pytest.raises(ValueError, match=name):
+        host_tier_blocks(*args)
+
+
+# ---- the GPU path -------------------------------------------------------------------------
+
+_SPIN = 200_000_000  # GPU clock cycles torch.cuda._sleep spins: ~0.1 s
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "int8"])
+def test_gpu_stores_wait_for_the_main_stream_and_release_orders_reuse(kv_cache_dtype):
+    device = torch.device("cuda")
+    kv_spec = spec(torch.bfloat16, kv_cache_dtype, num_layers=4, block_size=16, num_kv_heads=8,
+                   head_dim=128)
+    caches, _ = random_cache(kv_spec, device, num_blocks=64)
+    host = HostKVCache(kv_spec, 16, pin=True)
+    assert host.pinned and host.data.is_pinned()
+    xfer = KVTransfers(caches, host, device, max_blocks_per_chunk=2)
+    torch.cuda.synchronize()
+
+    # 1. blocks written on the main stream behind a long spin: a store that did not wait for
+    # the main stream would copy the random values instead
+    torch.cuda._sleep(_SPIN)
+    for p in parts(caches):
+        for value, block in enumerate([3, 7, 1, 5], start=1):
+            p[block].fill_(value)
+    expected = [p.clone() for p in parts(caches)]
+    xfer.start(1, [3, 7, 1], [0, 5, 2], [], [])
+    assert xfer.poll_done() == []  # still behind the spin: poll_done does not wait
+    xfer.wait_all()
+    assert xfer.poll_done() == [1]
+    xfer.release([1])
+
+    # 2. the side stream spins before a store of block 5; released at once (as a TP rank whose
+    # copies lag rank 0's report), so the main stream's overwrite waits for the copy: without
+    # that wait it would zero block 5 before the store read it
+    with torch.cuda.stream(xfer._stream):
+        torch.cuda._sleep(_SPIN)
+    xfer.start(2, [5], [7], [], [])
+    xfer.release([2])
+    for p in parts(caches):
+        p[[3, 7, 1, 5]] = 0
+    xfer.wait_all()
+    assert xfer.poll_done() == []  # released before it was reported: never reported
+
+    xfer.start(3, [], [], [0, 5, 2, 7], [9, 2, 4, 10])
+    xfer.wait_all()
+    assert xfer.poll_done() == [3]
+    xfer.release([3])
+    torch.cuda.synchronize()
+    for p, e in zip(parts(caches), expected):
+        for src, dst in zip([3, 7, 1, 5], [9, 2, 4, 10]):
+            assert torch.equal(p[dst], e[src]), (src, dst)
+        for block in (0, 6, 8, 63):
+            assert torch.equal(p[block], e[block]), block
+        assert not p[[3, 7, 1, 5]].any()
+    bpb = kv_spec.bytes_per_block()
+    assert xfer.bytes_moved == (3 * bpb, 4 * bpb) and xfer.seconds > 0
