@@ -4,9 +4,17 @@ import random
 
 import pytest
 
-from echo.engine.router import ROUTING_POLICIES, NoReplicaError, Router, block_hashes
+from echo.engine.router import (
+    PREFIX_INDEX_SEGMENTS,
+    ROUTING_POLICIES,
+    NoReplicaError,
+    PrefixIndex,
+    Router,
+    block_hashes,
+)
 
 BLOCK = 16
+SEGMENTS = PREFIX_INDEX_SEGMENTS  # the generations of each replica's prefix index
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -206,37 +214,100 @@ def test_no_replica_available_raises(policy):
         router.choose(tokens(1, 32))
 
 
-def test_the_prefix_index_is_an_lru_bounded_per_replica():
+def test_the_prefix_index_evicts_whole_generations_oldest_first():
+    """PrefixIndex by hand: capacity 12 in 3 sets of 4, chains of plain ints."""
+    index = PrefixIndex(12, segments=3)
+    assert (index.capacity, index.segment_capacity, index.max_segments) == (12, 4, 3)
+    index.insert([1, 2], 0)  # A = {1, 2}
+    index.insert([5, 6], 0)  # A = {1, 2, 5, 6}: full
+    index.insert([7, 8], 0)  # B = {7, 8}, A
+    assert len(index) == 6
+    # [1, 2] held, 3 new: 3 goes into B, then 2 is touched (moved from A into B), then 1 finds B
+    # full and starts C: C = {1}, B = {2, 3, 7, 8}, A = {5, 6}; a parent never older than its child
+    assert index.matched([1, 2, 3]) == 2
+    index.insert([1, 2, 3], 2)
+    assert len(index) == 7
+    assert [index.matched(chain) for chain in ([1, 2, 3], [5, 6], [7, 8])] == [3, 2, 2]
+    # 4 new hashes, the tail first: 10, 11, 12 fill C, 9 starts D, which drops A, the oldest
+    index.insert([9, 10, 11, 12], 0)
+    assert len(index) == 9
+    assert [index.matched(chain) for chain in ([1, 2, 3], [5, 6], [7, 8], [9, 10, 11, 12])] \
+        == [3, 0, 2, 4]
+    # again: D = {9, 14, 15, 16}, then E = {13} drops B = {2, 3, 7, 8}: of the chain 1, 2, 3
+    # only its head survives, in C, and the match stops there
+    index.insert([13, 14, 15, 16], 0)
+    assert len(index) == 9
+    assert [index.matched(chain) for chain in ([1, 2, 3], [7, 8], [9, 10, 11, 12],
+                                                [13, 14, 15, 16])] == [1, 0, 4, 4]
+    assert 2 not in index and 1 in index
+    index.clear()
+    assert len(index) == 0 and index.matched([9, 10]) == 0
+
+
+def test_the_prefix_index_never_holds_more_than_its_capacity_freed_or_not():
+    """Dropped generations are freed a few hundred hashes per insert: held and not yet freed
+    together stay within the capacity, and they are all freed in the end."""
+    index = PrefixIndex(4096, segments=4)  # sets of 1,024
+    rng = random.Random(2)
+    for step in range(400):
+        chain = [step * 1000 + k for k in range(rng.randrange(1, 300))]
+        index.insert(chain, 0)
+        assert len(index) + sum(map(len, index._retired)) <= 4096
+        assert len(index) <= 4096
+    index.clear()  # a replica that left: its hashes are freed by the next inserts
+    assert len(index) == 0
+    assert sum(map(len, index._retired)) <= 4096
+    for step in range(40):
+        index.insert([10**9 + step], 0)
+    assert index._retired == []
+    assert len(index) == 40
+
+
+def test_the_prefix_index_is_bounded_per_replica_and_keeps_the_most_recent_prompts():
+    # sets of 10 hashes, one 10-block prompt each: the index keeps the last SEGMENTS prompts
+    bound = 10 * SEGMENTS
+    router = Router(1, max_blocks_per_replica=bound)
+    prompts = [tokens(20 + i, 160) for i in range(3 * SEGMENTS)]  # 10 blocks each, nothing shared
+    for prompt in prompts:
+        router.choose(prompt)
+        assert router.index_size(0) <= bound
+    assert router.index_size(0) == bound
+    matched = [router.matched_blocks(p, None, 0) for p in prompts]
+    assert matched == [0] * 2 * SEGMENTS + [10] * SEGMENTS
+
+    # a bound that is not a multiple of the sets' count is rounded down, never exceeded
     router = Router(1, max_blocks_per_replica=50)
-    prompts = [tokens(20 + i, 160) for i in range(30)]  # 10 blocks each, nothing shared
     for prompt in prompts:
         router.choose(prompt)
         assert router.index_size(0) <= 50
-    assert router.index_size(0) == 50
-    # only the last 5 prompts fit
-    assert [router.matched_blocks(p, None, 0) for p in prompts[-6:]] == [0] + [10] * 5
+    assert router.index_size(0) == 50 // SEGMENTS * SEGMENTS
 
     # a prompt longer than the bound keeps its head, not its tail
-    router = Router(1, max_blocks_per_replica=50)
-    long_prompt = tokens(60, 80 * BLOCK)
+    router = Router(1, max_blocks_per_replica=bound)
+    long_prompt = tokens(60, 25 * SEGMENTS * BLOCK)
     router.choose(long_prompt)
-    assert router.index_size(0) == 50
-    assert router.matched_blocks(long_prompt, None, 0) == 50
+    assert router.index_size(0) == bound
+    assert router.matched_blocks(long_prompt, None, 0) == bound
 
-    # routing a prompt again makes it recent: the other one is evicted first
-    router = Router(1, max_blocks_per_replica=20)
-    a, b, c = tokens(70, 160), tokens(71, 160), tokens(72, 160)
-    for prompt in (a, b, a, c):
+    # routing a prompt again makes it the most recent: the next new prompt evicts the one
+    # routed after it, the oldest now
+    router = Router(1, max_blocks_per_replica=bound)
+    first, *others = prompts[:SEGMENTS]
+    for prompt in (first, *others, first, prompts[SEGMENTS]):
         router.choose(prompt)
-    assert [router.matched_blocks(p, None, 0) for p in (a, b, c)] == [10, 0, 10]
+    assert router.matched_blocks(first, None, 0) == 10
+    assert router.matched_blocks(others[0], None, 0) == 0
+    assert [router.matched_blocks(p, None, 0) for p in others[1:]] == [10] * (SEGMENTS - 2)
+    assert router.matched_blocks(prompts[SEGMENTS], None, 0) == 10
 
 
-def test_matched_blocks_equals_a_linear_count_under_eviction():
+@pytest.mark.parametrize("bound", [40, 97, 400])
+def test_matched_blocks_equals_a_linear_count_under_eviction(bound):
     """The binary search in matched_blocks relies on each index being prefix-closed; check it
     against the plain count of leading hashes found, with prompts sharing prefixes of every
     length and an index small enough to evict all the time."""
     rng = random.Random(1)
-    router = Router(3, balance_abs_threshold=1, max_blocks_per_replica=40)
+    router = Router(3, balance_abs_threshold=1, max_blocks_per_replica=bound)
     trunks = [tokens(200 + i, 24 * BLOCK) for i in range(4)]
     for step in range(300):
         trunk = rng.choice(trunks)
@@ -253,7 +324,7 @@ def test_matched_blocks_equals_a_linear_count_under_eviction():
                     break
                 linear += 1
             assert router.matched_blocks(probe, None, index) == linear
-            assert router.index_size(index) <= 40
+            assert router.index_size(index) <= bound
 
 
 @pytest.mark.parametrize("kwargs, name", [
