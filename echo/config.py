@@ -25,6 +25,7 @@ DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
+PREEMPTION_MODES = ("recompute", "swap")
 ROUTER_POLICIES = ("cache_aware", "least_load", "round_robin")  # echo.engine.router's
 DEFAULT_MODEL_NAMES = (None, "", "default")
 
@@ -122,6 +123,14 @@ class CacheConfig:
     kv_cache_dtype: str = _arg(
         "auto", "KV cache dtype; auto and bf16: the model dtype; int8: half the bytes per "
         "token (about twice the context), with per-token-head scales", choices=KV_CACHE_DTYPES)
+    kv_offloading_size: float | None = _arg(
+        None, "GiB of host memory (pinned on cuda) for a second tier of the prefix cache: "
+        "finished requests' blocks are copied there, and a later prompt's prefix found there "
+        "is loaded instead of recomputed (all TP ranks together)")
+    preemption_mode: str = _arg(
+        "recompute", "what preemption does with a request's blocks: recompute, free them "
+        "(the GPU prefix cache may still hold them); swap, also copy them to the host tier "
+        "(needs kv_offloading_size)", choices=PREEMPTION_MODES)
 
     def __post_init__(self):
         _check_int(self.block_size, "block_size")
@@ -137,6 +146,15 @@ class CacheConfig:
         _check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
                "num_gpu_blocks_override", f"must be >= 1, got {self.num_gpu_blocks_override}")
         _check_choice(self.kv_cache_dtype, "kv_cache_dtype", KV_CACHE_DTYPES)
+        if self.kv_offloading_size is not None:
+            _check(type(self.kv_offloading_size) in (int, float) and self.kv_offloading_size > 0,
+                   "kv_offloading_size", f"must be a positive number of GiB, got "
+                   f"{self.kv_offloading_size!r}")
+            _check(self.enable_prefix_caching, "kv_offloading_size",
+                   "the host tier holds prefix-cache blocks: it needs enable_prefix_caching")
+        _check_choice(self.preemption_mode, "preemption_mode", PREEMPTION_MODES)
+        _check(self.preemption_mode == "recompute" or self.kv_offloading_size is not None,
+               "preemption_mode", "swap needs a host tier: give kv_offloading_size")
 
 
 @dataclass(frozen=True)

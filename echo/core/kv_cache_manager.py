@@ -9,6 +9,17 @@ order, so a later step reads it after the write, and within one step each layer 
 whole batch's KV before attention reads any, so another request in the same step may reuse it.
 Freed blocks may still be written by a step in flight for the same reason: whoever gets them
 next runs after it.
+
+With a host tier (kv_offloading_size, echo/core/host_tier.py) the manager also hides a second
+level under the prefix cache. A request's full blocks are written through to the host when it
+finishes (and when it is preempted, with store_on_preempt): each store pins its GPU block with
+one reference until the workers report the copy done, so nobody overwrites it meanwhile. A
+waiting request whose prefix continues on the host gets GPU blocks for that part and a load;
+it waits (is_loading) until the load is reported done, when the blocks join the GPU prefix
+cache like any computed block; they stay held for the request until its admission finds them
+there (so the steps in between cannot evict them), or until it is freed. Transfers leave with a step
+(take_transfers) and come back done with its output (transfers_done); the scheduler never sees
+a host block.
 """
 
 import hashlib
@@ -17,6 +28,7 @@ from typing import NamedTuple
 import msgspec
 
 from echo.core.block_pool import BlockHash, BlockPool
+from echo.core.host_tier import HostTier
 from echo.core.request import Request
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -57,14 +69,47 @@ class _RequestBlocks:
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
 
 
+class KVTransfers(NamedTuple):
+    """The copies one step starts: stores (GPU block, host block), loads (host block, GPU
+    block)."""
+
+    stores: list[tuple[int, int]]
+    loads: list[tuple[int, int]]
+
+
+class _Transfer:
+    __slots__ = ("stores", "loads", "load_hashes", "load_owners")
+
+    def __init__(self):
+        self.stores: list[tuple[int, int]] = []
+        self.loads: list[tuple[int, int]] = []
+        self.load_hashes: list[BlockHash] = []
+        self.load_owners: list[str] = []  # the request each load is for
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_host_blocks: int = 0):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self._requests: dict[str, _RequestBlocks] = {}
         self.prefix_cache_queries = 0  # tokens looked up at admission, cumulative
         self.prefix_cache_hits = 0  # of which found in the cache
+        # the host tier (None without kv_offloading_size) and its transfers: those gathered
+        # for the next step, and those started (by transfer id, the step's id) not yet done
+        self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
+        self._next_transfer = _Transfer()
+        self._transfers: dict[int, _Transfer] = {}
+        self._loading: set[str] = set()  # requests waiting for their loads
+        self._loaded: dict[str, list[int]] = {}  # loaded blocks held until admission
+        self._abandoned: set[str] = set()  # freed while loading: their loads are not held
+        self._loaded_once: set[str] = set()  # a request loads once; after that it computes
+        self._released: list[int] = []  # transfers seen done, for the workers
+        self.host_queries = 0  # tokens looked up in the host tier, cumulative
+        self.host_hits = 0  # of which found there (and loaded)
+        self.stored_blocks = 0  # cumulative
+        self.loaded_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -153,15 +198,135 @@ class KVCacheManager:
             self.pool.touch(prefix)
             state.block_ids.extend(prefix)
             state.num_cached_blocks = len(state.block_ids)
+        held = self._loaded.pop(request.request_id, None)
+        if held:  # loaded from the host for this admission: the block table holds them now
+            self.pool.free(held)
         new_block_ids = self.pool.allocate(num_needed) if num_needed > 0 else []
         state.block_ids.extend(new_block_ids)
         return new_block_ids
 
-    def free(self, request: Request) -> None:
-        """Release every block of a request (finished, aborted or preempted) at once."""
-        state = self._requests.pop(request.request_id, None)
-        if state is not None and state.block_ids:
-            self.pool.free(state.block_ids)
+    def free(self, request: Request, store: bool = True) -> None:
+        """Release every block of a request (finished, aborted or preempted) at once; with a
+        host tier and `store`, its full blocks not yet on the host are copied there first."""
+        rid = request.request_id
+        self._loaded_once.discard(rid)
+        if rid in self._loading:
+            self._abandoned.add(rid)
+        held = self._loaded.pop(rid, None)
+        if held:
+            self.pool.free(held)
+        state = self._requests.pop(rid, None)
+        if state is None or not state.block_ids:
+            return
+        if store and self.host is not None:
+            self._store(state)
+        self.pool.free(state.block_ids)
+
+    def _store(self, state: _RequestBlocks) -> None:
+        host, stores = self.host, self._next_transfer.stores
+        for block_id, block_hash in zip(state.block_ids[:state.num_cached_blocks], state.hashes):
+            if block_hash in host:
+                continue
+            host_block = host.start_store(block_hash)
+            if host_block is None:  # every host block is busy: the rest is not kept
+                break
+            self.pool.touch([block_id])  # pinned until the copy is done
+            stores.append((block_id, host_block))
+
+    # ---- the host tier ---------------------------------------------------------------------
+
+    def start_load(self, request: Request, computed: ComputedBlocks) -> bool:
+        """Load the part of a waiting request's prefix that continues on the host after its
+        GPU prefix `computed`, into newly allocated GPU blocks. True if a load started: the
+        request then waits (is_loading) and is admitted once it is done."""
+        rid = request.request_id
+        if (self.host is None or _skips_cache(request) or rid in self._loaded_once
+                or rid in self._loading):
+            return False
+        state = self._state(rid)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        first = len(computed.block_ids)
+        if first >= max_blocks:
+            return False
+        hashes = self._hashes(request, state, max_blocks)
+        found = []
+        for block_hash in hashes[first:max_blocks]:
+            host_block = self.host.lookup(block_hash)
+            if host_block is None:
+                break
+            found.append((host_block, block_hash))
+        self.host_queries += (max_blocks - first) * self.block_size
+        # keep the GPU prefix out of reach of this allocation (it may be free and cached)
+        self.pool.touch(computed.block_ids)
+        try:
+            found = found[:max(0, self.pool.num_free_blocks)]
+            if not found:
+                return False
+            block_ids = self.pool.allocate(len(found))
+        finally:
+            self.pool.free(computed.block_ids)
+        self.host_hits += len(found) * self.block_size
+        transfer = self._next_transfer
+        for (host_block, block_hash), block_id in zip(found, block_ids):
+            self.host.pin(host_block)
+            transfer.loads.append((host_block, block_id))
+            transfer.load_hashes.append(block_hash)
+            transfer.load_owners.append(rid)
+        self._loading.add(rid)
+        self._loaded_once.add(rid)
+        return True
+
+    def is_loading(self, request: Request) -> bool:
+        return request.request_id in self._loading
+
+    def drop_held_loads(self) -> None:
+        """Stop holding loaded blocks for their requests (they stay cached): when the head of
+        the queue cannot be admitted, blocks held for requests behind it must not be what
+        keeps it out."""
+        for held in self._loaded.values():
+            self.pool.free(held)
+        self._loaded.clear()
+
+    def take_transfers(self, transfer_id: int) -> tuple[KVTransfers | None, list[int]]:
+        """The copies gathered for the step `transfer_id` (None if there are none), and the
+        transfers seen done since the last step (the workers may now reuse their blocks)."""
+        released, self._released = self._released, []
+        transfer = self._next_transfer
+        if not transfer.stores and not transfer.loads:
+            return None, released
+        self._transfers[transfer_id] = transfer
+        self._next_transfer = _Transfer()
+        return KVTransfers(transfer.stores, transfer.loads), released
+
+    @property
+    def transfers_pending(self) -> bool:
+        """Copies gathered for the next step or started and not reported done: the engine
+        keeps stepping (with nothing else to run, steps that only carry or poll them)."""
+        return bool(self._transfers or self._next_transfer.stores or self._next_transfer.loads)
+
+    def transfers_done(self, transfer_ids: list[int]) -> None:
+        """The workers finished these transfers: stored host blocks become findable and their
+        GPU blocks are unpinned; loaded GPU blocks join the prefix cache and their request may
+        be admitted (aborted meanwhile: the blocks are cached all the same)."""
+        for transfer_id in transfer_ids:
+            transfer = self._transfers.pop(transfer_id)
+            for _, host_block in transfer.stores:
+                self.host.finish_store(host_block)
+                self.stored_blocks += 1
+            if transfer.stores:
+                self.pool.free([block_id for block_id, _ in transfer.stores])
+            for (host_block, block_id), block_hash, rid in zip(
+                    transfer.loads, transfer.load_hashes, transfer.load_owners):
+                self.host.unpin(host_block)
+                self.pool.cache_block(block_id, block_hash)
+                self.loaded_blocks += 1
+                self._loading.discard(rid)
+                if rid in self._abandoned:  # cached all the same, held by nobody
+                    self.pool.free([block_id])
+                else:
+                    self._loaded.setdefault(rid, []).append(block_id)
+            self._abandoned.difference_update(transfer.load_owners)
+            self._released.append(transfer_id)
 
     def get_block_ids(self, request: Request) -> list[int]:
         """A copy of the request's block table (safe to hand to an in-process worker)."""
@@ -177,6 +342,32 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """Every GPU block's reference count is what holds it (request block tables, stores
+        pinning it, loads filling it) and the free lists hold exactly the blocks nobody holds;
+        the host tier accounts for each of its blocks (tests call this after runs with
+        aborts)."""
+        holders = [0] * self.pool.num_blocks
+        for state in self._requests.values():
+            for block_id in state.block_ids:
+                holders[block_id] += 1
+        for held in self._loaded.values():
+            for block_id in held:
+                holders[block_id] += 1
+        for transfer in [*self._transfers.values(), self._next_transfer]:
+            for block_id, _ in transfer.stores:
+                holders[block_id] += 1
+            for _, block_id in transfer.loads:
+                holders[block_id] += 1
+        if holders != self.pool.ref_counts:
+            wrong = [b for b, (h, r) in enumerate(zip(holders, self.pool.ref_counts)) if h != r]
+            raise AssertionError(f"reference counts differ from holders at blocks {wrong[:8]}")
+        free = sorted(self.pool.free_block_ids())
+        if free != [b for b, h in enumerate(holders) if h == 0]:
+            raise AssertionError("free lists and unreferenced blocks differ")
+        if self.host is not None:
+            self.host.check()
 
     def _state(self, request_id: str) -> _RequestBlocks:
         state = self._requests.get(request_id)

@@ -45,10 +45,23 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # speculative decoding: request id -> the draft tokens scheduled after its last token; the
     # step computes them with it and verifies them (num_scheduled_tokens counts them)
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # the KV cache's host tier (docs/ARCHITECTURE.md, KV offload): copies the workers start
+    # with this step, named by its step_id, on a stream of their own. Stores [GPU block, host
+    # block]: KV that earlier steps wrote; loads [host block, GPU block]: into blocks nothing
+    # reads until the transfer is reported done (ModelRunnerOutput.finished_kv_transfers)
+    kv_stores: list[tuple[int, int]] = []
+    kv_loads: list[tuple[int, int]] = []
+    # transfers the scheduler saw done: each worker orders its later work after them on its
+    # own device (another rank's copies may lag rank 0's report), then forgets them
+    released_kv_transfers: list[int] = []
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def has_kv_transfers(self) -> bool:
+        return bool(self.kv_stores or self.kv_loads or self.released_kv_transfers)
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -65,6 +65,7 @@ class Scheduler:
         num_gpu_blocks: int,
         *,
         long_prefill_token_threshold: int | None = None,
+        num_host_blocks: int = 0,
     ):
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -78,7 +79,9 @@ class Scheduler:
                 f"{self.max_num_batched_tokens}], got {long_prefill_token_threshold}")
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.kv = KVCacheManager(num_gpu_blocks, self.block_size,
-                                 cache_config.enable_prefix_caching)
+                                 cache_config.enable_prefix_caching, num_host_blocks)
+        # a preempted request's blocks go to the host tier (swap) or are only freed
+        self.store_on_preempt = cache_config.preemption_mode == "swap"
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.by_priority = scheduler_config.scheduling_policy == "priority"
         self._check_priority = scheduler_config.check_priority
@@ -246,13 +249,20 @@ class Scheduler:
                 continue
             if request.num_output_placeholders:
                 break  # preempted with a token still in flight: wait until it comes back
+            if self.kv.is_loading(request):  # its prefix is on its way from the host tier
+                compiling.append(waiting.popleft())
+                continue
             computed = self.kv.get_computed_blocks(request)
+            if self.kv.start_load(request, computed):
+                compiling.append(waiting.popleft())
+                continue
             num_new = min(request.num_tokens - computed.num_tokens, budget)
             held_back = (num_new > self.long_prefill_token_threshold and len(waiting) > 1
                          and len(running) + 1 < self.max_num_seqs)
             if held_back:  # leave room for the requests behind it
                 num_new = self.long_prefill_token_threshold
             if self.kv.allocate_slots(request, num_new, computed) is None:
+                self.kv.drop_held_loads()  # loads held for others must not keep it out
                 break  # nobody overtakes the head of the queue
             waiting.popleft()
             if self.by_priority:
@@ -269,7 +279,7 @@ class Scheduler:
             if held_back:
                 throttled.append(request)
             budget -= num_new
-        for request in reversed(compiling):  # back at the head, in their order
+        for request in reversed(compiling):  # back at the head, in their order (loads too)
             waiting.appendleft(request)
         return budget
 
@@ -335,6 +345,7 @@ class Scheduler:
             if samples and request.grammar is not None:
                 structured.append(request.request_id)
         finished, self._finished_req_ids = self._finished_req_ids, []
+        transfers, released = self.kv.take_transfers(self._step_id)
         output = SchedulerOutput(
             step_id=self._step_id,
             scheduled_new_reqs=new_data,
@@ -344,7 +355,10 @@ class Scheduler:
             finished_req_ids=finished,
             structured_req_ids=structured,
             scheduled_spec_decode_tokens=spec_tokens,
+            released_kv_transfers=released,
         )
+        if transfers is not None:
+            output.kv_stores, output.kv_loads = transfers.stores, transfers.loads
         self._step_id += 1
         return output
 
@@ -362,7 +376,7 @@ class Scheduler:
         """Free a running request's blocks and requeue it at the front (under priority: where
         its priority and arrival put it), to be recomputed (its prefix is reused if still
         cached). A token it has in flight is kept when it arrives."""
-        self.kv.free(request)
+        self.kv.free(request, store=self.store_on_preempt)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -376,6 +390,8 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, finish requests that are done, and report both."""
+        if runner_output.finished_kv_transfers:
+            self.kv.transfers_done(runner_output.finished_kv_transfers)
         outputs = []
         finished_running: set[str] = set()
         logprobs = runner_output.logprobs
@@ -473,6 +489,7 @@ class Scheduler:
     # ---- introspection -------------------------------------------------------------------
 
     def make_stats(self) -> SchedulerStats:
+        kv = self.kv
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -485,6 +502,10 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted,
             spec_accepted_per_position=list(self.spec_accepted_per_position),
+            kv_host_queries=kv.host_queries,
+            kv_host_hits=kv.host_hits,
+            kv_stored_blocks=kv.stored_blocks,
+            kv_loaded_blocks=kv.loaded_blocks,
         )
 
     def reset_prefix_cache(self) -> bool:

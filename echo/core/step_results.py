@@ -36,6 +36,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     logprobs: list[LogprobsEntry | None] = []
     # request id -> the prompt logprobs this step's chunk produced (requests that asked only)
     prompt_logprobs: dict[str, PromptLogprobs] = {}
+    # KV host-tier transfers (SchedulerOutput.kv_stores / kv_loads) this rank finished since
+    # its last output, by transfer id
+    finished_kv_transfers: list[int] = []
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -52,6 +55,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []
+    # the KV cache's host tier, cumulative: tokens looked up there at admission, found there
+    # (and loaded), blocks stored and loaded
+    kv_host_queries: int = 0
+    kv_host_hits: int = 0
+    kv_stored_blocks: int = 0
+    kv_loaded_blocks: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

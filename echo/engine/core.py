@@ -23,6 +23,21 @@ from echo.structured_output.manager import StructuredOutputManager
 
 # how long a busy loop with nothing to run but grammars compiling waits for one to finish
 _COMPILE_WAIT_S = 0.005
+# how long a step that only polls KV host-tier copies waits first
+_TRANSFER_POLL_S = 0.0005
+
+
+def num_host_blocks(config: EngineConfig) -> int:
+    """The KV host tier's blocks (kv_offloading_size over every rank's share of a block), as
+    each worker sizes its own memory (echo/worker/kv_transfer.py)."""
+    size = config.cache.kv_offloading_size
+    if size is None:
+        return 0
+    from echo.worker.kv_cache import kv_cache_spec
+    from echo.worker.kv_transfer import host_tier_blocks
+
+    spec = kv_cache_spec(config)
+    return host_tier_blocks(size, spec.bytes_per_block(), config.parallel.tensor_parallel_size)
 
 
 class EngineCore:
@@ -40,7 +55,9 @@ class EngineCore:
         except BaseException:
             executor.shutdown()
             raise
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)
+        self.num_host_blocks = num_host_blocks(config)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
+                                   num_host_blocks=self.num_host_blocks)
         self.eos_token_ids = config.model.arch.eos_token_ids
         # steps sent to the executor whose output has not been processed, oldest first
         self.in_flight: deque = deque()
@@ -102,10 +119,17 @@ class EngineCore:
         scheduled = False
         structured = self.structured
         failed = self._fail(structured.poll()) if structured.compiling else []
-        if len(self.in_flight) < self.max_in_flight and self.scheduler.has_unfinished_requests():
+        kv = self.scheduler.kv
+        if len(self.in_flight) < self.max_in_flight and (
+                self.scheduler.has_unfinished_requests() or kv.transfers_pending):
             with step_range("schedule", self.scheduler._step_id):
                 scheduler_output = self.scheduler.schedule()
-            if not scheduler_output.is_empty or scheduler_output.finished_req_ids:
+            # a step with nothing to compute still carries forgotten requests and KV copies,
+            # and polls the copies in flight (the workers report them done with an output)
+            if (not scheduler_output.is_empty or scheduler_output.finished_req_ids
+                    or scheduler_output.has_kv_transfers or kv.transfers_pending):
+                if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+                    time.sleep(_TRANSFER_POLL_S)  # only waiting on copies: do not spin
                 self.executor.execute_model_async(scheduler_output)
                 if scheduler_output.structured_req_ids:
                     if self.in_flight:  # the step before it still owes tokens
@@ -152,7 +176,8 @@ class EngineCore:
                 output.finish_reason, output.error = "error", error
 
     def has_work(self) -> bool:
-        return bool(self.in_flight) or self.scheduler.has_unfinished_requests()
+        return (bool(self.in_flight) or self.scheduler.has_unfinished_requests()
+                or self.scheduler.kv.transfers_pending)
 
     def shutdown(self) -> None:
         self.structured.shutdown()

@@ -141,6 +141,10 @@ class LLM:
                     if result.finished:
                         finished[result.request_id] = result
                         bar.update(1)
+            # the finished requests' blocks on their way to the KV host tier: see them there
+            # (the core process does this on its own)
+            while self.engine is not None and self.engine.has_work():
+                self.engine.step_overlapped()
         except BaseException:
             # leave the engine clean for the next call (e.g. after Ctrl-C)
             self._abort([cid for rid in order for cid in processor.child_ids(rid)])

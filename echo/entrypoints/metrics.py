@@ -8,7 +8,9 @@ there is one core; with data parallelism each core's stats get their own index).
   vllm:num_requests_running / num_requests_waiting / kv_cache_usage_perc are gauges, and
   vllm:prefix_cache_queries / prefix_cache_hits / num_preemptions are counters whose value is the
   core's cumulative total, and so are speculative decoding's vllm:spec_decode_num_drafts /
-  num_draft_tokens / num_accepted_tokens / num_accepted_tokens_per_pos{position}.
+  num_draft_tokens / num_accepted_tokens / num_accepted_tokens_per_pos{position}, and the KV
+  host tier's echo:kv_host_tier_queries / kv_host_tier_hits (tokens) and
+  echo:kv_offload_stored_blocks / kv_offload_loaded_blocks (vLLM has no names for these).
 - Requests are observed in the frontend by a RequestTimer, one per prompt (one stream of
   RequestOutputs): vllm:prompt_tokens and vllm:generation_tokens count tokens (so they add up to
   the usage the responses report); vllm:request_success{finished_reason} counts each finished
@@ -92,6 +94,20 @@ class _EngineCollector:
             (CounterMetricFamily("vllm:spec_decode_num_accepted_tokens",
                                  "Number of accepted tokens.", labels=LABELS),
              lambda s: s.spec_num_accepted_tokens),
+        ]
+        families += [  # the KV cache's host tier (kv_offloading_size): echo's own names
+            (CounterMetricFamily("echo:kv_host_tier_queries",
+                                 "Tokens looked up in the KV cache's host tier.",
+                                 labels=LABELS), lambda s: s.kv_host_queries),
+            (CounterMetricFamily("echo:kv_host_tier_hits",
+                                 "Tokens found in the host tier (and loaded).", labels=LABELS),
+             lambda s: s.kv_host_hits),
+            (CounterMetricFamily("echo:kv_offload_stored_blocks",
+                                 "KV blocks copied to the host tier.", labels=LABELS),
+             lambda s: s.kv_stored_blocks),
+            (CounterMetricFamily("echo:kv_offload_loaded_blocks",
+                                 "KV blocks loaded from the host tier.", labels=LABELS),
+             lambda s: s.kv_loaded_blocks),
         ]
         for family, value in families:
             for engine, stats in enumerate(self.metrics.engine_stats):

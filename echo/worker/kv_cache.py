@@ -15,6 +15,16 @@ import torch
 from echo.attention.backend import SCALE_DTYPE, KVCache, cache_scales
 
 
+def kv_cache_spec(config) -> "KVCacheSpec":
+    """One rank's cache shape from the engine config alone (no model built): its KV heads are
+    the model's divided over the ranks, one (replicated) when there are more ranks than heads,
+    as QKVParallelLinear splits them."""
+    arch, tp = config.model.arch, config.parallel.tensor_parallel_size
+    return KVCacheSpec(arch.num_layers, config.cache.block_size,
+                       max(1, arch.num_kv_heads // tp), arch.head_dim,
+                       getattr(torch, config.model.dtype), config.cache.kv_cache_dtype)
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """The shape of one worker's cache (its own share of the KV heads under TP)."""

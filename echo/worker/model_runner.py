@@ -35,6 +35,7 @@ from echo.worker.cuda_graphs import CudaGraphRunner
 from echo.worker.grammar_bitmask import apply_grammar_bitmask
 from echo.worker.input_batch import InputBatch, StepInputs
 from echo.worker.kv_cache import KVCacheSpec
+from echo.worker.kv_transfer import HostKVCache, KVTransfers, host_tier_blocks
 from echo.worker.model_loader import build_model
 from echo.worker.rejection_sampler import rejection_sample
 from echo.worker.sampler import Sampler, SamplerOutput
@@ -68,6 +69,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.vocab_size = self.arch.vocab_size
         self.kv_caches: list[KVCache] = []
+        self.kv_transfers: KVTransfers | None = None  # the KV host tier's copies, if any
         self.input_batch: InputBatch | None = None
         self.buffers: StepBuffers | None = None
         self.graphs: CudaGraphRunner | None = None
@@ -94,6 +96,11 @@ class ModelRunner:
         if self.tp.rank == 0:  # every rank holds the same number of blocks
             print(f"echo: {self.kv_cache_spec.describe(num_blocks, self.tp.size)}",
                   file=sys.stderr, flush=True)
+        offload = self.config.cache.kv_offloading_size
+        if offload is not None:  # the host tier: this rank's share of every host block
+            num_host = host_tier_blocks(offload, self.kv_bytes_per_block(), self.tp.size)
+            host = HostKVCache(self.kv_cache_spec, num_host, pin=self.device.type == "cuda")
+            self.kv_transfers = KVTransfers(self.kv_caches, host, self.device)
         sched = self.config.scheduler
         max_blocks = -(-sched.max_model_len // self.config.cache.block_size) + 1
         # +1 token column: a request finishing at max_model_len may still be handed a token
@@ -123,6 +130,8 @@ class ModelRunner:
                                            for new in out.scheduled_new_reqs):
                 self._track_prompt_logprobs(out)
             batch.update(out, self.vocab_size)
+            if self.kv_transfers is not None and out.has_kv_transfers:
+                self._start_kv_transfers(out)
             if out.is_empty:
                 self.in_flight.append(ModelRunnerOutput(step_id=out.step_id))
                 return
@@ -276,7 +285,22 @@ class ModelRunner:
     def collect(self) -> ModelRunnerOutput:
         """The oldest launched step's output, waiting for the device if needed."""
         item = self.in_flight.popleft()
-        return item if isinstance(item, ModelRunnerOutput) else self._land(item)
+        output = item if isinstance(item, ModelRunnerOutput) else self._land(item)
+        if self.kv_transfers is not None:
+            output.finished_kv_transfers = self.kv_transfers.poll_done()
+        return output
+
+    def _start_kv_transfers(self, out: SchedulerOutput) -> None:
+        """Order this rank's work after the copies the scheduler saw done, then start this
+        step's own copies (docs/ARCHITECTURE.md, KV offload)."""
+        transfers = self.kv_transfers
+        if out.released_kv_transfers:
+            transfers.release(out.released_kv_transfers)
+        if out.kv_stores or out.kv_loads:
+            with step_range("kv-transfers", out.step_id):
+                transfers.start(out.step_id, [d for d, _ in out.kv_stores],
+                                [h for _, h in out.kv_stores], [h for h, _ in out.kv_loads],
+                                [d for _, d in out.kv_loads])
 
     def _land(self, step: "_StepInFlight") -> ModelRunnerOutput:
         step.ready.synchronize()

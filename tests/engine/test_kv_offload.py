@@ -1,0 +1,109 @@
+"""The KV cache's host tier end to end on CPU (torch backend, SmolLM2): multi-turn conversations
+whose histories exceed a tiny GPU pool give the same greedy tokens with offload on and off,
+through chunked prefill after loaded blocks; prefixes evicted from the GPU are loaded, not
+recomputed (counters); after a run with random aborts both tiers account for every block."""
+
+import random
+
+import pytest
+
+from echo import LLM, SamplingParams
+from echo.config import EngineConfig
+from echo.engine.core import EngineCore
+from echo.engine.messages import EngineCoreRequest
+
+# 40 blocks of 16 tokens: four conversations of ~330 tokens do not fit at once; chunks of 64
+ARGS = {"device": "cpu", "dtype": "float32", "max_model_len": 512, "max_num_seqs": 4,
+        "max_num_batched_tokens": 64, "num_gpu_blocks_override": 40}
+OFFLOAD_GIB = 0.2  # ~290 host blocks of SmolLM2 (737 KB each in float32)
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from echo.models.default_model import ensure_default_model
+
+    return str(ensure_default_model())
+
+
+def conversations(turns: int = 4, num: int = 4) -> list[list[list[int]]]:
+    """num conversations of `turns` user messages (token ids): a shared 96-token system
+    prompt, then 40 tokens of each user turn."""
+    system = [(17 * j) % 4000 + 100 for j in range(96)]
+    return [[system] + [[(131 * c + 7 * t + j) % 9000 + 200 for j in range(40)]
+                        for t in range(turns)] for c in range(num)]
+
+
+def run_conversations(model: str, **extra) -> tuple[list[list[int]], object]:
+    """Every conversation's turns, interleaved (turn t of all, then t + 1): the outputs of
+    each turn, and the engine's stats at the end."""
+    llm = LLM(model, **ARGS, **extra)
+    try:
+        chats = conversations()
+        histories = [chat[0] for chat in chats]
+        outputs = []
+        for turn in range(1, len(chats[0])):
+            prompts = [h + chat[turn] for h, chat in zip(histories, chats)]
+            results = llm.generate(prompts, GREEDY, use_tqdm=False)
+            tokens = [r.outputs[0].token_ids for r in results]
+            outputs += tokens
+            histories = [p + t for p, t in zip(prompts, tokens)]
+        return outputs, llm.stats()
+    finally:
+        llm.shutdown()
+
+
+def test_multi_turn_greedy_tokens_equal_with_offload_on_and_off(smollm2):
+    off, off_stats = run_conversations(smollm2)
+    on, on_stats = run_conversations(smollm2, kv_offloading_size=OFFLOAD_GIB)
+    assert on == off
+    # the histories did not fit: without the host tier later turns recomputed prefixes ...
+    assert off_stats.kv_loaded_blocks == 0
+    # ... which the host tier loaded instead
+    assert on_stats.kv_stored_blocks > 0 and on_stats.kv_loaded_blocks > 0
+    assert on_stats.kv_host_hits == on_stats.kv_loaded_blocks * 16
+    assert on_stats.prefix_cache_hits > off_stats.prefix_cache_hits
+
+
+def test_random_aborts_leave_both_tiers_accounted(smollm2):
+    config = EngineConfig.create(smollm2, kv_offloading_size=OFFLOAD_GIB,
+                                 preemption_mode="swap", **ARGS)
+    engine = EngineCore(config)
+    rng = random.Random(0)
+    chats = conversations(turns=2, num=8)
+    prompts = [chat[0] + chat[1] for chat in chats] + [chat[0] + chat[2] for chat in chats]
+    try:
+        live: set[str] = set()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(EngineCoreRequest(f"r{i}", prompt, SamplingParams(
+                temperature=0, max_tokens=rng.randint(4, 24), ignore_eos=True)))
+            live.add(f"r{i}")
+        steps = 0
+        while engine.has_work():
+            outputs = engine.step_overlapped()
+            steps += 1
+            for out in outputs.outputs if outputs else []:
+                if out.finish_reason is not None:
+                    live.discard(out.request_id)
+            if live and rng.random() < 0.15:  # abort one, at any point of its life
+                victim = rng.choice(sorted(live))
+                engine.abort_requests([victim])
+                live.discard(victim)
+            assert steps < 5000
+        kv = engine.scheduler.kv
+        kv.check_invariants()
+        assert kv.num_free_blocks == kv.num_blocks  # nothing is held once all is done
+        assert not kv.transfers_pending
+        assert kv.stored_blocks > 0
+    finally:
+        engine.shutdown()
+
+
+def test_bad_offload_arguments_name_their_field(smollm2):
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        EngineConfig.create(smollm2, device="cpu", kv_offloading_size=-1)
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        EngineConfig.create(smollm2, device="cpu", kv_offloading_size=1,
+                            enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="preemption_mode"):
+        EngineConfig.create(smollm2, device="cpu", preemption_mode="swap")
