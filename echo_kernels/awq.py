@@ -16,9 +16,9 @@ inverts that: column 8j + r sits at nibble AWQ_REVERSE_ORDER[r], AWQ_REVERSE_ORD
 whose top nibble is 8 or more is negative; every shift is masked with 0xF, so the sign does
 not matter.
 
-awq_gemv (1..GEMV_MAX_ROWS rows, decode) dequantizes in registers in float32 and multiplies on
-the CUDA cores: each program owns BLOCK_N output columns (BLOCK_N / 8 int32 a weight row, each
-loaded once and shifted eight ways in one thread) over a K range, into an fp32
+awq_gemv (1..GEMV_MAX_ROWS rows; awq_linear's for one row) dequantizes in registers in float32
+and multiplies on the CUDA cores: each program owns BLOCK_N output columns (BLOCK_N / 8 int32
+a weight row, each loaded once and shifted eight ways in one thread) over a K range, into an fp32
 [M_PAD, 8, BLOCK_K, BLOCK_N / 8] accumulator reduced over K once at the end. awq_gemm (more
 rows, prefill) dequantizes each [BLOCK_K, BLOCK_N] weight tile to x's dtype and feeds it to
 tl.dot, fp32 accumulation. Nibbles become floats without a conversion instruction: ORed into
@@ -43,18 +43,27 @@ import triton.language as tl
 from echo_kernels.device import sm_count
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 
-GEMV_MAX_ROWS = 16  # awq_linear's switch to the tensor-core kernel
-# programs to aim for per SM: a decode GEMV needs several in flight to cover memory latency; the
-# GEMM splits only a grid under one wave (its partial sums cost M*N*4 bytes a split each way)
+GEMV_MAX_ROWS = 16  # the most rows awq_gemv takes
+# awq_linear's switch to the tensor-core kernel: from 2 rows on, awq_gemm's one 16-row tile
+# with split-K beat the GEMV 3.7-4.9x at 16 rows and tied it at one (H200, Llama-3.1-8B's
+# layers, docs/benchmarks.md AWQ, 2026-12-02)
+LINEAR_GEMV_ROWS = 1
+# programs to aim for per SM: a decode GEMV needs several in flight to cover memory latency, and
+# so does the GEMM at decode rows (DECODE_ROWS); a larger GEMM splits only a grid under one
+# wave (its partial sums cost M*N*4 bytes a split each way)
 _GEMV_PROGRAMS_PER_SM = 4
 _GEMM_PROGRAMS_PER_SM = 1
+_GEMM_DECODE_PROGRAMS_PER_SM = 4  # the sweep's best splits gave 2-7 programs per SM
+_DECODE_ROWS = 64
 _GEMV_ACC_ELEMENTS = 4096  # M_PAD * BLOCK_K * BLOCK_N: the GEMV's accumulator
 # (most rows, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)), first match wins; BLOCK_K is capped by
-# the group size. Untuned: a start for bench_kernels' sweep
+# the group size. The first and last from bench_kernels' sweep (2026-12-02: decode rows best at
+# 16 x 128 x 64 for all four Llama-3.1-8B shapes; M = 4096 at 128 x 256 x 128 with 8 warps,
+# 1.41-1.46x the earlier 128 x 128 x 64); the middle one untuned
 _GEMM_CONFIGS = (
-    (64, (32, 64, 128, 4)),
+    (_DECODE_ROWS, (16, 128, 64, 4)),
     (512, (64, 128, 64, 4)),
-    (None, (128, 128, 64, 8)),
+    (None, (128, 256, 128, 8)),
 )
 _SUM_BLOCK = 1024
 
@@ -357,8 +366,8 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     assert group_size % block_k == 0 and block_k >= 16 and block_k & (block_k - 1) == 0, \
         f"block_k={block_k} must be a power of two >= 16 dividing group_size={group_size}"
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    num_splits, tiles = _num_splits(split_k, programs, k // block_k, _GEMM_PROGRAMS_PER_SM,
-                                    x.device)
+    per_sm = _GEMM_DECODE_PROGRAMS_PER_SM if m <= _DECODE_ROWS else _GEMM_PROGRAMS_PER_SM
+    num_splits, tiles = _num_splits(split_k, programs, k // block_k, per_sm, x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     pdl = pdl_options(x.device)
 
@@ -375,8 +384,10 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
 
 def awq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
                scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """x [M, K] @ the AWQ weight [K, N] -> [M, N] in x's dtype: awq_gemv up to GEMV_MAX_ROWS
-    rows, awq_gemm beyond (and for M = 0)."""
-    if 1 <= x.shape[0] <= GEMV_MAX_ROWS:
+    """x [M, K] @ the AWQ weight [K, N] -> [M, N] in x's dtype: awq_gemv up to
+    LINEAR_GEMV_ROWS rows (GEMV_MAX_ROWS under a group of 16, which tl.dot cannot step
+    through), awq_gemm beyond (and for M = 0)."""
+    rows = LINEAR_GEMV_ROWS if group_size >= 16 else GEMV_MAX_ROWS
+    if 1 <= x.shape[0] <= rows:
         return awq_gemv(x, qweight, qzeros, scales, group_size)
     return awq_gemm(x, qweight, qzeros, scales, group_size)

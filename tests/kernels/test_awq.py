@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from echo_kernels import awq_gemm, awq_gemv, awq_linear
-from echo_kernels.awq import GEMV_MAX_ROWS
+from echo_kernels.awq import LINEAR_GEMV_ROWS
 from echo_kernels.reference import awq_dequantize_ref, awq_linear_ref
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of int32 j holds column 8j + this[i]
@@ -212,7 +212,7 @@ def test_split_k_deterministic(device):
 
 def test_linear_dispatch_and_edges(device):
     qweight, qzeros, scales = awq_tensors(64, 32, 32, device, seed=5)
-    for m in (GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1):
+    for m in (LINEAR_GEMV_ROWS, LINEAR_GEMV_ROWS + 1, 16, 17):
         x = torch.randn(m, 64, device=device).to(torch.float16)
         check(awq_linear(x, qweight, qzeros, scales, 32), x, qweight, qzeros, scales, 32)
     assert awq_linear(torch.zeros(0, 64, device=device), qweight, qzeros, scales,
