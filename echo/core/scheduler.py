@@ -66,6 +66,7 @@ class Scheduler:
         *,
         long_prefill_token_threshold: int | None = None,
         num_host_blocks: int = 0,
+        tensor_parallel_size: int = 1,
     ):
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -82,6 +83,9 @@ class Scheduler:
                                  cache_config.enable_prefix_caching, num_host_blocks)
         # a preempted request's blocks go to the host tier (swap) or are only freed
         self.store_on_preempt = cache_config.preemption_mode == "swap"
+        self.tensor_parallel_size = tensor_parallel_size
+        # rank 0's cumulative (bytes stored, bytes loaded, copy seconds) of the host tier
+        self.kv_transfer_totals: tuple[int, int, float] = (0, 0, 0.0)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.by_priority = scheduler_config.scheduling_policy == "priority"
         self._check_priority = scheduler_config.check_priority
@@ -392,6 +396,8 @@ class Scheduler:
         """Append sampled tokens, finish requests that are done, and report both."""
         if runner_output.finished_kv_transfers:
             self.kv.transfers_done(runner_output.finished_kv_transfers)
+            if runner_output.kv_transfer_totals is not None:
+                self.kv_transfer_totals = runner_output.kv_transfer_totals
         outputs = []
         finished_running: set[str] = set()
         logprobs = runner_output.logprobs
@@ -490,6 +496,8 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv
+        stored, loaded, seconds = self.kv_transfer_totals
+        tp = self.tensor_parallel_size  # each rank moved its own share of every block
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -506,6 +514,9 @@ class Scheduler:
             kv_host_hits=kv.host_hits,
             kv_stored_blocks=kv.stored_blocks,
             kv_loaded_blocks=kv.loaded_blocks,
+            kv_stored_bytes=stored * tp,
+            kv_loaded_bytes=loaded * tp,
+            kv_transfer_seconds=seconds,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -37,8 +37,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # request id -> the prompt logprobs this step's chunk produced (requests that asked only)
     prompt_logprobs: dict[str, PromptLogprobs] = {}
     # KV host-tier transfers (SchedulerOutput.kv_stores / kv_loads) this rank finished since
-    # its last output, by transfer id
+    # its last output, by transfer id, and this rank's cumulative bytes stored and loaded and
+    # copy seconds (the metrics' figures: every rank moves the same share)
     finished_kv_transfers: list[int] = []
+    kv_transfer_totals: tuple[int, int, float] | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -61,6 +63,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     kv_host_hits: int = 0
     kv_stored_blocks: int = 0
     kv_loaded_blocks: int = 0
+    # ... and the bytes and copy seconds of all ranks together
+    kv_stored_bytes: int = 0
+    kv_loaded_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

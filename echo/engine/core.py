@@ -57,7 +57,8 @@ class EngineCore:
             raise
         self.num_host_blocks = num_host_blocks(config)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
-                                   num_host_blocks=self.num_host_blocks)
+                                   num_host_blocks=self.num_host_blocks,
+                                   tensor_parallel_size=config.parallel.tensor_parallel_size)
         self.eos_token_ids = config.model.arch.eos_token_ids
         # steps sent to the executor whose output has not been processed, oldest first
         self.in_flight: deque = deque()

@@ -10,7 +10,8 @@ there is one core; with data parallelism each core's stats get their own index).
   core's cumulative total, and so are speculative decoding's vllm:spec_decode_num_drafts /
   num_draft_tokens / num_accepted_tokens / num_accepted_tokens_per_pos{position}, and the KV
   host tier's echo:kv_host_tier_queries / kv_host_tier_hits (tokens) and
-  echo:kv_offload_stored_blocks / kv_offload_loaded_blocks (vLLM has no names for these).
+  echo:kv_offload_stored_blocks / loaded_blocks / stored_bytes / loaded_bytes /
+  transfer_seconds (vLLM has no names for these).
 - Requests are observed in the frontend by a RequestTimer, one per prompt (one stream of
   RequestOutputs): vllm:prompt_tokens and vllm:generation_tokens count tokens (so they add up to
   the usage the responses report); vllm:request_success{finished_reason} counts each finished
@@ -108,6 +109,15 @@ class _EngineCollector:
             (CounterMetricFamily("echo:kv_offload_loaded_blocks",
                                  "KV blocks loaded from the host tier.", labels=LABELS),
              lambda s: s.kv_loaded_blocks),
+            (CounterMetricFamily("echo:kv_offload_stored_bytes",
+                                 "Bytes copied to the host tier (all ranks).", labels=LABELS),
+             lambda s: s.kv_stored_bytes),
+            (CounterMetricFamily("echo:kv_offload_loaded_bytes",
+                                 "Bytes loaded from the host tier (all ranks).", labels=LABELS),
+             lambda s: s.kv_loaded_bytes),
+            (CounterMetricFamily("echo:kv_offload_transfer_seconds",
+                                 "Time the host tier's copies took on rank 0's device.",
+                                 labels=LABELS), lambda s: s.kv_transfer_seconds),
         ]
         for family, value in families:
             for engine, stats in enumerate(self.metrics.engine_stats):

@@ -286,8 +286,11 @@ class ModelRunner:
         """The oldest launched step's output, waiting for the device if needed."""
         item = self.in_flight.popleft()
         output = item if isinstance(item, ModelRunnerOutput) else self._land(item)
-        if self.kv_transfers is not None:
-            output.finished_kv_transfers = self.kv_transfers.poll_done()
+        transfers = self.kv_transfers
+        if transfers is not None:
+            output.finished_kv_transfers = transfers.poll_done()
+            if output.finished_kv_transfers:
+                output.kv_transfer_totals = (*transfers.bytes_moved, transfers.seconds)
         return output
 
     def _start_kv_transfers(self, out: SchedulerOutput) -> None:

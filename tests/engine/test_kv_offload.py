@@ -11,6 +11,7 @@ from echo import LLM, SamplingParams
 from echo.config import EngineConfig
 from echo.engine.core import EngineCore
 from echo.engine.messages import EngineCoreRequest
+from tests.helpers import VOCAB
 
 # 40 blocks of 16 tokens: four conversations of ~330 tokens do not fit at once; chunks of 64
 ARGS = {"device": "cpu", "dtype": "float32", "max_model_len": 512, "max_num_seqs": 4,
@@ -26,20 +27,20 @@ def smollm2():
     return str(ensure_default_model())
 
 
-def conversations(turns: int = 4, num: int = 4) -> list[list[list[int]]]:
-    """num conversations of `turns` user messages (token ids): a shared 96-token system
-    prompt, then 40 tokens of each user turn."""
-    system = [(17 * j) % 4000 + 100 for j in range(96)]
-    return [[system] + [[(131 * c + 7 * t + j) % 9000 + 200 for j in range(40)]
+def conversations(turns: int = 4, num: int = 4, vocab: int = 9200) -> list[list[list[int]]]:
+    """num conversations of `turns` user messages (token ids below vocab): a shared 96-token
+    system prompt, then 40 tokens of each user turn."""
+    system = [((17 * j) % 4000 + 100) % vocab for j in range(96)]
+    return [[system] + [[((131 * c + 7 * t + j) % 9000 + 200) % vocab for j in range(40)]
                         for t in range(turns)] for c in range(num)]
 
 
-def run_conversations(model: str, **extra) -> tuple[list[list[int]], object]:
+def run_conversations(model: str, vocab: int = 9200, **extra) -> tuple[list[list[int]], object]:
     """Every conversation's turns, interleaved (turn t of all, then t + 1): the outputs of
     each turn, and the engine's stats at the end."""
-    llm = LLM(model, **ARGS, **extra)
+    llm = LLM(model, **{**ARGS, **extra})
     try:
-        chats = conversations()
+        chats = conversations(vocab=vocab)
         histories = [chat[0] for chat in chats]
         outputs = []
         for turn in range(1, len(chats[0])):
@@ -62,6 +63,11 @@ def test_multi_turn_greedy_tokens_equal_with_offload_on_and_off(smollm2):
     # ... which the host tier loaded instead
     assert on_stats.kv_stored_blocks > 0 and on_stats.kv_loaded_blocks > 0
     assert on_stats.kv_host_hits == on_stats.kv_loaded_blocks * 16
+    # SmolLM2 in float32: 30 layers x K and V x 16 tokens x 3 KV heads x 64 x 4 bytes a block
+    block_bytes = 30 * 2 * 16 * 3 * 64 * 4
+    assert on_stats.kv_stored_bytes == on_stats.kv_stored_blocks * block_bytes
+    assert on_stats.kv_loaded_bytes == on_stats.kv_loaded_blocks * block_bytes
+    assert on_stats.kv_transfer_seconds > 0
     assert on_stats.prefix_cache_hits > off_stats.prefix_cache_hits
 
 
@@ -107,3 +113,13 @@ def test_bad_offload_arguments_name_their_field(smollm2):
                             enable_prefix_caching=False)
     with pytest.raises(ValueError, match="preemption_mode"):
         EngineConfig.create(smollm2, device="cpu", preemption_mode="swap")
+
+
+def test_two_ranks_move_their_own_shards(tiny_llama):
+    """TP=2 (gloo, worker processes): each rank stores and loads its half of every block; the
+    tokens equal one rank's without offload, and only rank 0's report reaches the core."""
+    args = {"tensor_parallel_size": 2, "vocab": VOCAB}
+    off, _ = run_conversations(str(tiny_llama), **args)
+    on, stats = run_conversations(str(tiny_llama), kv_offloading_size=0.01, **args)
+    assert on == off
+    assert stats.kv_loaded_blocks > 0
