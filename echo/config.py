@@ -126,7 +126,8 @@ class CacheConfig:
     kv_offloading_size: float | None = _arg(
         None, "GiB of host memory (pinned on cuda) for a second tier of the prefix cache: "
         "finished requests' blocks are copied there, and a later prompt's prefix found there "
-        "is loaded instead of recomputed (all TP ranks together)")
+        "is loaded instead of recomputed (all TP ranks of a replica together; each "
+        "data-parallel replica has its own)")
     preemption_mode: str = _arg(
         "recompute", "what preemption does with a request's blocks: recompute, free them "
         "(the GPU prefix cache may still hold them); swap, also copy them to the host tier "

@@ -67,6 +67,12 @@ class HostTier:
         else:
             del self._pins[host_block]
 
+    def reset(self) -> None:
+        """Forget every stored block (the caller checked no copy is in flight)."""
+        assert not self._storing and not self._pins, "host tier reset during a transfer"
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._valid.clear()
+
     @property
     def num_valid(self) -> int:
         return len(self._valid)

@@ -69,19 +69,24 @@ class _RequestBlocks:
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
 
 
-class KVTransfers(NamedTuple):
+class StepTransfers(NamedTuple):
     """The copies one step starts: stores (GPU block, host block), loads (host block, GPU
-    block)."""
+    block), and whether the step must wait for them on the device (it reuses swapped-out
+    blocks)."""
 
     stores: list[tuple[int, int]]
     loads: list[tuple[int, int]]
+    before_step: bool
 
 
 class _Transfer:
-    __slots__ = ("stores", "loads", "load_hashes", "load_owners")
+    __slots__ = ("stores", "swaps", "loads", "load_hashes", "load_owners")
 
     def __init__(self):
-        self.stores: list[tuple[int, int]] = []
+        self.stores: list[tuple[int, int]] = []  # each pins its GPU block until done
+        # preempted blocks (swap), freed at once: the step that carries them orders its own
+        # work after them on the device, since it may reuse the blocks
+        self.swaps: list[tuple[int, int]] = []
         self.loads: list[tuple[int, int]] = []
         self.load_hashes: list[BlockHash] = []
         self.load_owners: list[str] = []  # the request each load is for
@@ -205,9 +210,10 @@ class KVCacheManager:
         state.block_ids.extend(new_block_ids)
         return new_block_ids
 
-    def free(self, request: Request, store: bool = True) -> None:
+    def free(self, request: Request, store: bool = True, preempted: bool = False) -> None:
         """Release every block of a request (finished, aborted or preempted) at once; with a
-        host tier and `store`, its full blocks not yet on the host are copied there first."""
+        host tier and `store`, its full blocks not yet on the host are copied there (see
+        _store for what a preemption changes)."""
         rid = request.request_id
         self._loaded_once.discard(rid)
         if rid in self._loading:
@@ -219,18 +225,24 @@ class KVCacheManager:
         if state is None or not state.block_ids:
             return
         if store and self.host is not None:
-            self._store(state)
+            self._store(state, pin=not preempted)
         self.pool.free(state.block_ids)
 
-    def _store(self, state: _RequestBlocks) -> None:
-        host, stores = self.host, self._next_transfer.stores
+    def _store(self, state: _RequestBlocks, pin: bool) -> None:
+        """Queue copies of a request's full blocks the host lacks. Pinned (finished requests):
+        the GPU block keeps a reference until the copy is done, and nothing waits. Unpinned
+        (preemption, which must free blocks now): the next step waits for the copy on the
+        device before its own kernels, which may overwrite them."""
+        host = self.host
+        stores = self._next_transfer.stores if pin else self._next_transfer.swaps
         for block_id, block_hash in zip(state.block_ids[:state.num_cached_blocks], state.hashes):
             if block_hash in host:
                 continue
             host_block = host.start_store(block_hash)
             if host_block is None:  # every host block is busy: the rest is not kept
                 break
-            self.pool.touch([block_id])  # pinned until the copy is done
+            if pin:
+                self.pool.touch([block_id])
             stores.append((block_id, host_block))
 
     # ---- the host tier ---------------------------------------------------------------------
@@ -279,30 +291,39 @@ class KVCacheManager:
     def is_loading(self, request: Request) -> bool:
         return request.request_id in self._loading
 
-    def drop_held_loads(self) -> None:
+    @property
+    def num_loading_requests(self) -> int:
+        """Requests whose loads are in flight or done and held: each will want a seat."""
+        return len(self._loading) + len(self._loaded)
+
+    def drop_held_loads(self) -> bool:
         """Stop holding loaded blocks for their requests (they stay cached): when the head of
         the queue cannot be admitted, blocks held for requests behind it must not be what
-        keeps it out."""
+        keeps it out; nor may they cost a running request its seat. Whether any were held."""
+        dropped = bool(self._loaded)
         for held in self._loaded.values():
             self.pool.free(held)
         self._loaded.clear()
+        return dropped
 
-    def take_transfers(self, transfer_id: int) -> tuple[KVTransfers | None, list[int]]:
+    def take_transfers(self, transfer_id: int) -> tuple[StepTransfers | None, list[int]]:
         """The copies gathered for the step `transfer_id` (None if there are none), and the
         transfers seen done since the last step (the workers may now reuse their blocks)."""
         released, self._released = self._released, []
         transfer = self._next_transfer
-        if not transfer.stores and not transfer.loads:
+        if not (transfer.stores or transfer.swaps or transfer.loads):
             return None, released
         self._transfers[transfer_id] = transfer
         self._next_transfer = _Transfer()
-        return KVTransfers(transfer.stores, transfer.loads), released
+        return StepTransfers(transfer.stores + transfer.swaps, transfer.loads,
+                             bool(transfer.swaps)), released
 
     @property
     def transfers_pending(self) -> bool:
         """Copies gathered for the next step or started and not reported done: the engine
         keeps stepping (with nothing else to run, steps that only carry or poll them)."""
-        return bool(self._transfers or self._next_transfer.stores or self._next_transfer.loads)
+        following = self._next_transfer
+        return bool(self._transfers or following.stores or following.swaps or following.loads)
 
     def transfers_done(self, transfer_ids: list[int]) -> None:
         """The workers finished these transfers: stored host blocks become findable and their
@@ -310,10 +331,10 @@ class KVCacheManager:
         be admitted (aborted meanwhile: the blocks are cached all the same)."""
         for transfer_id in transfer_ids:
             transfer = self._transfers.pop(transfer_id)
-            for _, host_block in transfer.stores:
+            for _, host_block in transfer.stores + transfer.swaps:
                 self.host.finish_store(host_block)
                 self.stored_blocks += 1
-            if transfer.stores:
+            if transfer.stores:  # unpinned
                 self.pool.free([block_id for block_id, _ in transfer.stores])
             for (host_block, block_id), block_hash, rid in zip(
                     transfer.loads, transfer.load_hashes, transfer.load_owners):
@@ -341,7 +362,15 @@ class KVCacheManager:
         return {rid: list(state.block_ids) for rid, state in self._requests.items()}
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        """Forget every cached prefix, on the GPU and on the host (stale KV, say new weights);
+        refused while any block is in use or any copy in flight."""
+        if self.transfers_pending or self._loaded:
+            return False
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.host is not None:
+            self.host.reset()
+        return True
 
     def check_invariants(self) -> None:
         """Every GPU block's reference count is what holds it (request block tables, stores

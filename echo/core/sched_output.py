@@ -51,6 +51,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # reads until the transfer is reported done (ModelRunnerOutput.finished_kv_transfers)
     kv_stores: list[tuple[int, int]] = []
     kv_loads: list[tuple[int, int]] = []
+    # the step reuses blocks these stores read (a preemption's swap-out): its kernels wait for
+    # the copies on the device
+    kv_transfers_before_step: bool = False
     # transfers the scheduler saw done: each worker orders its later work after them on its
     # own device (another rank's copies may lag rank 0's report), then forgets them
     released_kv_transfers: list[int] = []

@@ -203,6 +203,8 @@ class Scheduler:
             if num_new > limit:
                 num_new = limit
             blocks = allocate_slots(request, num_new)
+            if blocks is None and self.kv.drop_held_loads():  # before taking anyone's seat
+                blocks = allocate_slots(request, num_new)
             while blocks is None:
                 # the most recently admitted (fcfs) or the worst priority: the last, never one
                 # scheduled already
@@ -257,7 +259,9 @@ class Scheduler:
                 compiling.append(waiting.popleft())
                 continue
             computed = self.kv.get_computed_blocks(request)
-            if self.kv.start_load(request, computed):
+            # a load only for a request that will find a seat: loaded blocks are held for it
+            if (len(running) + self.kv.num_loading_requests < self.max_num_seqs
+                    and self.kv.start_load(request, computed)):
                 compiling.append(waiting.popleft())
                 continue
             num_new = min(request.num_tokens - computed.num_tokens, budget)
@@ -363,6 +367,7 @@ class Scheduler:
         )
         if transfers is not None:
             output.kv_stores, output.kv_loads = transfers.stores, transfers.loads
+            output.kv_transfers_before_step = transfers.before_step
         self._step_id += 1
         return output
 
@@ -380,7 +385,7 @@ class Scheduler:
         """Free a running request's blocks and requeue it at the front (under priority: where
         its priority and arrival put it), to be recomputed (its prefix is reused if still
         cached). A token it has in flight is kept when it arrives."""
-        self.kv.free(request, store=self.store_on_preempt)
+        self.kv.free(request, store=self.store_on_preempt, preempted=True)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []

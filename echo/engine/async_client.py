@@ -38,9 +38,11 @@ from echo.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# a replica that fails this many restarts in a row stays down
+# a replica that fails this many restarts in a row stays down; one that dies within
+# STABLE_AFTER_S of starting counts as a failed restart
 MAX_RESTART_ATTEMPTS = 3
 RESTART_BACKOFF_S = 1.0
+STABLE_AFTER_S = 30.0
 
 
 class _ReplicaLink:
@@ -54,6 +56,8 @@ class _ReplicaLink:
         self.stats = SchedulerStats()
         self.engine_info: dict = {}
         self.state = "starting"  # then serving; restarting or down after it died
+        self.connected_at = 0.0
+        self.failed_restarts = 0  # in a row
 
     @property
     def serving(self) -> bool:
@@ -64,6 +68,7 @@ class _ReplicaLink:
         self.channel = CoreChannel(zmq.asyncio.Context(), self.replica)
         self.stats = SchedulerStats()  # a restarted core counts from zero
         self.state = "serving"
+        self.connected_at = time.monotonic()
 
     def close(self) -> None:
         if self.channel is not None:
@@ -81,7 +86,8 @@ class AsyncClient:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_timeout_s = startup_timeout_s
         self.queues: dict[str, asyncio.Queue] = {}
-        self.utility_waiters: dict[int, asyncio.Future] = {}
+        # (replica index, call id) -> the caller's future: call ids count per channel
+        self.utility_waiters: dict[tuple[int, int], asyncio.Future] = {}
         self.links: list[_ReplicaLink] = []
         self.request_replica: dict[str, int] = {}  # parent request id -> replica index
         parallel = self.config.parallel
@@ -184,8 +190,13 @@ class AsyncClient:
         self.input_processor.validate(ids, params)
         request_id = request_id or uuid.uuid4().hex
         link = self._route(ids)
-        requests = self.output_processor.add_request(request_id, text, ids, params, time.time(),
-                                                     priority)
+        try:
+            requests = self.output_processor.add_request(request_id, text, ids, params,
+                                                         time.time(), priority)
+        except BaseException:  # a duplicate id, say: the router must not count it
+            if self.router is not None:
+                self.router.finished(link.replica.index)
+            raise
         out_queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = out_queue
         self.request_replica[request_id] = link.replica.index
@@ -323,6 +334,7 @@ class AsyncClient:
         """Fail the replica's requests and take it out of the rotation; start it again while
         another serves (a lone replica's death is the client's)."""
         link.state = "down"
+        log.warning("replica %d died: %s", link.replica.index, message)
         if self.router is not None:
             self.router.set_available(link.replica.index, False)
         error = f"replica {link.replica.index}: {message}" if self.num_replicas > 1 else message
@@ -340,17 +352,22 @@ class AsyncClient:
     async def _restart(self, link: _ReplicaLink) -> None:
         loop = asyncio.get_running_loop()
         link.close()
-        for attempt in range(MAX_RESTART_ATTEMPTS):
-            await asyncio.sleep(RESTART_BACKOFF_S * (attempt + 1))
+        if time.monotonic() - link.connected_at < STABLE_AFTER_S:
+            link.failed_restarts += 1  # it died soon after starting: that restart failed too
+        else:
+            link.failed_restarts = 0
+        while link.failed_restarts < MAX_RESTART_ATTEMPTS:
+            await asyncio.sleep(RESTART_BACKOFF_S * (link.failed_restarts + 1))
             try:
                 await loop.run_in_executor(None, link.replica.relaunch)
                 info = await loop.run_in_executor(None, link.replica.wait_ready,
                                                   self.startup_timeout_s)
+                self._connect(link, info)
             except Exception as e:  # noqa: BLE001 - the replica stays down after the last
-                log.warning("replica %d: restart %d failed: %s", link.replica.index,
-                            attempt + 1, e)
+                link.failed_restarts += 1
+                log.warning("replica %d: restart failed (%d in a row): %s",
+                            link.replica.index, link.failed_restarts, e)
                 continue
-            self._connect(link, info)
             log.warning("replica %d serves again", link.replica.index)
             return
         link.state = "down"

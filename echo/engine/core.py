@@ -129,7 +129,9 @@ class EngineCore:
             # and polls the copies in flight (the workers report them done with an output)
             if (not scheduler_output.is_empty or scheduler_output.finished_req_ids
                     or scheduler_output.has_kv_transfers or kv.transfers_pending):
-                if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+                polling = not (scheduler_output.finished_req_ids
+                               or scheduler_output.has_kv_transfers)
+                if scheduler_output.is_empty and polling:
                     time.sleep(_TRANSFER_POLL_S)  # only waiting on copies: do not spin
                 self.executor.execute_model_async(scheduler_output)
                 if scheduler_output.structured_req_ids:
@@ -158,6 +160,9 @@ class EngineCore:
             if self.proposer is not None:
                 self.scheduler.propose_drafts(self.proposer.propose,
                                               self.config.speculative.disable_by_batch_size)
+        if (not (failed or outputs) and scheduler_output.is_empty
+                and (scheduler_output.has_kv_transfers or self.scheduler.kv.transfers_pending)):
+            return None  # a step that only carried or polled copies: nothing to tell
         return EngineCoreOutputs(outputs=failed + outputs,
                                  scheduler_stats=self.scheduler.make_stats(),
                                  timestamp=time.time())

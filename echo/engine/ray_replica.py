@@ -55,7 +55,12 @@ class EngineCoreActor:
         return self.info
 
     def run(self) -> None:
-        self.proc.step_forever()
+        try:
+            self.proc.step_forever()  # returns when the frontend shuts it down
+        except BaseException:
+            # the core failed (its error already went to the frontend) but this process lives
+            # on: exit, so that Ray restarts the actor with a fresh core
+            os._exit(1)
 
 
 class RayCluster:

@@ -5,7 +5,7 @@ A Replica is where one core runs and how to reach it: `launch()` starts it, `wai
 blocks until it serves (and says at which addresses), `exit_error()` tells a dead one, and
 `stop()` ends it. `relaunch()` brings a dead one back. MpReplica runs the core as a process of
 this node (CoreProcess, on its share of the GPUs); RayReplica (echo/engine/ray_replica.py) as a
-Ray actor anywhere on a cluster. The frontends (AsyncClient, SyncReplicaClient) connect a
+Ray actor anywhere on a cluster. The frontends (AsyncClient, SyncCoreClient) connect a
 CoreChannel to each and route requests with echo.engine.router.
 """
 

@@ -76,9 +76,9 @@ class SyncCoreClient:
         if self.router is not None:
             for output in outputs.outputs:
                 if output.finish_reason is not None:
-                    index = self.request_replica.pop(output.request_id, None)
-                    if index is not None:
-                        self.router.finished(index)
+                    routed = self.request_replica.pop(output.request_id, None)
+                    if routed is not None:
+                        self.router.finished(routed)
         return index, outputs
 
     def _receive(self) -> None:

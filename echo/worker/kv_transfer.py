@@ -211,6 +211,13 @@ class KVTransfers:
             if transfer is not None and transfer.end is not None:
                 torch.cuda.current_stream(self.device).wait_event(transfer.end)
 
+    def wait_on_device(self, transfer_id: int) -> None:
+        """Make the current stream wait (on the GPU; the host goes on) for a started transfer,
+        which stays pending for poll_done: the step after a swap-out reuses its blocks."""
+        transfer = self._pending[transfer_id]
+        if transfer.end is not None:
+            torch.cuda.current_stream(self.device).wait_event(transfer.end)
+
     def wait_all(self) -> None:
         """Block until every started transfer is complete (shutdown, tests)."""
         if self._stream is not None:

@@ -304,6 +304,8 @@ class ModelRunner:
                 transfers.start(out.step_id, [d for d, _ in out.kv_stores],
                                 [h for _, h in out.kv_stores], [h for h, _ in out.kv_loads],
                                 [d for _, d in out.kv_loads])
+                if out.kv_transfers_before_step:
+                    transfers.wait_on_device(out.step_id)
 
     def _land(self, step: "_StepInFlight") -> ModelRunnerOutput:
         step.ready.synchronize()

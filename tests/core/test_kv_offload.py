@@ -112,3 +112,49 @@ def test_without_a_host_tier_nothing_changes():
     assert not kv.start_load(req("b", list(range(10))), kv.get_computed_blocks(
         req("b", list(range(10)))))
     kv.check_invariants()
+
+
+def swap_scheduler(mode: str):
+    from echo.config import CacheConfig, SchedulerConfig
+    from echo.core.scheduler import Scheduler
+
+    cache = CacheConfig(block_size=8, kv_offloading_size=1.0 if mode == "swap" else None,
+                        preemption_mode=mode)
+    return Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64,
+                                     max_model_len=512), cache, 4, num_host_blocks=64)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_swap_preempts_one_request_like_recompute_and_orders_the_step_after_its_copy(mode):
+    """4 blocks of 8: a and b hold two each; a's 17th token needs a fifth block. Preempting b
+    is enough in both modes: a swap frees b's blocks at once (its copy is ordered before the
+    step that reuses them, on the device) instead of pinning them."""
+    from tests.core.scheduler_helpers import make_request, make_runner
+
+    sched = swap_scheduler(mode)
+    runner = make_runner(sched)
+    sched.add_request(make_request("a", 16, max_tokens=4))
+    sched.add_request(make_request("b", 16, max_tokens=4))
+    first = sched.schedule()
+    sched.update_from_output(first, runner.execute(first))
+    second = sched.schedule()
+    assert second.num_scheduled_tokens == {"a": 1} and sched.num_preemptions == 1
+    assert [r.request_id for r in sched.waiting] == ["b"]
+    if mode == "swap":  # b's two full blocks are copied out before the step reuses one
+        assert len(second.kv_stores) == 2 and second.kv_transfers_before_step
+    else:
+        assert second.kv_stores == [] and not second.kv_transfers_before_step
+    sched.kv.check_invariants()
+
+
+def test_a_prefix_cache_reset_forgets_the_host_tier_too():
+    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8)
+    prompt = list(range(8))
+    run_to_end(kv, req("a", prompt))
+    kv.take_transfers(1)
+    assert not kv.reset_prefix_cache()  # a copy is in flight
+    kv.transfers_done([1])
+    assert kv.reset_prefix_cache() and kv.host.num_valid == 0
+    b = req("b", prompt + [1])
+    assert not kv.start_load(b, kv.get_computed_blocks(b))  # stale KV is not loaded
+    kv.check_invariants()
