@@ -238,14 +238,18 @@ class DeviceConfig:
         _check_bool(self.enforce_eager, "enforce_eager")
 
 
-SPECULATIVE_METHODS = ("ngram",)  # draft_model and eagle3 are to come
+# draft_model and eagle3 are to come; "oracle" is for benchmarking only (tools/bench_spec.py)
+SPECULATIVE_METHODS = ("ngram", "oracle")
+ORACLE_ACCEPTANCE_DEFAULT = 0.75
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's speculative_config. ngram: drafts from prompt lookup over the request's own
     tokens; verified in one step of 1 + k tokens per request (docs/ARCHITECTURE.md,
-    Speculative decoding)."""
+    Speculative decoding). oracle, for benchmarking only: the target's own greedy tokens
+    recorded by a run without speculation (oracle_path), each right with probability
+    oracle_acceptance (echo/core/oracle_proposer.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4  # k
@@ -254,6 +258,10 @@ class SpeculativeConfig:
     # no drafts in a step with more running requests than this (None: always draft): at large
     # batches a step is compute-bound and verifying drafts stops paying
     disable_by_batch_size: int | None = None
+    # oracle only: a JSON file of [[prompt ids, continuation ids], ...]
+    oracle_path: str | None = None
+    # oracle only: the probability that each draft is right (None: ORACLE_ACCEPTANCE_DEFAULT)
+    oracle_acceptance: float | None = None
 
     def __post_init__(self):
         name = "speculative_config"
@@ -268,6 +276,25 @@ class SpeculativeConfig:
                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.disable_by_batch_size is not None:
             _check_int(self.disable_by_batch_size, f"{name}.disable_by_batch_size")
+        if self.method != "oracle":
+            for field_name in ("oracle_path", "oracle_acceptance"):
+                _check(getattr(self, field_name) is None, f"{name}.{field_name}",
+                       f"only for method 'oracle', not {self.method!r}")
+            return
+        path = self.oracle_path
+        _check(isinstance(path, str) and path != "", f"{name}.oracle_path",
+               f"method 'oracle' needs the JSON file of recorded continuations, got {path!r}")
+        try:  # read by the engine core (echo/core/oracle_proposer.py): fail here if it cannot
+            with open(path, "rb"):
+                readable = True
+        except OSError:
+            readable = False
+        _check(readable, f"{name}.oracle_path", f"{path!r} is not a readable file")
+        if self.oracle_acceptance is None:  # frozen: the default is set once, here
+            object.__setattr__(self, "oracle_acceptance", ORACLE_ACCEPTANCE_DEFAULT)
+        acceptance = self.oracle_acceptance
+        _check(type(acceptance) in (int, float) and 0 <= acceptance <= 1,
+               f"{name}.oracle_acceptance", f"must be a number in [0, 1], got {acceptance!r}")
 
     @staticmethod
     def from_dict(value) -> "SpeculativeConfig":

@@ -8,9 +8,10 @@ import gc
 import time
 from collections import deque
 
-from echo.config import EngineConfig
+from echo.config import EngineConfig, SpeculativeConfig
 from echo.core.length_limit import check_kv_cache_holds
 from echo.core.ngram_proposer import NgramProposer
+from echo.core.oracle_proposer import OracleProposer, load_continuations
 from echo.core.request import Request
 from echo.core.sched_output import SchedulerOutput
 from echo.core.scheduler import Scheduler
@@ -40,9 +41,22 @@ def num_host_blocks(config: EngineConfig) -> int:
     return host_tier_blocks(size, spec.bytes_per_block(), config.parallel.tensor_parallel_size)
 
 
+def make_proposer(spec: SpeculativeConfig, seed: int) -> NgramProposer | OracleProposer:
+    """The drafter of speculative_config's method (the oracle's continuations read here)."""
+    if spec.method == "oracle":
+        return OracleProposer(spec.num_speculative_tokens,
+                              load_continuations(spec.oracle_path), spec.oracle_acceptance,
+                              seed=seed)
+    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                         spec.prompt_lookup_max)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None):
         self.config = config
+        # before the model loads: an unreadable oracle file fails fast, with nothing to stop
+        spec = config.speculative
+        proposer = None if spec is None else make_proposer(spec, config.model.seed)
         if executor is None:
             executor = create_executor(config)
         self.executor = executor
@@ -64,10 +78,8 @@ class EngineCore:
         self.in_flight: deque = deque()
         # speculative decoding drafts from the tokens of the step before: one step in flight
         # (docs/ARCHITECTURE.md, Speculative decoding)
-        spec = config.speculative
         self.max_in_flight = 2 if config.scheduler.async_scheduling and spec is None else 1
-        self.proposer = None if spec is None else NgramProposer(
-            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.proposer = proposer
         self.structured = StructuredOutputManager(
             lambda: load_tokenizer(config.model), config.model.arch.vocab_size,
             self.eos_token_ids, config.scheduler.max_num_seqs)

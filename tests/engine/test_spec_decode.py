@@ -112,3 +112,38 @@ def test_sampled_requests_and_requests_without_drafts_share_a_step(smollm2):
     assert completions(first)[2] == completions(plain)[0]  # greedy, no drafts: unchanged
     assert len(first[2].outputs[0].logprobs) == len(first[2].outputs[0].token_ids)
 
+
+
+@pytest.mark.parametrize("acceptance", [1.0, 0.0, 0.6])
+def test_oracle_drafts_give_the_tokens_without_speculation(tiny_llama, tmp_path, acceptance):
+    """The oracle proposes the run's own greedy continuations: the outputs do not change, and
+    the engine's counters agree with the acceptance (1: every draft accepted, k a step; 0: one
+    wrong draft a step, none accepted)."""
+    from echo.core.oracle_proposer import save_continuations
+
+    prompts = [[1, 5, 9, 5, 9, 5, 9, 5], list(range(10, 40)), [3, 4]]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected, _, _, _ = run(tiny_llama, prompts, greedy, False, num_gpu_blocks_override=64)
+    path = tmp_path / "oracle.json"
+    save_continuations(path, {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids)
+                              for o in expected})
+    spec = {"method": "oracle", "num_speculative_tokens": 4, "oracle_path": str(path),
+            "oracle_acceptance": acceptance}
+    llm = LLM(str(tiny_llama), device="cpu", max_model_len=512, max_num_seqs=8,
+              num_gpu_blocks_override=64, speculative_config=spec)
+    try:
+        outputs = llm.generate(prompts, greedy, use_tqdm=False)
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    assert completions(outputs) == completions(expected)
+    drafts, accepted = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+    assert stats.spec_num_drafts > 0 and sum(stats.spec_accepted_per_position) == accepted
+    if acceptance == 1.0:
+        # 23 tokens after the first: 4 verifications of 1 + 4, then 3 left to draw: 2 drafts
+        assert accepted == drafts == 3 * (4 * 4 + 2)
+        assert stats.spec_num_drafts == 3 * 5
+    elif acceptance == 0.0:
+        assert accepted == 0 and drafts == stats.spec_num_drafts == 3 * 22
+    else:
+        assert 0 < accepted < drafts

@@ -1,0 +1,240 @@
+"""Speculative decoding's speedup against its acceptance length, with the oracle proposer.
+
+    python tools/bench_spec.py [--model llama-3.1-8b] [--load-format dummy] [--batch-size 1]
+        [--input-len 256] [--output-len 256] [--num-speculative-tokens 4]
+        [--acceptance 0.5,0.77,0.9] [--iters 3] [--tp N] [--json F]
+
+First the batch runs without speculation (greedy, ignore_eos), timed as tools/bench_latency.py
+times it: a warm-up of the same shapes, then per iteration the batch for one token (prefill
+alone) and for --output-len tokens; the difference over the extra tokens is the time per
+decode step, the median over iterations is reported. Its outputs are the target's greedy
+continuations: they are written to the oracle's file (--oracle-path, else a temporary one),
+and the same prompts run again, timed the same way, with speculative_config {"method":
+"oracle", "num_speculative_tokens": k, "oracle_path": ..., "oracle_acceptance": p} for each
+p of --acceptance. The oracle proposes the target's own next tokens, each right with
+probability p (echo/core/oracle_proposer.py), so the mechanism's cost and gain are measured
+with any weights, dummy ones included.
+
+Reports per p: decode tok/s, the speedup over the run without speculation, the measured mean
+acceptance length (1 + accepted drafts per verification, from the engine's SchedulerStats:
+1 + spec_num_accepted_tokens / spec_num_drafts over the timed runs) next to the expected
+1 + sum_{i=1..k} p^i (a little above the measured one on short outputs: the last steps of a
+request may draft fewer than k), and whether every output equals the run without speculation
+(greedy verification is lossless; a difference means the verification's argmax differed from
+one-token decoding). Each configuration runs in a fresh process, so one engine's memory is
+gone before the next starts. Prefix caching is off so every run prefills. --json writes it
+all; runs on the CPU too (--device cpu, a tiny model folder with --load-format auto).
+"""
+
+import argparse
+import json
+import multiprocessing
+import random
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from echo import LLM, SamplingParams  # noqa: E402
+from echo.core.oracle_proposer import OracleProposer, save_continuations  # noqa: E402
+
+
+def make_prompts(vocab_size: int, batch_size: int, input_len: int, seed: int = 0):
+    """batch_size distinct random prompts (the oracle tells requests apart by prompt)."""
+    rng = random.Random(seed)
+    prompts: list[list[int]] = []
+    for _ in range(100 * batch_size):
+        prompt = [rng.randrange(vocab_size) for _ in range(input_len)]
+        if prompt not in prompts:
+            prompts.append(prompt)
+            if len(prompts) == batch_size:
+                return prompts
+    raise ValueError(f"cannot draw {batch_size} distinct prompts of {input_len} tokens")
+
+
+def time_decode(engine_args: dict, prompts: list[list[int]], output_len: int,
+                iters: int) -> dict:
+    """bench_latency's measurement of one engine: prefill and per-step decode times (medians),
+    every timed run's output token ids, and the speculative decoding counters of the timed
+    runs (the one-token runs draft nothing)."""
+    llm = LLM(**engine_args)
+    try:
+        vocab_size = llm.config.model.arch.vocab_size
+        if any(t >= vocab_size for p in prompts for t in p):
+            raise ValueError(f"prompt token ids past the model's vocabulary ({vocab_size})")
+
+        def run(tokens: int) -> tuple[float, list[list[int]]]:
+            params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=tokens)
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
+
+        _, warm_up = run(output_len)  # every kernel shape of the measured runs compiled here
+        before = llm.stats()
+        prefill_s, per_token_s, outputs = [], [], [warm_up]
+        for _ in range(iters):
+            prefill, _ = run(1)
+            full, tokens = run(output_len)
+            prefill_s.append(prefill)
+            per_token_s.append((full - prefill) / (output_len - 1))
+            outputs.append(tokens)
+        after = llm.stats()
+    finally:
+        llm.shutdown()
+    ms = statistics.median(per_token_s) * 1e3
+    per_position = [a - b for a, b in zip(after.spec_accepted_per_position,
+                                          before.spec_accepted_per_position
+                                          + [0] * len(after.spec_accepted_per_position))]
+    return {"prefill_ms": round(statistics.median(prefill_s) * 1e3, 2),
+            "decode_ms_per_step": round(ms, 3),
+            "decode_tok_per_s": round(len(prompts) * 1e3 / ms, 1),
+            "outputs": outputs,
+            "num_drafts": after.spec_num_drafts - before.spec_num_drafts,
+            "num_draft_tokens": after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+            "num_accepted_tokens": (after.spec_num_accepted_tokens
+                                    - before.spec_num_accepted_tokens),
+            "accepted_per_position": per_position}
+
+
+def _child(conn, fn, args) -> None:
+    try:
+        conn.send((True, fn(*args)))
+    except BaseException:
+        conn.send((False, traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def in_fresh_process(fn, *args):
+    """fn(*args) in a spawned process (not a daemon: the engine may start its own workers)."""
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_child, args=(sender, fn, args), daemon=False)
+    process.start()
+    sender.close()
+    try:
+        ok, value = receiver.recv()
+    except EOFError:
+        process.join()
+        raise RuntimeError(
+            f"the benchmark process died (exit code {process.exitcode})") from None
+    process.join()
+    if not ok:
+        raise RuntimeError(f"the benchmark process failed:\n{value}")
+    return value
+
+
+def vocab_size_of(args: argparse.Namespace) -> int:
+    from echo.config import EngineConfig
+
+    config = EngineConfig.create(args.model, **engine_args(args, model_only=True))
+    return config.model.arch.vocab_size
+
+
+def engine_args(args: argparse.Namespace, model_only: bool = False) -> dict:
+    kwargs = {"load_format": args.load_format, "max_model_len": args.max_model_len,
+              "device": args.device}
+    if model_only:
+        return kwargs
+    kwargs.update(model=args.model, max_num_seqs=args.batch_size, enable_prefix_caching=False,
+                  kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
+                  tensor_parallel_size=args.tp)
+    if args.num_gpu_blocks_override is not None:
+        kwargs["num_gpu_blocks_override"] = args.num_gpu_blocks_override
+    return kwargs
+
+
+def parse_acceptance(text: str) -> list[float]:
+    values = [float(v) for v in text.split(",") if v.strip()]
+    if not values or not all(0 <= v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"need probabilities in [0, 1], got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
+    parser.add_argument("--acceptance", type=parse_acceptance, default="0.5,0.77,0.9",
+                        help="comma-separated probabilities that each draft is right")
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--num-gpu-blocks-override", type=int)
+    parser.add_argument("--oracle-path", help="keep the oracle's file here (else a temporary)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    if args.output_len < 2:
+        parser.error("--output-len must be at least 2")
+    if args.batch_size < 1 or args.input_len < 1 or args.iters < 1:
+        parser.error("--batch-size, --input-len and --iters must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    k = args.num_speculative_tokens
+    prompts = make_prompts(vocab_size_of(args), args.batch_size, args.input_len)
+    base = in_fresh_process(time_decode, engine_args(args), prompts, args.output_len,
+                            args.iters)
+    continuations = base.pop("outputs")
+    deterministic = all(run == continuations[0] for run in continuations)
+    result = {"model": args.model, "batch_size": args.batch_size, "input_len": args.input_len,
+              "output_len": args.output_len, "num_speculative_tokens": k, "iters": args.iters,
+              "kv_cache_dtype": args.kv_cache_dtype, "enforce_eager": args.enforce_eager,
+              "tp": args.tp,
+              "baseline": {key: base[key] for key in
+                           ("prefill_ms", "decode_ms_per_step", "decode_tok_per_s")},
+              "baseline_deterministic": deterministic, "speculative": []}
+    print(f"{args.model} B={args.batch_size} in={args.input_len} out={args.output_len} k={k}")
+    print(f"  no speculation: prefill {base['prefill_ms']} ms, decode "
+          f"{base['decode_ms_per_step']:.3f} ms/step ({base['decode_tok_per_s']:,} tok/s)"
+          + ("" if deterministic else "  (NOT deterministic across runs)"))
+    with tempfile.TemporaryDirectory() as folder:
+        oracle_path = args.oracle_path or str(Path(folder) / "oracle.json")
+        save_continuations(oracle_path, {tuple(p): c for p, c in zip(prompts, continuations[0])})
+        for p in args.acceptance:
+            spec = {"method": "oracle", "num_speculative_tokens": k,
+                    "oracle_path": oracle_path, "oracle_acceptance": p}
+            run = in_fresh_process(time_decode, {**engine_args(args), "speculative_config": spec},
+                                   prompts, args.output_len, args.iters)
+            mismatched = sum(tokens != expected for outputs in run.pop("outputs")
+                             for tokens, expected in zip(outputs, continuations[0]))
+            drafts = run["num_drafts"]
+            row = {"acceptance": p,
+                   "expected_acceptance_length": round(
+                       1 + OracleProposer.expected_accepted(p, k), 3),
+                   "acceptance_length": round(1 + run["num_accepted_tokens"] / drafts, 3)
+                   if drafts else None,
+                   **run,
+                   "speedup": round(run["decode_tok_per_s"] / base["decode_tok_per_s"], 3),
+                   "outputs_equal": mismatched == 0, "mismatched_outputs": mismatched}
+            result["speculative"].append(row)
+            length = "n/a" if row["acceptance_length"] is None else row["acceptance_length"]
+            print(f"  oracle p={p:<5}: decode {row['decode_ms_per_step']:.3f} ms/step "
+                  f"({row['decode_tok_per_s']:,} tok/s, {row['speedup']:.2f}x), acceptance "
+                  f"length {length} (expected {row['expected_acceptance_length']}), outputs "
+                  + ("equal" if mismatched == 0 else
+                     f"DIFFER ({mismatched} of {(args.iters + 1) * args.batch_size})"))
+    result["outputs_equal"] = all(r["outputs_equal"] for r in result["speculative"])
+    print("greedy outputs with speculation equal those without: "
+          + ("yes" if result["outputs_equal"] else "NO"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":  # the benchmark's processes are spawned: keep this guard
+    main()
