@@ -26,6 +26,7 @@ from echo.engine.core_client import EngineDeadError
 from echo.engine.replicas import Replica
 
 ACTOR_MAX_RESTARTS = 8  # per replica, over the server's life
+ACTOR_CONCURRENCY = 3  # run, and the frontend's ready / wait_stopped probes beside it
 PLACEMENT_TIMEOUT_S = 120.0
 
 
@@ -37,7 +38,8 @@ def _free_tcp_port(host: str) -> int:
 
 class EngineCoreActor:
     """The Ray actor of one replica: builds its core (and workers) in __init__, which Ray runs
-    again on a restart; `run` is the busy loop, returning once the frontend shuts it down."""
+    again on a restart; `run` is the busy loop, returning once the frontend shuts it down.
+    Threaded (ACTOR_CONCURRENCY): `ready` and `wait_stopped` answer while `run` runs."""
 
     def __init__(self, config: EngineConfig, index: int):
         from echo.engine.core_proc import EngineCoreProc
@@ -46,6 +48,7 @@ class EngineCoreActor:
         self.input_address = f"tcp://{host}:{_free_tcp_port(host)}"
         self.output_address = f"tcp://{host}:{_free_tcp_port(host)}"
         self.proc = EngineCoreProc(config, self.input_address, self.output_address)
+        self.stopped = threading.Event()
         self.info = {"num_gpu_blocks": self.proc.core.num_blocks,
                      "max_model_len": config.model.max_model_len, "replica": index,
                      "node": host, "pid": os.getpid(),
@@ -61,6 +64,10 @@ class EngineCoreActor:
             # the core failed (its error already went to the frontend) but this process lives
             # on: exit, so that Ray restarts the actor with a fresh core
             os._exit(1)
+        self.stopped.set()
+
+    def wait_stopped(self) -> None:
+        self.stopped.wait()
 
 
 class RayCluster:
@@ -97,6 +104,9 @@ class RayReplica(Replica):
         self.actor = None
         self.group = None
         self.run_ref = None
+        # what exit_error watches: run_ref, a wait_stopped call, or a ready probe (is_probe)
+        self.watch = None
+        self.is_probe = False
         self.info: dict = {}
 
     def _bundle(self) -> dict:
@@ -109,8 +119,8 @@ class RayReplica(Replica):
         bundle = self._bundle()
         self.group = placement_group([bundle], strategy="STRICT_PACK",
                                      name=f"echo-replica-{self.index}-{os.getpid()}")
-        actor_class = ray.remote(max_restarts=ACTOR_MAX_RESTARTS, max_task_retries=0)(
-            EngineCoreActor)
+        actor_class = ray.remote(max_restarts=ACTOR_MAX_RESTARTS, max_task_retries=0,
+                                 max_concurrency=ACTOR_CONCURRENCY)(EngineCoreActor)
         self.actor = actor_class.options(
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
             name=f"echo-replica-{self.index}-{os.getpid()}",
@@ -134,25 +144,37 @@ class RayReplica(Replica):
             raise RuntimeError(f"replica {self.index} failed to start:\n{e}") from None
         self.input_address = self.info["input_address"]
         self.output_address = self.info["output_address"]
-        self.run_ref = self.actor.run.remote()
+        self.run_ref = self.watch = self.actor.run.remote()
+        self.is_probe = False
         return self.info
 
     def exit_error(self) -> EngineDeadError | None:
-        if self.run_ref is None:
+        """Never blocks. A watched call that fails with ActorUnavailableError says only that
+        Ray could not reach the actor for a while (a busy node): a ready probe then tells the
+        same core (watch it again), a restarted one (this incarnation is gone) or a death."""
+        if self.watch is None:
             return None
-        done, _ = ray.wait([self.run_ref], timeout=0)
+        done, _ = ray.wait([self.watch], timeout=0)
         if not done:
             return None
         try:
-            ray.get(done[0])
+            result = ray.get(done[0])
+        except ray.exceptions.ActorUnavailableError:
+            self.watch, self.is_probe = self.actor.ready.remote(), True
+            return None
         except ray.exceptions.RayError as e:
             return EngineDeadError(f"the Ray actor of replica {self.index} died: "
                                    f"{type(e).__name__}")
+        if self.is_probe:
+            if result["pid"] == self.info["pid"]:  # the same core, still running
+                self.watch, self.is_probe = self.actor.wait_stopped.remote(), False
+                return None
+            return EngineDeadError(f"the Ray actor of replica {self.index} was restarted")
         return EngineDeadError(f"replica {self.index} stopped")
 
     def relaunch(self) -> None:
         # Ray restarts the actor itself (max_restarts): wait_ready asks the new one
-        self.run_ref = None
+        self.run_ref = self.watch = None
 
     def stop(self, timeout_s: float) -> None:
         if self.actor is None:
@@ -161,7 +183,7 @@ class RayReplica(Replica):
             ray.wait([self.run_ref], timeout=timeout_s)
         ray.kill(self.actor, no_restart=True)
         remove_placement_group(self.group)
-        self.actor = self.group = self.run_ref = None
+        self.actor = self.group = self.run_ref = self.watch = None
         self.cluster.release()
 
 
