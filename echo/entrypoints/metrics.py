@@ -56,6 +56,45 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         scale *= 10
 
 
+# the series read from each core's SchedulerStats: (family, name, help, the stats field);
+# vLLM's names first, then echo's own for the KV cache's host tier (kv_offloading_size)
+_GAUGE, _COUNTER = GaugeMetricFamily, CounterMetricFamily
+ENGINE_SERIES = (
+    (_GAUGE, "vllm:num_requests_running", "Number of requests in model execution batches.",
+     "num_running"),
+    (_GAUGE, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+     "num_waiting"),
+    (_GAUGE, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+     "kv_cache_usage"),
+    (_COUNTER, "vllm:prefix_cache_queries",
+     "Prefix cache queries, in terms of number of queried tokens.", "prefix_cache_queries"),
+    (_COUNTER, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+     "prefix_cache_hits"),
+    (_COUNTER, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+     "num_preemptions"),
+    (_COUNTER, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+     "spec_num_drafts"),
+    (_COUNTER, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+     "spec_num_draft_tokens"),
+    (_COUNTER, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+     "spec_num_accepted_tokens"),
+    (_COUNTER, "echo:kv_host_tier_queries", "Tokens looked up in the KV cache's host tier.",
+     "kv_host_queries"),
+    (_COUNTER, "echo:kv_host_tier_hits", "Tokens found in the host tier (and loaded).",
+     "kv_host_hits"),
+    (_COUNTER, "echo:kv_offload_stored_blocks", "KV blocks copied to the host tier.",
+     "kv_stored_blocks"),
+    (_COUNTER, "echo:kv_offload_loaded_blocks", "KV blocks loaded from the host tier.",
+     "kv_loaded_blocks"),
+    (_COUNTER, "echo:kv_offload_stored_bytes", "Bytes copied to the host tier (all ranks).",
+     "kv_stored_bytes"),
+    (_COUNTER, "echo:kv_offload_loaded_bytes", "Bytes loaded from the host tier (all ranks).",
+     "kv_loaded_bytes"),
+    (_COUNTER, "echo:kv_offload_transfer_seconds",
+     "Time the host tier's copies took on rank 0's device.", "kv_transfer_seconds"),
+)
+
+
 class _EngineCollector:
     """Yields the engine gauges and cumulative counters from each core's latest stats."""
 
@@ -64,64 +103,10 @@ class _EngineCollector:
 
     def collect(self):
         model = self.metrics.model_name
-        families = [
-            (GaugeMetricFamily("vllm:num_requests_running",
-                               "Number of requests in model execution batches.", labels=LABELS),
-             lambda s: s.num_running),
-            (GaugeMetricFamily("vllm:num_requests_waiting",
-                               "Number of requests waiting to be processed.", labels=LABELS),
-             lambda s: s.num_waiting),
-            (GaugeMetricFamily("vllm:kv_cache_usage_perc",
-                               "KV-cache usage. 1 means 100 percent usage.", labels=LABELS),
-             lambda s: s.kv_cache_usage),
-            (CounterMetricFamily("vllm:prefix_cache_queries",
-                                 "Prefix cache queries, in terms of number of queried tokens.",
-                                 labels=LABELS),
-             lambda s: s.prefix_cache_queries),
-            (CounterMetricFamily("vllm:prefix_cache_hits",
-                                 "Prefix cache hits, in terms of number of cached tokens.",
-                                 labels=LABELS),
-             lambda s: s.prefix_cache_hits),
-            (CounterMetricFamily("vllm:num_preemptions",
-                                 "Cumulative number of preemption from the engine.",
-                                 labels=LABELS),
-             lambda s: s.num_preemptions),
-        ]
-        families += [
-            (CounterMetricFamily("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
-                                 labels=LABELS), lambda s: s.spec_num_drafts),
-            (CounterMetricFamily("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
-                                 labels=LABELS), lambda s: s.spec_num_draft_tokens),
-            (CounterMetricFamily("vllm:spec_decode_num_accepted_tokens",
-                                 "Number of accepted tokens.", labels=LABELS),
-             lambda s: s.spec_num_accepted_tokens),
-        ]
-        families += [  # the KV cache's host tier (kv_offloading_size): echo's own names
-            (CounterMetricFamily("echo:kv_host_tier_queries",
-                                 "Tokens looked up in the KV cache's host tier.",
-                                 labels=LABELS), lambda s: s.kv_host_queries),
-            (CounterMetricFamily("echo:kv_host_tier_hits",
-                                 "Tokens found in the host tier (and loaded).", labels=LABELS),
-             lambda s: s.kv_host_hits),
-            (CounterMetricFamily("echo:kv_offload_stored_blocks",
-                                 "KV blocks copied to the host tier.", labels=LABELS),
-             lambda s: s.kv_stored_blocks),
-            (CounterMetricFamily("echo:kv_offload_loaded_blocks",
-                                 "KV blocks loaded from the host tier.", labels=LABELS),
-             lambda s: s.kv_loaded_blocks),
-            (CounterMetricFamily("echo:kv_offload_stored_bytes",
-                                 "Bytes copied to the host tier (all ranks).", labels=LABELS),
-             lambda s: s.kv_stored_bytes),
-            (CounterMetricFamily("echo:kv_offload_loaded_bytes",
-                                 "Bytes loaded from the host tier (all ranks).", labels=LABELS),
-             lambda s: s.kv_loaded_bytes),
-            (CounterMetricFamily("echo:kv_offload_transfer_seconds",
-                                 "Time the host tier's copies took on rank 0's device.",
-                                 labels=LABELS), lambda s: s.kv_transfer_seconds),
-        ]
-        for family, value in families:
+        for kind, name, documentation, field in ENGINE_SERIES:
+            family = kind(name, documentation, labels=LABELS)
             for engine, stats in enumerate(self.metrics.engine_stats):
-                family.add_metric([model, str(engine)], value(stats))
+                family.add_metric([model, str(engine)], getattr(stats, field))
             yield family
         per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                            "Accepted tokens per draft position.",
