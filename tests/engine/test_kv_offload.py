@@ -71,12 +71,12 @@ def test_multi_turn_greedy_tokens_equal_with_offload_on_and_off(smollm2):
     assert on_stats.prefix_cache_hits > off_stats.prefix_cache_hits
 
 
-def test_random_aborts_leave_both_tiers_accounted(smollm2):
-    config = EngineConfig.create(smollm2, kv_offloading_size=OFFLOAD_GIB,
+def test_random_aborts_leave_both_tiers_accounted(tiny_llama):
+    config = EngineConfig.create(str(tiny_llama), kv_offloading_size=0.01,
                                  preemption_mode="swap", **ARGS)
     engine = EngineCore(config)
     rng = random.Random(0)
-    chats = conversations(turns=2, num=8)
+    chats = conversations(turns=2, num=8, vocab=VOCAB)
     prompts = [chat[0] + chat[1] for chat in chats] + [chat[0] + chat[2] for chat in chats]
     try:
         live: set[str] = set()

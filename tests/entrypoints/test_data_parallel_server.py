@@ -7,6 +7,7 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from tests.engine.test_multiprocess import child_pids, wait_gone
 from tests.entrypoints.test_serve_process import start_server
@@ -41,6 +42,7 @@ def _generation_tokens(base: str) -> dict[str, float]:
     return values
 
 
+@pytest.mark.slow  # end to end: make test-slow (make test's budget)
 def test_two_replicas_behind_one_server(tiny_chat_model):
     gen = start_server(str(tiny_chat_model), "--data-parallel-size", "2", "--router-policy",
                        "round_robin", "--num-gpu-blocks-override", "256")

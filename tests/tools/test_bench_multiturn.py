@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 from bench_multiturn import main  # noqa: E402
@@ -16,6 +18,7 @@ ARGS = ["--load-format", "auto", "--device", "cpu", "--conversations", "3", "--t
         "--max-num-seqs", "4", "--max-model-len", "256", "--num-gpu-blocks-override", "8"]
 
 
+@pytest.mark.slow  # end to end: make test-slow (make test's budget)
 def test_later_turns_load_their_history_from_the_host_tier(tiny_llama, tmp_path):
     off = main(["--model", str(tiny_llama), *ARGS])
     on = main(["--model", str(tiny_llama), *ARGS, "--kv-offloading-size", "0.01",

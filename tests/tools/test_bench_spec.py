@@ -6,11 +6,14 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 from bench_spec import main  # noqa: E402
 
 
+@pytest.mark.slow  # end to end: make test-slow (make test's budget)
 def test_bench_spec_on_a_tiny_model(tiny_llama, tmp_path):
     out = tmp_path / "r.json"
     result = main(["--model", str(tiny_llama), "--load-format", "auto", "--device", "cpu",
