@@ -27,6 +27,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
 PREEMPTION_MODES = ("recompute", "swap")
 ROUTER_POLICIES = ("cache_aware", "least_load", "round_robin")  # echo.engine.router's
+# decode steps per scheduling round trip: their sampled tokens are held [steps, max_num_seqs]
+MAX_SCHEDULER_STEPS = 64
 DEFAULT_MODEL_NAMES = (None, "", "default")
 
 
@@ -170,15 +172,23 @@ class SchedulerConfig:
         "fcfs", "fcfs: requests are served in arrival order, and a request's priority must be "
         "0; priority: by each request's priority (lower first), then arrival, and preemption "
         "takes the running request of the worst priority", choices=SCHEDULING_POLICIES)
+    num_scheduler_steps: int = _arg(
+        1, "decode steps run on the device per scheduling round trip (vLLM v0's multi-step "
+        "decoding) while every running request decodes with plain sampling and none waits: "
+        "fewer host round trips per token for small models at small batch; outputs then "
+        "arrive that many tokens at a time")
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "num_scheduler_steps"):
             _check_int(getattr(self, name), name)
         _check_bool(self.async_scheduling, "async_scheduling")
         _check_choice(self.scheduling_policy, "scheduling_policy", SCHEDULING_POLICIES)
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
                f"must be >= max_num_seqs ({self.max_num_seqs}), got {self.max_num_batched_tokens}")
+        _check(1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS, "num_scheduler_steps",
+               f"must be in [1, {MAX_SCHEDULER_STEPS}], got {self.num_scheduler_steps}")
 
     def check_priority(self, priority) -> None:
         """A request's priority, as vLLM takes it: any 64-bit integer under the priority
@@ -342,6 +352,9 @@ class EngineConfig:
                    f"but {visible} CUDA device(s) are visible")
         _check(self.model.max_model_len == self.scheduler.max_model_len, "max_model_len",
                "model and scheduler disagree")
+        _check(self.speculative is None or self.scheduler.num_scheduler_steps == 1,
+               "num_scheduler_steps", f"{self.scheduler.num_scheduler_steps} cannot be combined "
+               "with speculative_config: a step with drafts is verified on the host")
 
     @staticmethod
     def create(model: str | None = None, **kwargs) -> "EngineConfig":

@@ -349,6 +349,10 @@ class KVCacheManager:
             self._abandoned.difference_update(transfer.load_owners)
             self._released.append(transfer_id)
 
+    def num_held_blocks(self, request: Request) -> int:
+        state = self._requests.get(request.request_id)
+        return len(state.block_ids) if state is not None else 0
+
     def get_block_ids(self, request: Request) -> list[int]:
         """A copy of the request's block table (safe to hand to an in-process worker)."""
         state = self._requests.get(request.request_id)

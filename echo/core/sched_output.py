@@ -57,6 +57,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # transfers the scheduler saw done: each worker orders its later work after them on its
     # own device (another rank's copies may lag rank 0's report), then forgets them
     released_kv_transfers: list[int] = []
+    # decode steps the workers run before returning (every request then samples one token per
+    # step, each step's input the token the one before sampled: docs/ARCHITECTURE.md)
+    num_decode_steps: int = 1
 
     @property
     def is_empty(self) -> bool:

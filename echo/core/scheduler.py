@@ -27,6 +27,12 @@ step N. So schedule() advances num_computed_tokens at once and counts the token 
 sample as a placeholder; the next schedule() treats it as present. update_from_output() turns
 placeholders into tokens and ignores requests that finished meanwhile.
 
+Several decode steps per launch (num_scheduler_steps = N): a step in which every scheduled
+request decodes one token with plain sampling, none is admitted and none waits runs N steps on
+the device (SchedulerOutput.num_decode_steps), fewer when a request has fewer tokens left. Its
+requests get the KV slots of all N positions and N placeholders; update_from_output() cuts
+their tokens at the first stop, as it does for accepted drafts.
+
 Structured outputs: a waiting request whose grammar is still compiling is passed over (it
 keeps its place) so it holds nobody up; the step lists the requests with a grammar that
 sample in it (structured_req_ids), whose token bitmask the engine sends after the step.
@@ -47,9 +53,10 @@ from echo.core.step_results import EngineCoreOutput, ModelRunnerOutput, Schedule
 from echo.core.stop_checker import check_stop
 
 
-def drafts_allowed(params) -> bool:
-    """What the rejection sampler verifies today: temperature (or greedy) sampling of the raw
-    distribution; requests with top-k/top-p/min-p, penalties, token rules, grammars or
+def plain_sampling(params) -> bool:
+    """Temperature (or greedy) sampling of the raw distribution, nothing the host must see
+    between two tokens: what the rejection sampler verifies and what several decode steps per
+    launch sample. Requests with top-k/top-p/min-p, penalties, token rules, grammars or
     logprobs decode one token a step."""
     return (params.top_k in (-1, 0) and params.top_p == 1 and params.min_p == 0
             and not params.has_penalties and not params.has_token_rules
@@ -79,6 +86,7 @@ class Scheduler:
                 f"long_prefill_token_threshold must be in [1, max_num_batched_tokens="
                 f"{self.max_num_batched_tokens}], got {long_prefill_token_threshold}")
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.num_scheduler_steps = scheduler_config.num_scheduler_steps
         self.kv = KVCacheManager(num_gpu_blocks, self.block_size,
                                  cache_config.enable_prefix_caching, num_host_blocks)
         # a preempted request's blocks go to the host tier (swap) or are only freed
@@ -231,8 +239,33 @@ class Scheduler:
         if throttled and budget > 0:
             budget = self._top_up(throttled, budget, num_scheduled, new_block_ids,
                                   scheduled_running)
+        num_steps = 1
+        if (self.num_scheduler_steps > 1 and scheduled_running and not new_reqs
+                and not spec_tokens and not self.waiting and not preempted):
+            num_steps = self._decode_steps(scheduled_running, new_block_ids)
         return self._make_output(num_scheduled, new_block_ids, scheduled_running, new_reqs,
-                                 spec_tokens)
+                                 spec_tokens, num_steps)
+
+    def _decode_steps(self, scheduled: list[Request], new_block_ids: dict[str, list[int]]) -> int:
+        """How many decode steps this step runs on the device: num_scheduler_steps, or fewer
+        when a request has fewer tokens left, if every request decodes its last token with
+        plain sampling and the pool holds the KV slots of every step (else 1)."""
+        steps = self.num_scheduler_steps
+        for request in scheduled:
+            total = request.num_tokens + request.num_output_placeholders
+            if (total - request.num_computed_tokens != 1 or request.grammar is not None
+                    or not plain_sampling(request.sampling_params)):
+                return 1
+            steps = min(steps, request.token_limit - total)
+        if steps <= 1:
+            return 1
+        kv = self.kv
+        if sum(kv.num_blocks_for(r.num_computed_tokens + steps) for r in scheduled) > (
+                kv.num_free_blocks + sum(kv.num_held_blocks(r) for r in scheduled)):
+            return 1  # more steps only while no request would have to wait for a block
+        for request in scheduled:
+            new_block_ids[request.request_id] += kv.allocate_slots(request, steps)
+        return steps
 
     @staticmethod
     def _schedule_drafts(request: Request, num_new: int, limit: int,
@@ -321,7 +354,7 @@ class Scheduler:
 
     def _make_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
                      scheduled_running: list[Request], new_reqs: list[Request],
-                     spec_tokens: dict[str, list[int]]) -> SchedulerOutput:
+                     spec_tokens: dict[str, list[int]], num_steps: int = 1) -> SchedulerOutput:
         cached_ids, cached_blocks, cached_computed = [], [], []
         structured: list[str] = []
         for request in scheduled_running:
@@ -331,11 +364,12 @@ class Scheduler:
             computed = request.num_computed_tokens
             cached_computed.append(computed)
             # _advance, inlined: this runs per request per step; drafts are computed past the
-            # tokens, so a request with drafts is past them (>=)
-            computed = request.num_computed_tokens = computed + num_scheduled[rid]
+            # tokens, so a request with drafts is past them (>=); each decode step past the
+            # first computes the token the one before it sampled
+            computed = request.num_computed_tokens = computed + num_scheduled[rid] + num_steps - 1
             if computed >= (len(request.prompt_token_ids) + len(request.output_token_ids)
                             + request.num_output_placeholders):
-                request.num_output_placeholders += 1
+                request.num_output_placeholders += num_steps
                 if request.grammar is not None:
                     structured.append(rid)
         new_data = []
@@ -364,6 +398,7 @@ class Scheduler:
             structured_req_ids=structured,
             scheduled_spec_decode_tokens=spec_tokens,
             released_kv_transfers=released,
+            num_decode_steps=num_steps,
         )
         if transfers is not None:
             output.kv_stores, output.kv_loads = transfers.stores, transfers.loads
@@ -490,7 +525,7 @@ class Scheduler:
         if max_batch_size is not None and len(self.running) > max_batch_size:
             return
         for request in self.running:
-            if request.num_output_placeholders or not drafts_allowed(request.sampling_params):
+            if request.num_output_placeholders or not plain_sampling(request.sampling_params):
                 continue
             limit = request.token_limit - request.num_tokens - 1
             if limit > 0 and request.num_computed_tokens == request.num_tokens - 1:

@@ -57,6 +57,10 @@ class CudaGraphRunner:
                 return size
         return None
 
+    def outputs(self, bs: int) -> torch.Tensor:
+        """The hidden states the graph of batch size bs writes."""
+        return self.graphs[bs][1]
+
     def replay(self, bs: int) -> torch.Tensor:
         graph, hidden = self.graphs[bs]
         graph.replay()

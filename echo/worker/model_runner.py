@@ -16,6 +16,7 @@ the step's output carries the chunk's logprobs; the frontend joins the chunks.
 """
 
 import sys
+import time
 from collections import deque
 from dataclasses import replace
 
@@ -37,6 +38,7 @@ from echo.worker.input_batch import InputBatch, StepInputs
 from echo.worker.kv_cache import KVCacheSpec
 from echo.worker.kv_transfer import HostKVCache, KVTransfers, host_tier_blocks
 from echo.worker.model_loader import build_model
+from echo.worker.multi_step import MultiStepDecoder
 from echo.worker.rejection_sampler import rejection_sample
 from echo.worker.sampler import Sampler, SamplerOutput
 from echo.worker.sampling_inputs import build_sampling_tensors, upload
@@ -73,6 +75,7 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None
         self.buffers: StepBuffers | None = None
         self.graphs: CudaGraphRunner | None = None
+        self.multi_step: MultiStepDecoder | None = None  # with num_scheduler_steps > 1
         # launched steps, oldest first: outputs ready, or steps still on the device
         self.in_flight: deque[ModelRunnerOutput | _StepInFlight] = deque()
         # a launched step with structured requests, forwarded but not sampled until its
@@ -81,6 +84,9 @@ class ModelRunner:
         # request id -> the top-N of prompt logprobs it asked for, while its prompt is scored
         self.prompt_logprobs: dict[str, int] = {}
         self.profile_window = profiler_window(f"rank{tp.rank}")  # ECHO_PROFILE_STEPS
+        # seconds spent waiting for launched steps' tokens: the rest of a step's wall time is
+        # host work (tools/bench_latency.py reports both)
+        self.device_wait_s = 0.0
 
     # ---- start-up (echo/worker/startup.py) ------------------------------------------------
 
@@ -109,6 +115,8 @@ class ModelRunner:
         self.buffers = StepBuffers(sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks,
                                    self.device)
         self.graphs = startup.prepare_step_path(self)
+        if sched.num_scheduler_steps > 1:
+            self.multi_step = startup.prepare_multi_step(self)
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -137,6 +145,9 @@ class ModelRunner:
                 return
             self.buffers.flip()
             inp = batch.prepare(out)
+        if out.num_decode_steps > 1:
+            self._launch_decode_steps(out.step_id, inp, out.num_decode_steps)
+            return
         with step_range("forward", out.step_id):
             hidden = self.forward(inp)
             logits = self.model.compute_logits(
@@ -145,6 +156,28 @@ class ModelRunner:
             self.awaiting_bitmask = (out.step_id, inp, hidden, logits)
             return
         self._sample(out.step_id, inp, hidden, logits)
+
+    def _launch_decode_steps(self, step_id: int, inp: StepInputs, num_steps: int) -> None:
+        """Several decode steps on the device, their tokens landed together (multi_step.py)."""
+        batch, buffers = self.input_batch, self.buffers
+        num_seqs = len(inp.rows)
+        if len(inp.sample_seq_idx) != num_seqs:
+            raise RuntimeError(f"step {step_id}: {num_steps} decode steps for a batch in which "
+                               "not every request samples")
+        rows = inp.rows
+        with step_range("forward", step_id):
+            size = self.graphs.padded_size(num_seqs) if self.graphs is not None else None
+            input_ids, positions, meta = buffers.load(inp, pad_seqs_to=size)
+            pad = (0, meta.num_seqs - num_seqs)  # padding rows sample greedily, unused
+            buffers.put("temperature", np.pad(batch.temperature[rows], pad))
+            buffers.put("seeds", np.pad(batch.seeds[rows], pad))
+            buffers.put("sample_steps", np.pad(batch.num_output_tokens(rows), pad))
+            self._fill_placeholders(inp)
+            tokens = self.multi_step.run(num_steps, num_seqs, input_ids, positions, meta,
+                                         replay=size is not None)
+        batch.num_pending[rows] += num_steps
+        self.in_flight.append(_StepInFlight(step_id, inp, rows, SamplerOutput(tokens[-1]),
+                                            [None] * num_seqs, all_tokens=tokens))
 
     @torch.inference_mode()
     def apply_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
@@ -197,7 +230,7 @@ class ModelRunner:
             step = _StepInFlight(step_id, plain_inp, rows, result, logprobs)
             step.ready.synchronize()
             tokens = step.host_tokens.tolist()
-            output = self._runner_output(step, tokens)
+            output = self._runner_output(step, [[t] for t in tokens])
             sampled.update((int(i), [t]) for i, t in zip(plain, tokens))
         if len(spec):
             seqs = inp.sample_seq_idx[spec]
@@ -308,12 +341,18 @@ class ModelRunner:
                     transfers.wait_on_device(out.step_id)
 
     def _land(self, step: "_StepInFlight") -> ModelRunnerOutput:
+        start = time.perf_counter()
         step.ready.synchronize()
+        self.device_wait_s += time.perf_counter() - start
         with step_range("output", step.step_id):  # after the wait: CPU work only
             token_ids = step.host_tokens.tolist()
             req_ids = [step.inp.req_ids[i] for i in step.inp.sample_seq_idx]
-            self.input_batch.append_sampled(req_ids, token_ids)
-            return self._runner_output(step, token_ids)
+            if step.host_tokens.dim() == 1:
+                self.input_batch.append_sampled(req_ids, token_ids)
+                return self._runner_output(step, [[t] for t in token_ids])
+            for tokens_of_step in token_ids:  # [steps, requests]
+                self.input_batch.append_sampled(req_ids, tokens_of_step)
+            return self._runner_output(step, [list(t) for t in zip(*token_ids)])
 
     def _land_all(self) -> None:
         self.in_flight = deque(item if isinstance(item, ModelRunnerOutput) else self._land(item)
@@ -345,7 +384,8 @@ class ModelRunner:
         self.buffers.tensor("input_ids")[target] = previous.sampled.token_ids[source]
 
     @staticmethod
-    def _runner_output(step: "_StepInFlight", token_ids: list[int]) -> ModelRunnerOutput:
+    def _runner_output(step: "_StepInFlight", token_ids: list[list[int]]) -> ModelRunnerOutput:
+        """token_ids: each sampling request's tokens, in sample_seq_idx order."""
         inp, sampled = step.inp, step.sampled
         sampled_ids: list[list[int]] = [[] for _ in inp.req_ids]
         logprobs: list[LogprobsEntry | None] = [None] * len(inp.req_ids)
@@ -354,9 +394,9 @@ class ModelRunner:
             host = (sampled.logprob.tolist(),
                     sampled.top_ids.tolist() if sampled.top_ids is not None else None,
                     sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None)
-        for i, (seq, token, n) in enumerate(zip(inp.sample_seq_idx.tolist(), token_ids,
-                                                step.logprobs)):
-            sampled_ids[seq] = [token]
+        for i, (seq, tokens, n) in enumerate(zip(inp.sample_seq_idx.tolist(), token_ids,
+                                                 step.logprobs)):
+            sampled_ids[seq] = tokens
             if host is not None and n is not None:
                 logprobs[seq] = LogprobsEntry(host[0][i], host[1][i][:n] if n else [],
                                               host[2][i][:n] if n else [])
@@ -403,14 +443,17 @@ class _PromptLogprobs:
 
 
 class _StepInFlight:
-    """A launched step: its inputs, and its sampled tokens on their way to the host."""
+    """A launched step: its inputs, and its sampled tokens on their way to the host. With
+    several decode steps, all_tokens [steps, requests] land and sampled holds the last step's,
+    which the next launch may read as inputs."""
 
     def __init__(self, step_id: int, inp: StepInputs, rows: np.ndarray, sampled: SamplerOutput,
-                 logprobs: list[int | None], prompt: _PromptLogprobs | None = None):
+                 logprobs: list[int | None], prompt: _PromptLogprobs | None = None,
+                 all_tokens: torch.Tensor | None = None):
         self.step_id, self.inp, self.rows, self.sampled = step_id, inp, rows, sampled
         self.logprobs = logprobs  # top-N asked for by each sampled request
         self.prompt = prompt  # its host copies are queued before the event below
-        tokens = sampled.token_ids
+        tokens = sampled.token_ids if all_tokens is None else all_tokens
         if tokens.is_cuda:
             self.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self.host_tokens.copy_(tokens, non_blocking=True)

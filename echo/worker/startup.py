@@ -93,6 +93,21 @@ def prepare_step_path(runner) -> CudaGraphRunner | None:
     return graphs
 
 
+def prepare_multi_step(runner):
+    """The decoder of several steps per launch (multi_step.py), its sampling captured over
+    each forward graph on one rank (with tensor parallelism the LM head's all-gather stays
+    outside graphs, as today, and the sampling runs eagerly)."""
+    from echo.worker.multi_step import MultiStepDecoder
+
+    sched = runner.config.scheduler
+    decoder = MultiStepDecoder(runner.model, runner.backend, runner.kv_caches, runner.buffers,
+                               runner.graphs, runner.config.cache.block_size,
+                               sched.max_num_seqs, sched.num_scheduler_steps, runner.device)
+    if runner.graphs is not None and runner.tp.size == 1:
+        decoder.capture(sched.max_model_len)
+    return decoder
+
+
 @torch.inference_mode()
 def tune_one_row_linears(runner) -> None:
     from echo.worker.linear_tuning import cuda_graph_timer

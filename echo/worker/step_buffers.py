@@ -38,6 +38,10 @@ class StepBuffers:
             ("placeholder_idx", max_num_seqs, torch.int64),
             ("placeholder_src", max_num_seqs, torch.int64),
             ("block_table", max_num_seqs * max_blocks_per_seq, torch.int32),
+            # plain sampling of several decode steps per launch (worker/multi_step.py)
+            ("temperature", max_num_seqs, torch.float32),
+            ("seeds", max_num_seqs, torch.int64),
+            ("sample_steps", max_num_seqs, torch.int64),
         ):
             hosts = [torch.zeros(size, dtype=dtype, pin_memory=pin) for _ in range(2)]
             dev = torch.zeros(size, dtype=dtype, device=device)

@@ -83,3 +83,30 @@ def test_pdl_gives_the_same_tokens(tiny_qwen3, monkeypatch):
     plain = generate("0")
     pdl = generate("1")
     assert [o.outputs[0].token_ids for o in pdl] == [o.outputs[0].token_ids for o in plain]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+def test_several_decode_steps_per_launch_with_graphs_equal_one_step(fixture, request):
+    """num_scheduler_steps: the sampling graphs replayed over the forward graphs, and the same
+    steps eagerly, give the tokens of one step per launch (greedy and seeded), over batch
+    sizes that pad to a captured size."""
+    folder = request.getfixturevalue(fixture)
+    params = [SamplingParams(temperature=0, max_tokens=29, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=37, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=9, max_tokens=11, ignore_eos=True)]
+
+    def tokens(**kwargs):
+        llm = gpu_llm(folder, **kwargs)
+        try:
+            outputs = llm.generate(PROMPTS, [params[i % 3] for i in range(len(PROMPTS))],
+                                   use_tqdm=False)
+            assert llm.engine.scheduler.kv.usage == 0
+            return [o.outputs[0].token_ids for o in outputs], llm.engine.executor.runner
+        finally:
+            llm.shutdown()
+
+    expected, _ = tokens()
+    graphs, runner = tokens(num_scheduler_steps=8)
+    assert runner.multi_step.sample_graphs  # sampling ran inside captured graphs
+    eager, _ = tokens(num_scheduler_steps=8, enforce_eager=True)
+    assert graphs == expected and eager == expected
