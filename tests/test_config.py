@@ -44,7 +44,7 @@ def test_unsupported_architecture_is_named(tmp_path):
     ("tensor_parallel_size", 3), ("dtype", "int4"), ("kv_cache_dtype", "fp8"),
     ("load_format", "pickle"), ("num_gpu_blocks_override", 0),
     ("data_parallel_size", 0), ("data_parallel_backend", "k8s"), ("router_policy", "random"),
-    ("ray_address", 6379),
+    ("ray_address", 6379), ("num_scheduler_steps", 0), ("num_scheduler_steps", 65),
 ])
 def test_bad_values_name_their_field(tiny_llama, field, value):
     with pytest.raises(ValueError, match=field):
@@ -76,11 +76,19 @@ def test_cli_offers_the_same_kv_cache_dtypes():
     ("num_gpu_blocks_override", 64.0), ("max_model_len", "256"), ("seed", 1.5),
     ("gpu_memory_utilization", "0.5"), ("enable_prefix_caching", "no"),
     ("async_scheduling", 0), ("enforce_eager", 1), ("data_parallel_size", 2.0),
+    ("num_scheduler_steps", "8"),
 ])
 def test_values_of_the_wrong_type_name_their_field(tiny_llama, field, value):
     name = {"tp": "tensor_parallel_size"}.get(field, field)
     with pytest.raises(ValueError, match=rf"^{name}: must be"):
         EngineConfig.create(str(tiny_llama), device="cpu", **{field: value})
+
+
+def test_several_decode_steps_and_speculation_are_refused_together(tiny_llama):
+    with pytest.raises(ValueError, match="^num_scheduler_steps: 8 cannot be combined with "
+                                         "speculative_config"):
+        EngineConfig.create(str(tiny_llama), device="cpu", num_scheduler_steps=8,
+                            speculative_config={"method": "ngram"})
 
 
 def test_engine_arguments_are_checked_before_the_model_is_resolved(tmp_path):

@@ -200,3 +200,6 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured.shutdown()
         self.executor.shutdown()
+        # what __init__ froze (model, caches) can be collected again once this engine is gone:
+        # frozen, a process that starts engines one after another (tests, notebooks) kept them
+        gc.unfreeze()

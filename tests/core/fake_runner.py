@@ -81,7 +81,24 @@ class FakeModelRunner:
             req.block_ids.extend(block_ids)
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
 
-        for rid, num in so.num_scheduled_tokens.items():
+        steps = so.num_decode_steps
+        assert steps == 1 or set(so.num_scheduled_tokens.values()) == {1}, (
+            f"{steps} decode steps in a step with prefill chunks")
+        sampled = {rid: [] for rid in so.num_scheduled_tokens}
+        for sub_step in range(steps):  # each decode step after the first: one token each
+            self._compute(so.num_scheduled_tokens if sub_step == 0 else
+                          dict.fromkeys(so.num_scheduled_tokens, 1), sampled)
+        req_ids, logprobs = list(sampled), []
+        for rid in req_ids:
+            params = self.requests[rid].params
+            logprobs.append(None if not sampled[rid] or params.logprobs is None
+                            else LogprobsEntry(logprob=-float(sampled[rid][0] % 7)))
+        return ModelRunnerOutput(so.step_id, req_ids, list(sampled.values()), logprobs)
+
+    def _compute(self, num_scheduled: dict[str, int], sampled: dict[str, list[int]]) -> None:
+        """One forward pass over the scheduled tokens, then a token for each request whose
+        known tokens are all computed."""
+        for rid, num in num_scheduled.items():
             req = self.requests[rid]
             end = req.num_computed + num
             assert num >= 1, f"{rid}: scheduled {num} tokens"
@@ -92,24 +109,15 @@ class FakeModelRunner:
         if self.check_kv:
             # as on the GPU, where each layer stores the whole batch's KV before attention
             # reads any, so a request may reuse blocks another writes in the same step
-            for rid, num in so.num_scheduled_tokens.items():
+            for rid, num in num_scheduled.items():
                 self._read_kv(rid, self.requests[rid], self.requests[rid].num_computed + num)
-
-        req_ids, sampled, logprobs = [], [], []
-        for rid, num in so.num_scheduled_tokens.items():
+        for rid, num in num_scheduled.items():
             req = self.requests[rid]
             end = req.num_computed = req.num_computed + num
-            req_ids.append(rid)
             if end == len(req.token_ids):
                 token_id = self._sample(rid, req.token_ids)
                 req.token_ids.append(token_id)
-                sampled.append([token_id])
-                logprobs.append(None if req.params.logprobs is None
-                                else LogprobsEntry(logprob=-float(token_id % 7)))
-            else:
-                sampled.append([])
-                logprobs.append(None)
-        return ModelRunnerOutput(so.step_id, req_ids, sampled, logprobs)
+                sampled[rid].append(token_id)
 
     def _sample(self, rid: str, token_ids: list[int]) -> int:
         if self.next_token is not None:

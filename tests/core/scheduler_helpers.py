@@ -15,10 +15,11 @@ EOS = 0
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 16,
                    max_num_batched_tokens: int = 64, max_model_len: int = 512,
-                   prefix_caching: bool = True, **kwargs) -> Scheduler:
+                   prefix_caching: bool = True, num_scheduler_steps: int = 1,
+                   **kwargs) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                        max_model_len=max_model_len),
+                        max_model_len=max_model_len, num_scheduler_steps=num_scheduler_steps),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         num_blocks, **kwargs)
 
