@@ -93,3 +93,8 @@ def write_tiny_chat_model(folder: Path, tokenizer_source: Path) -> Path:
         if (tokenizer_source / name).exists():
             shutil.copy(tokenizer_source / name, folder / name)
     return folder
+
+
+def completions(outputs) -> list[tuple]:
+    """(token ids, text, finish reason) of every completion of LLM.generate's outputs."""
+    return [(c.token_ids, c.text, c.finish_reason) for o in outputs for c in o.outputs]

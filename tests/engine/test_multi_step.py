@@ -7,6 +7,7 @@ at a stop gives the same output again."""
 import pytest
 
 from echo import LLM, SamplingParams
+from tests.helpers import completions
 
 PROMPTS = ["The quick brown fox", "1, 2, 3, 4,", "Write a haiku about the sea.",
            "What is the capital of France?"]
@@ -33,10 +34,6 @@ def run(model, prompts, params, steps: int, **kwargs):
         return completions(outputs), launches
     finally:
         llm.shutdown()
-
-
-def completions(outputs):
-    return [(c.token_ids, c.text, c.finish_reason) for o in outputs for c in o.outputs]
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ kept; a prefix reused after rejections."""
 import pytest
 
 from echo import LLM, SamplingParams
+from tests.helpers import completions
 
 REPEATS = ["The quick brown fox jumps over the lazy dog. " * 3 + "The quick brown",
            "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,",
@@ -37,10 +38,6 @@ def run(model, prompts, params, speculative: bool, **kwargs):
         return outputs, drafted, accepted, llm.engine.scheduler
     finally:
         llm.shutdown()
-
-
-def completions(outputs):
-    return [(c.token_ids, c.text, c.finish_reason) for o in outputs for c in o.outputs]
 
 
 @pytest.fixture(scope="module")
