@@ -17,6 +17,10 @@ instead of hanging anyone.
 NOTE: readers may live in other processes only when those were started from the writer's
 process (multiprocessing spawn/fork): they then share its resource tracker, whose bookkeeping
 keeps the segment alive until the writer unlinks it.
+
+A writer killed outright, with its resource tracker (a Ray actor's process tree, an OOM kill),
+unlinks nothing. Segments and sockets are named after the writer's pid, so the next writer
+sweeps those whose writer is gone (sweep_orphaned_rings).
 """
 
 import os
@@ -135,6 +139,43 @@ class _RingEnd:
         self.close()
 
 
+RING_PREFIX = "echo_ring_"
+_SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory; elsewhere nothing is swept
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def sweep_orphaned_rings(socket_dir: str | None = None) -> list[str]:
+    """Unlink the segments (and their sockets in socket_dir) of rings whose writer process no
+    longer exists; returns their names. A writer whose pid was reused keeps its segment."""
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return []
+    swept = []
+    for name in names:
+        pid, _, token = name.removeprefix(RING_PREFIX).partition("_")
+        if (not name.startswith(RING_PREFIX) or not pid.isdigit() or not token
+                or _pid_alive(int(pid))):
+            continue
+        for path in (os.path.join(_SHM_DIR, name),
+                     os.path.join(socket_dir or tempfile.gettempdir(), f"{name}.sock")):
+            try:
+                os.unlink(path)
+            except OSError:  # gone meanwhile, or not ours to remove
+                pass
+        swept.append(name)
+    return swept
+
+
 class ShmRingWriter(_RingEnd):
     """The one writer: creates (and at close unlinks) the segment and the PUB socket."""
 
@@ -143,7 +184,8 @@ class ShmRingWriter(_RingEnd):
                  context: zmq.Context | None = None):
         if num_readers < 1 or num_chunks < 1 or chunk_bytes <= LENGTH.size:
             raise ValueError("need >= 1 reader, >= 1 chunk and chunks larger than 8 bytes")
-        name = f"echo_ring_{secrets.token_hex(6)}"
+        sweep_orphaned_rings(socket_dir)
+        name = f"{RING_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
         self._socket_path = os.path.join(socket_dir or tempfile.gettempdir(), f"{name}.sock")
         handle = RingHandle(name, num_readers, num_chunks, chunk_bytes,
                             f"ipc://{self._socket_path}")

@@ -241,3 +241,31 @@ def test_reader_rank_must_be_in_range(make_writer):
     writer = make_writer(num_readers=2)
     with pytest.raises(ValueError, match="reader rank 2"):
         ShmRingReader(writer.handle, 2)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="POSIX shared memory lives in /dev/shm")
+def test_a_new_writer_sweeps_the_rings_of_writers_that_died(make_writer, tmp_path):
+    """A writer SIGKILLed with its resource tracker leaves its segment and socket; the next
+    writer removes them, and leaves a live writer's alone."""
+    import signal
+    import subprocess
+
+    code = ("import os, signal, sys; from echo.executor.shm_broadcast import ShmRingWriter; "
+            f"w = ShmRingWriter(1, 4, {CHUNK}, socket_dir=sys.argv[1]); "
+            "print(w.handle.shm_name, flush=True); os.killpg(0, signal.SIGKILL)")
+    # its own process group, so the kill takes its resource tracker too
+    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        name = child.stdout.readline().strip()
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert name.startswith(f"echo_ring_{child.pid}_")
+    assert os.path.exists(f"/dev/shm/{name}") and os.path.exists(tmp_path / f"{name}.sock")
+    live = make_writer()
+    make_writer()
+    assert not os.path.exists(f"/dev/shm/{name}")
+    assert not os.path.exists(tmp_path / f"{name}.sock")
+    assert os.path.exists(f"/dev/shm/{live.handle.shm_name}")
