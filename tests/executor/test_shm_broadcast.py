@@ -247,7 +247,6 @@ def test_reader_rank_must_be_in_range(make_writer):
 def test_a_new_writer_sweeps_the_rings_of_writers_that_died(make_writer, tmp_path):
     """A writer SIGKILLed with its resource tracker leaves its segment and socket; the next
     writer removes them, and leaves a live writer's alone."""
-    import signal
     import subprocess
 
     code = ("import os, signal, sys; from echo.executor.shm_broadcast import ShmRingWriter; "
