@@ -119,10 +119,8 @@ def measure(args, model: str) -> None:
             host_per_token_s.append((full_host - prefill_host) / (args.output_len - 1))
     ms = statistics.median(per_token_s) * 1e3
     host_ms = statistics.median(host_per_token_s) * 1e3 if host_per_token_s else None
-    context = args.input_len + args.output_len  # the graph of the last steps' contexts
-    device_ms = device_step_ms(runner, args.batch_size, context)
-    kernels = kernel_breakdown(runner, args.batch_size, context, args.kernels) \
-        if args.kernels else []
+    device_ms = device_step_ms(runner, args.batch_size)
+    kernels = kernel_breakdown(runner, args.batch_size, args.kernels) if args.kernels else []
     result = {"model": args.model, "batch_size": args.batch_size, "input_len": args.input_len,
               "output_len": args.output_len, "kv_cache_dtype": args.kv_cache_dtype,
               "enforce_eager": args.enforce_eager, "tp": args.tp,
@@ -147,30 +145,30 @@ def measure(args, model: str) -> None:
             json.dump(result, f, indent=2)
 
 
-def graph_step(runner, batch_size: int, context: int):
-    """Replays the decode graph of the batch at this context (and its sampling graph) over the
-    last step's inputs; None without graphs. The replays write K/V into the slots of a
-    finished request's last step: nothing reads them."""
+def graph_step(runner, batch_size: int):
+    """Replays the batch's decode graph (and its sampling graph) over the last step's inputs;
+    None without graphs. The replays write K/V into the slots of a finished request's last
+    step: nothing reads them."""
     graphs = runner.graphs if runner else None
-    key = graphs.key_for(batch_size, context) if graphs else None
-    if key is None:
+    size = graphs.padded_size(batch_size) if graphs else None
+    if size is None:
         return None
     multi = runner.multi_step
-    sample = multi.sample_graphs.get(key) if multi else None
+    sample = multi.sample_graphs.get(size) if multi else None
 
     def step():
-        graphs.replay(key)
+        graphs.replay(size)
         if sample is not None:
             sample[0].replay()
 
     return step
 
 
-def device_step_ms(runner, batch_size: int, context: int, iters: int = 200) -> float | None:
+def device_step_ms(runner, batch_size: int, iters: int = 200) -> float | None:
     """Device ms per decode step: the graphs replayed back to back, CUDA events around."""
     import torch
 
-    step = graph_step(runner, batch_size, context)
+    step = graph_step(runner, batch_size)
     if step is None:
         return None
     for _ in range(10):
@@ -184,12 +182,12 @@ def device_step_ms(runner, batch_size: int, context: int, iters: int = 200) -> f
     return start.elapsed_time(end) / iters
 
 
-def kernel_breakdown(runner, batch_size: int, context: int, top: int, steps: int = 20) -> list:
+def kernel_breakdown(runner, batch_size: int, top: int, steps: int = 20) -> list:
     """(kernel, calls per step, µs per step) of the replayed graphs, most time first."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    step = graph_step(runner, batch_size, context)
+    step = graph_step(runner, batch_size)
     if step is None:
         return []
     step()

@@ -166,17 +166,15 @@ class ModelRunner:
                                "not every request samples")
         rows = inp.rows
         with step_range("forward", step_id):
-            # the last step's context is num_steps - 1 keys longer than the first's
-            key = None if self.graphs is None else self.graphs.key_for(
-                num_seqs, int(inp.seq_lens.max()) + num_steps - 1)
-            input_ids, positions, meta = buffers.load(
-                inp, pad_seqs_to=None if key is None else key[0])
+            size = self.graphs.padded_size(num_seqs) if self.graphs is not None else None
+            input_ids, positions, meta = buffers.load(inp, pad_seqs_to=size)
             pad = (0, meta.num_seqs - num_seqs)  # padding rows sample greedily, unused
             buffers.put("temperature", np.pad(batch.temperature[rows], pad))
             buffers.put("seeds", np.pad(batch.seeds[rows], pad))
             buffers.put("sample_steps", np.pad(batch.num_output_tokens(rows), pad))
             self._fill_placeholders(inp)
-            tokens = self.multi_step.run(num_steps, num_seqs, input_ids, positions, meta, key)
+            tokens = self.multi_step.run(num_steps, num_seqs, input_ids, positions, meta,
+                                         replay=size is not None)
         batch.num_pending[rows] += num_steps
         self.in_flight.append(_StepInFlight(step_id, inp, rows, SamplerOutput(tokens[-1]),
                                             [None] * num_seqs, all_tokens=tokens))
@@ -364,11 +362,11 @@ class ModelRunner:
         """Hidden states of every scheduled token: [num_tokens, hidden]."""
         num_seqs, num_tokens = len(inp.seq_lens), len(inp.input_ids)
         if self.graphs is not None and num_tokens == num_seqs:  # decode only
-            key = self.graphs.key_for(num_seqs, int(inp.seq_lens.max()))
-            if key is not None:
-                self.buffers.load(inp, pad_seqs_to=key[0])
+            size = self.graphs.padded_size(num_seqs)
+            if size is not None:
+                self.buffers.load(inp, pad_seqs_to=size)
                 self._fill_placeholders(inp)
-                return self.graphs.replay(key)[:num_tokens]
+                return self.graphs.replay(size)[:num_tokens]
         input_ids, positions, meta = self.buffers.load(inp)
         self._fill_placeholders(inp)
         return self.model(input_ids, positions, ForwardContext(self.backend, meta,

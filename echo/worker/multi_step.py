@@ -21,7 +21,7 @@ import torch
 
 from echo.attention.backend import AttentionBackend, AttentionMetadata, KVCache
 from echo.layers.attention import ForwardContext
-from echo.worker.cuda_graphs import CudaGraphRunner, GraphKey
+from echo.worker.cuda_graphs import CudaGraphRunner
 from echo.worker.sampler import gumbel_sample
 from echo.worker.step_buffers import StepBuffers
 
@@ -65,9 +65,9 @@ class MultiStepDecoder:
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.buffers, self.graphs, self.block_size = buffers, graphs, block_size
         self.tokens = torch.zeros(max_steps, max_num_seqs, dtype=torch.int64, device=device)
-        # the forward graph's key -> (graph, its sampled tokens): sampling and advance over
-        # that graph's output
-        self.sample_graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # batch size -> (graph, its sampled tokens): sampling and advance over the forward
+        # graph of that size
+        self.sample_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def sample_and_advance(self, hidden: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
         rows = block_table.shape[0]
@@ -80,31 +80,30 @@ class MultiStepDecoder:
         return tokens
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """A sampling graph per captured forward graph, largest first into one pool."""
+    def capture(self, max_model_len: int) -> None:
+        """A sampling graph per captured forward size, largest first into one pool."""
         pool = None
-        for key in self.graphs.keys:
-            _, _, meta = self.buffers.load_padding(*key)
-            hidden = self.graphs.outputs(key)
+        for size in sorted(self.graphs.sizes, reverse=True):
+            _, _, meta = self.buffers.load_padding(size, max_model_len)
+            hidden = self.graphs.outputs(size)
             self.sample_and_advance(hidden, meta.block_table)  # compile outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 tokens = self.sample_and_advance(hidden, meta.block_table)
             pool = pool or graph.pool()
-            self.sample_graphs[key] = (graph, tokens)
+            self.sample_graphs[size] = (graph, tokens)
         torch.cuda.synchronize()
 
     def run(self, num_steps: int, num_seqs: int, input_ids: torch.Tensor,
-            positions: torch.Tensor, meta: AttentionMetadata,
-            key: GraphKey | None) -> torch.Tensor:
+            positions: torch.Tensor, meta: AttentionMetadata, replay: bool) -> torch.Tensor:
         """[num_steps, num_seqs] sampled tokens, from inputs already in the StepBuffers (padded
-        to the size of graph `key` when there is one, with the sampling fields filled)."""
+        to a captured size when `replay`, with the sampling fields filled)."""
         rows = meta.num_seqs
-        sample_graph = self.sample_graphs.get(key) if key is not None else None
+        sample_graph = self.sample_graphs.get(rows) if replay else None
         for step in range(num_steps):
-            if key is not None:
-                hidden = self.graphs.replay(key)
+            if replay:
+                hidden = self.graphs.replay(rows)
             else:
                 hidden = self.model(input_ids, positions, ForwardContext(
                     self.backend, advanced_metadata(meta, step), self.kv_caches))
