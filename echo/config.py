@@ -27,7 +27,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
 PREEMPTION_MODES = ("recompute", "swap")
 ROUTER_POLICIES = ("cache_aware", "least_load", "round_robin")  # echo.engine.router's
-# decode steps per scheduling round trip: their sampled tokens are held [steps, max_num_seqs]
+# the most decode steps per scheduling round trip (num_scheduler_steps)
 MAX_SCHEDULER_STEPS = 64
 DEFAULT_MODEL_NAMES = (None, "", "default")
 

@@ -99,7 +99,7 @@ def measure(args, model: str) -> None:
     prompts = [[rng.randrange(vocab) for _ in range(args.input_len)]
                for _ in range(args.batch_size)]
 
-    def run(tokens: int) -> tuple[float, float]:
+    def run(tokens: int) -> tuple[float, float | None]:
         """Wall seconds, and seconds of it the host was busy (None: not known here)."""
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=tokens)
         waited = runner.device_wait_s if runner else 0.0

@@ -143,6 +143,10 @@ RING_PREFIX = "echo_ring_"
 _SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory; elsewhere nothing is swept
 
 
+def _socket_path(name: str, socket_dir: str | None) -> str:
+    return os.path.join(socket_dir or tempfile.gettempdir(), f"{name}.sock")
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -166,8 +170,7 @@ def sweep_orphaned_rings(socket_dir: str | None = None) -> list[str]:
         if (not name.startswith(RING_PREFIX) or not pid.isdigit() or not token
                 or _pid_alive(int(pid))):
             continue
-        for path in (os.path.join(_SHM_DIR, name),
-                     os.path.join(socket_dir or tempfile.gettempdir(), f"{name}.sock")):
+        for path in (os.path.join(_SHM_DIR, name), _socket_path(name, socket_dir)):
             try:
                 os.unlink(path)
             except OSError:  # gone meanwhile, or not ours to remove
@@ -186,7 +189,7 @@ class ShmRingWriter(_RingEnd):
             raise ValueError("need >= 1 reader, >= 1 chunk and chunks larger than 8 bytes")
         sweep_orphaned_rings(socket_dir)
         name = f"{RING_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
-        self._socket_path = os.path.join(socket_dir or tempfile.gettempdir(), f"{name}.sock")
+        self._socket_path = _socket_path(name, socket_dir)
         handle = RingHandle(name, num_readers, num_chunks, chunk_bytes,
                             f"ipc://{self._socket_path}")
         shm = shared_memory.SharedMemory(name=name, create=True,

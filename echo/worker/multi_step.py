@@ -80,11 +80,11 @@ class MultiStepDecoder:
         return tokens
 
     @torch.inference_mode()
-    def capture(self, max_model_len: int) -> None:
+    def capture(self) -> None:
         """A sampling graph per captured forward size, largest first into one pool."""
         pool = None
         for size in sorted(self.graphs.sizes, reverse=True):
-            _, _, meta = self.buffers.load_padding(size, max_model_len)
+            _, _, meta = self.buffers.load_padding(size, self.graphs.max_model_len)
             hidden = self.graphs.outputs(size)
             self.sample_and_advance(hidden, meta.block_table)  # compile outside the capture
             torch.cuda.synchronize()

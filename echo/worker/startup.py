@@ -104,7 +104,7 @@ def prepare_multi_step(runner):
                                runner.graphs, runner.config.cache.block_size,
                                sched.max_num_seqs, sched.num_scheduler_steps, runner.device)
     if runner.graphs is not None and runner.tp.size == 1:
-        decoder.capture(sched.max_model_len)
+        decoder.capture()
     return decoder
 
 
