@@ -20,6 +20,7 @@ from echo_kernels.awq import awq_gemm, awq_gemv, awq_linear  # noqa: E402
 from echo_kernels.cache import store_kv_cache  # noqa: E402
 from echo_kernels.fused_moe import fused_moe, moe_align_block_size, moe_routing  # noqa: E402
 from echo_kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from echo_kernels.rejection import rejection_sample  # noqa: E402
 from echo_kernels.rope import rotary_embedding  # noqa: E402
 from echo_kernels.sampling import gumbel_sample  # noqa: E402
 from echo_kernels.token_bitmask import apply_token_bitmask  # noqa: E402
@@ -36,6 +37,7 @@ __all__ = [
     "moe_align_block_size",
     "moe_routing",
     "paged_attention",
+    "rejection_sample",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",

@@ -155,6 +155,49 @@ def gumbel_sample_ref(logits, temperature, seeds, steps) -> torch.Tensor:
     return torch.where(greedy, logits.argmax(-1), (scaled + gumbel).argmax(-1))
 
 
+def rejection_sample_ref(logits, draft_ids, cu_rows, temperature, seeds, steps, width: int,
+                         draft_probs=None) -> torch.Tensor:
+    """Speculative verification (echo_kernels.rejection's arguments and result). A draft d is
+    accepted, greedy, when it is the argmax, else with probability min(1, p(d) / q(d)), q a
+    point mass at d without draft_probs; the token after the accepted drafts is the argmax
+    (greedy), a draw from the normalized max(0, p - q) at a rejected draft (from p where that is
+    zero), or from p after the last draft. The acceptance uniform is column `vocab` of the
+    row's noise, the Gumbel noise columns 0 .. vocab - 1."""
+    rows, vocab = logits.shape
+    counts = (cu_rows[1:] - cu_rows[:-1]).long()
+    request = torch.repeat_interleave(torch.arange(len(counts), device=logits.device), counts)
+    temperature = temperature.float()[request]
+    greedy = temperature == 0
+    position = torch.arange(rows, device=logits.device) - cu_rows[:-1].long()[request]
+    noise = uniform_noise_ref(seeds[request], steps[request] + position, vocab + 1)
+    accept_u, gumbel = noise[:, vocab], -torch.log(-torch.log(noise[:, :vocab]))
+    x = logits.float()
+    probs = torch.softmax(x / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
+    has_draft = draft_ids >= 0
+    draft = draft_ids.clamp(min=0)[:, None]
+    if draft_probs is None:
+        q = torch.zeros_like(probs).scatter_(-1, draft, 1.0)
+    else:
+        q = draft_probs.float()
+    q = torch.where(has_draft[:, None], q, 0.0)
+    accepted = torch.where(greedy, x.argmax(-1) == draft_ids,
+                           accept_u * q.gather(-1, draft)[:, 0] <= probs.gather(-1, draft)[:, 0])
+    accepted &= has_draft
+    residual = (probs - q).clamp(min=0)
+    sampled = torch.where(residual.sum(-1) > 0, (residual.log() + gumbel).argmax(-1),
+                          (probs.log() + gumbel).argmax(-1))
+    token = torch.where(greedy, x.argmax(-1), sampled)
+    out = torch.full((len(counts), width), -1, dtype=torch.int64, device=logits.device)
+    for r in range(len(counts)):
+        first, last = int(cu_rows[r]), int(cu_rows[r + 1]) - 1
+        n = 0
+        while first + n < last and accepted[first + n]:
+            n += 1
+        out[r, :n] = draft_ids[first:first + n]
+        out[r, n] = token[first + n]
+    return out
+
+
 def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor,
                             indices: torch.Tensor | None = None) -> torch.Tensor:
     """A copy of logits with -inf where xgrammar's bitmask (int32 words, token t = bit t % 32 of

@@ -33,6 +33,24 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
+@triton.jit
+def noise_key(seed, step):
+    """The hash of (seed int64, output index) that a row's uniforms are drawn under."""
+    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    seed_hi = (seed >> 32).to(tl.uint32)
+    return _mix32(seed_hi ^ _mix32(seed_lo ^ _mix32(step.to(tl.uint32))))
+
+
+@triton.jit
+def uniform_noise(key, cols):
+    """Uniforms in (0, 1) for token ids cols under a row's noise_key."""
+    bits = _mix32(key ^ _mix32(cols.to(tl.uint32) * 0x9E3779B1))
+    bits = _mix32(bits ^ (key >> 5))
+    # 23 bits: with 24, the top value + 0.5 rounds to 1.0 in float32, whose Gumbel noise
+    # is +inf, and a uniformly random token would win 1 in 2**24 draws per token
+    return ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+
+
 # NOTE: these three are read once per program, so their alignment gains nothing; left to
 # specialise, it changed with the batch size (rows of one upload, sampling_inputs.py) and
 # compiled the kernel again inside a serving step
@@ -58,11 +76,7 @@ def _gumbel_argmax_kernel(
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
-    seed = tl.load(seeds_ptr + row)
-    step = tl.load(steps_ptr + row).to(tl.uint32)
-    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
-    seed_hi = (seed >> 32).to(tl.uint32)
-    key = _mix32(seed_hi ^ _mix32(seed_lo ^ _mix32(step)))
+    key = noise_key(tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK_V], tl.int32)
     if SPLIT:
@@ -75,12 +89,7 @@ def _gumbel_argmax_kernel(
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < hi
         x = tl.load(logits_ptr + row * stride_b + cols, mask=mask, other=float("-inf"))
-        bits = _mix32(key ^ _mix32(cols.to(tl.uint32) * 0x9E3779B1))
-        bits = _mix32(bits ^ (key >> 5))
-        # 23 bits: with 24, the top value + 0.5 rounds to 1.0 in float32, whose Gumbel noise
-        # is +inf, and a uniformly random token would win 1 in 2**24 draws per token
-        u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        gumbel = -tl.log(-tl.log(u))
+        gumbel = -tl.log(-tl.log(uniform_noise(key, cols)))
         score = tl.where(greedy, x.to(tl.float32), x.to(tl.float32) * inv_t + gumbel)
         take = score > best  # strict: the earliest index wins ties, as torch.argmax
         best = tl.where(take, score, best)

@@ -2,7 +2,8 @@
 
     python tools/bench_spec.py [--model llama-3.1-8b] [--load-format dummy] [--batch-size 1]
         [--input-len 256] [--output-len 256] [--num-speculative-tokens 4]
-        [--acceptance 0.5,0.77,0.9] [--iters 3] [--tp N] [--json F]
+        [--acceptance 0.5,0.77,0.9] [--iters 3] [--tp N] [--disable-by-batch-size N]
+        [--json F]
 
 First the batch runs without speculation (greedy, ignore_eos), timed as tools/bench_latency.py
 times it: a warm-up of the same shapes, then per iteration the batch for one token (prefill
@@ -172,6 +173,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--num-gpu-blocks-override", type=int)
+    parser.add_argument("--disable-by-batch-size", type=int,
+                        help="speculative_config.disable_by_batch_size: no drafts in a step "
+                             "with more running requests")
     parser.add_argument("--oracle-path", help="keep the oracle's file here (else a temporary)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"model": args.model, "batch_size": args.batch_size, "input_len": args.input_len,
               "output_len": args.output_len, "num_speculative_tokens": k, "iters": args.iters,
               "kv_cache_dtype": args.kv_cache_dtype, "enforce_eager": args.enforce_eager,
-              "tp": args.tp,
+              "tp": args.tp, "disable_by_batch_size": args.disable_by_batch_size,
               "baseline": {key: base[key] for key in
                            ("prefill_ms", "decode_ms_per_step", "decode_tok_per_s")},
               "baseline_deterministic": deterministic, "speculative": []}
@@ -206,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
         save_continuations(oracle_path, {tuple(p): c for p, c in zip(prompts, continuations[0])})
         for p in args.acceptance:
             spec = {"method": "oracle", "num_speculative_tokens": k,
-                    "oracle_path": oracle_path, "oracle_acceptance": p}
+                    "oracle_path": oracle_path, "oracle_acceptance": p,
+                    "disable_by_batch_size": args.disable_by_batch_size}
             run = in_fresh_process(time_decode, {**engine_args(args), "speculative_config": spec},
                                    prompts, args.output_len, args.iters)
             mismatched = sum(tokens != expected for outputs in run.pop("outputs")

@@ -4,6 +4,11 @@ A decode step of a small model is dominated by kernel-launch overhead; replaying
 graph removes it. Graphs read their inputs from the StepBuffers' persistent tensors and are
 captured largest first into one memory pool (smaller graphs reuse the larger ones' memory).
 Attention is captured with max_seqlen_k = max_model_len, so its split count covers any context.
+
+Under speculative decoding a step whose every request verifies k drafts is a uniform batch of
+1 + k query tokens per sequence: those get graphs of their own (query_len 1 + k), for the batch
+sizes up to the one where drafting stops (speculative_config.disable_by_batch_size) whose tokens
+fit a step.
 """
 
 import torch
@@ -28,18 +33,26 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
                  kv_caches: list[KVCache], buffers: StepBuffers, max_num_seqs: int,
-                 max_model_len: int):
+                 max_model_len: int, verify_query_len: int | None = None,
+                 max_verify_seqs: int = 0, max_num_tokens: int = 0):
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.buffers = buffers
         self.max_model_len = max_model_len
         self.sizes = bucket_sizes(max_num_seqs)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # query length -> its batch sizes: 1 (decode), and 1 + k under speculative decoding
+        self.sizes_of: dict[int, list[int]] = {1: self.sizes}
+        if verify_query_len is not None:
+            self.sizes_of[verify_query_len] = [
+                bs for bs in self.sizes
+                if bs <= max_verify_seqs and bs * verify_query_len <= max_num_tokens]
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = None
-        for bs in sorted(self.sizes, reverse=True):
-            ids, positions, meta = self.buffers.load_padding(bs, self.max_model_len)
+        shapes = [(bs * q, bs, q) for q, sizes in self.sizes_of.items() for bs in sizes]
+        for _, bs, q in sorted(shapes, reverse=True):  # the most tokens first
+            ids, positions, meta = self.buffers.load_padding(bs, self.max_model_len, q)
             ctx = ForwardContext(self.backend, meta, self.kv_caches)
             self.model(ids, positions, ctx)  # warm-up: compile and autotune outside capture
             torch.cuda.synchronize()
@@ -47,21 +60,21 @@ class CudaGraphRunner:
             with torch.cuda.graph(graph, pool=pool):
                 hidden = self.model(ids, positions, ctx)
             pool = pool or graph.pool()
-            self.graphs[bs] = (graph, hidden)
+            self.graphs[bs, q] = (graph, hidden)
         torch.cuda.synchronize()
 
-    def padded_size(self, num_seqs: int) -> int | None:
+    def padded_size(self, num_seqs: int, query_len: int = 1) -> int | None:
         """The smallest captured size that holds the batch, or None if none does."""
-        for size in self.sizes:
+        for size in self.sizes_of.get(query_len, ()):
             if size >= num_seqs:
                 return size
         return None
 
     def outputs(self, bs: int) -> torch.Tensor:
-        """The hidden states the graph of batch size bs writes."""
-        return self.graphs[bs][1]
+        """The hidden states the decode graph of batch size bs writes."""
+        return self.graphs[bs, 1][1]
 
-    def replay(self, bs: int) -> torch.Tensor:
-        graph, hidden = self.graphs[bs]
+    def replay(self, bs: int, query_len: int = 1) -> torch.Tensor:
+        graph, hidden = self.graphs[bs, query_len]
         graph.replay()
         return hidden

@@ -39,7 +39,7 @@ from echo.worker.kv_cache import KVCacheSpec
 from echo.worker.kv_transfer import HostKVCache, KVTransfers, host_tier_blocks
 from echo.worker.model_loader import build_model
 from echo.worker.multi_step import MultiStepDecoder
-from echo.worker.rejection_sampler import rejection_sample
+from echo.worker.rejection_sampler import flat_drafts, rejection_sample
 from echo.worker.sampler import Sampler, SamplerOutput
 from echo.worker.sampling_inputs import build_sampling_tensors, upload
 from echo.worker.step_buffers import StepBuffers
@@ -235,18 +235,20 @@ class ModelRunner:
         if len(spec):
             seqs = inp.sample_seq_idx[spec]
             rows = inp.rows[seqs]
-            firsts = last_rows[spec] - drafts[spec]
-            row_index = np.concatenate([np.arange(a, b + 1) for a, b in
-                                        zip(firsts, last_rows[spec])])
-            draft_ids = [batch.token_ids[r, batch.num_tokens[r]:batch.num_tokens[r] + k].tolist()
-                         for r, k in zip(rows, drafts[spec])]
+            draft_ids, cu_rows, width = flat_drafts(
+                [batch.token_ids[r, batch.num_tokens[r]:batch.num_tokens[r] + k]
+                 for r, k in zip(rows, drafts[spec])])
             device = logits.device
+            if len(plain):  # only the requests with drafts: their rows, in order
+                firsts = last_rows[spec] - drafts[spec]
+                logits = logits[upload(np.repeat(firsts - cu_rows[:-1], np.diff(cu_rows))
+                                       + np.arange(len(draft_ids)), device)]
             emitted = rejection_sample(
-                logits[torch.from_numpy(row_index).to(device)], draft_ids,
-                torch.from_numpy(batch.temperature[rows]).to(device),
-                torch.from_numpy(batch.seeds[rows]).to(device),
-                torch.from_numpy(batch.num_output_tokens(rows)).to(device))
-            sampled.update((int(i), tokens) for i, tokens in zip(spec, emitted))
+                logits, upload(draft_ids, device), upload(cu_rows, device),
+                upload(batch.temperature[rows], device), upload(batch.seeds[rows], device),
+                upload(batch.num_output_tokens(rows), device), width).tolist()
+            sampled.update((int(i), [t for t in tokens if t >= 0])
+                           for i, tokens in zip(spec, emitted))
         sampled_ids = output.sampled_token_ids or [[] for _ in inp.req_ids]
         for i, seq in enumerate(inp.sample_seq_idx.tolist()):
             tokens = sampled[i]
@@ -361,12 +363,15 @@ class ModelRunner:
     def forward(self, inp: StepInputs) -> torch.Tensor:
         """Hidden states of every scheduled token: [num_tokens, hidden]."""
         num_seqs, num_tokens = len(inp.seq_lens), len(inp.input_ids)
-        if self.graphs is not None and num_tokens == num_seqs:  # decode only
-            size = self.graphs.padded_size(num_seqs)
+        query_len = num_tokens // max(num_seqs, 1)
+        # decodes, or decodes verifying the same number of drafts each
+        if (self.graphs is not None and num_tokens == query_len * num_seqs
+                and (query_len == 1 or (np.diff(inp.cu_seqlens_q) == query_len).all())):
+            size = self.graphs.padded_size(num_seqs, query_len)
             if size is not None:
                 self.buffers.load(inp, pad_seqs_to=size)
                 self._fill_placeholders(inp)
-                return self.graphs.replay(size)[:num_tokens]
+                return self.graphs.replay(size, query_len)[:num_tokens]
         input_ids, positions, meta = self.buffers.load(inp)
         self._fill_placeholders(inp)
         return self.model(input_ids, positions, ForwardContext(self.backend, meta,

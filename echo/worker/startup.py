@@ -82,8 +82,13 @@ def prepare_step_path(runner) -> CudaGraphRunner | None:
         tune_one_row_linears(runner)  # before capture: the graphs record the choice
     graphs = None
     if uses_cuda_graphs(runner):
-        graphs = CudaGraphRunner(runner.model, runner.backend, runner.kv_caches, runner.buffers,
-                                 sched.max_num_seqs, sched.max_model_len)
+        spec = runner.config.speculative
+        graphs = CudaGraphRunner(
+            runner.model, runner.backend, runner.kv_caches, runner.buffers, sched.max_num_seqs,
+            sched.max_model_len,
+            verify_query_len=None if spec is None else 1 + spec.num_speculative_tokens,
+            max_verify_seqs=(spec and spec.disable_by_batch_size) or sched.max_num_seqs,
+            max_num_tokens=sched.max_num_batched_tokens)
         graphs.capture()
     if runner.device.type == "cuda":
         if runner.backend.name == "triton":
@@ -158,6 +163,11 @@ def warm_up_kernel_variants(runner) -> None:
     # the sampler reads the LM head's logits, or float32 ones after filters and penalties
     warm_up_gumbel_sample(runner.config.scheduler.max_num_seqs, runner.vocab_size,
                           [runner.dtype, torch.float32], runner.device)
+    if runner.config.speculative is not None:
+        from echo_kernels.rejection import warm_up_rejection_sample
+
+        width = 1 + runner.config.speculative.num_speculative_tokens
+        warm_up_rejection_sample(runner.vocab_size, width, runner.dtype, runner.device)
 
 
 @torch.inference_mode()

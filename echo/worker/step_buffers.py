@@ -64,9 +64,10 @@ class StepBuffers:
         return self.fields[name][1]
 
     def load(self, inp: StepInputs, pad_seqs_to: int | None = None):
-        """Upload a step's inputs. With pad_seqs_to (CUDA-graph replay of a decode batch) the
-        batch is padded with one-token dummy sequences that store nothing, and the block table
-        keeps its full static width."""
+        """Upload a step's inputs. With pad_seqs_to (CUDA-graph replay of a batch whose
+        sequences all run the same number of query tokens: decodes, or decodes verifying k
+        drafts each) the batch is padded with dummy sequences of as many tokens that store
+        nothing, and the block table keeps its full static width."""
         query_lens = np.diff(inp.cu_seqlens_q)
         return self._upload(
             inp.input_ids, inp.positions, inp.slot_mapping, inp.seq_lens, inp.cu_seqlens_q,
@@ -75,24 +76,24 @@ class StepBuffers:
             no_cached_prefix=bool((query_lens == inp.seq_lens).all()),
             query_lens_cpu=tuple(query_lens.tolist()), seq_lens_cpu=tuple(inp.seq_lens.tolist()))
 
-    def load_padding(self, num_seqs: int, max_seqlen_k: int):
-        """A decode batch of padding only (one-token sequences that store nothing), planned for
-        contexts up to max_seqlen_k: the inputs CUDA graphs are captured on."""
+    def load_padding(self, num_seqs: int, max_seqlen_k: int, query_len: int = 1):
+        """A batch of padding only (sequences of query_len tokens that store nothing), planned
+        for contexts up to max_seqlen_k: the inputs CUDA graphs are captured on."""
         no_tokens = np.zeros(0, np.int64)
         return self._upload(no_tokens, no_tokens, no_tokens, np.zeros(0, np.int32),
                             np.zeros(1, np.int32), np.zeros((0, 1), np.int32), num_seqs,
-                            max_seqlen_q=1, max_seqlen_k=max_seqlen_k)
+                            max_seqlen_q=query_len, max_seqlen_k=max_seqlen_k)
 
     def _upload(self, input_ids, positions, slots, seq_lens, cu, table, pad_seqs_to, **meta):
         width = table.shape[1]
         if pad_seqs_to is not None:
-            num_seqs = len(seq_lens)
+            num_seqs, q = len(seq_lens), meta["max_seqlen_q"]  # every sequence runs q tokens
             pad = pad_seqs_to - num_seqs
-            input_ids = np.concatenate([input_ids, np.zeros(pad, np.int64)])
-            positions = np.concatenate([positions, np.zeros(pad, np.int64)])
-            slots = np.concatenate([slots, np.full(pad, -1, np.int64)])
-            seq_lens = np.concatenate([seq_lens, np.ones(pad, np.int32)])
-            cu = np.arange(pad_seqs_to + 1, dtype=np.int32)
+            input_ids = np.concatenate([input_ids, np.zeros(pad * q, np.int64)])
+            positions = np.concatenate([positions, np.tile(np.arange(q), pad)])
+            slots = np.concatenate([slots, np.full(pad * q, -1, np.int64)])
+            seq_lens = np.concatenate([seq_lens, np.full(pad, q, np.int32)])
+            cu = np.arange(0, (pad_seqs_to + 1) * q, q, dtype=np.int32)
             width = self.max_blocks_per_seq
             full = np.zeros((pad_seqs_to, width), np.int32)
             full[:num_seqs, : table.shape[1]] = table

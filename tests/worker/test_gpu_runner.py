@@ -110,3 +110,45 @@ def test_several_decode_steps_per_launch_with_graphs_equal_one_step(fixture, req
     assert runner.multi_step.sample_graphs  # sampling ran inside captured graphs
     eager, _ = tokens(num_scheduler_steps=8, enforce_eager=True)
     assert graphs == expected and eager == expected
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+def test_verification_graphs_of_one_plus_k_tokens_equal_eager_and_no_speculation(
+        fixture, request, tmp_path):
+    """Decodes verifying k drafts each replay the graphs captured for 1 + k query tokens; the
+    greedy tokens equal eager verification's and those without speculation (the oracle drafts
+    the run's own continuations, right with probability 0.7)."""
+    from echo.core.oracle_proposer import save_continuations
+
+    folder = request.getfixturevalue(fixture)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = gpu_llm(folder)
+    try:
+        expected = plain.generate(PROMPTS, greedy, use_tqdm=False)
+    finally:
+        plain.shutdown()
+    path = tmp_path / "oracle.json"
+    save_continuations(path, {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids)
+                              for o in expected})
+    spec = {"method": "oracle", "num_speculative_tokens": 3, "oracle_path": str(path),
+            "oracle_acceptance": 0.7}
+
+    def tokens(**kwargs):
+        llm = gpu_llm(folder, speculative_config=spec, **kwargs)
+        try:
+            graphs, replayed = llm.engine.executor.runner.graphs, []
+            if graphs is not None:
+                replay = graphs.replay
+                graphs.replay = lambda bs, q=1: replayed.append(q) or replay(bs, q)
+            outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+            assert llm.engine.scheduler.kv.usage == 0
+            assert llm.stats().spec_num_accepted_tokens > 0
+            return [o.outputs[0].token_ids for o in outputs], replayed
+        finally:
+            llm.shutdown()
+
+    with_graphs, replayed = tokens()
+    assert 4 in replayed  # uniform verification batches ran as graphs
+    eager, _ = tokens(enforce_eager=True)
+    want = [o.outputs[0].token_ids for o in expected]
+    assert with_graphs == want and eager == want

@@ -4,13 +4,27 @@ tokens distributed as the target's own samples (chi-square over 20,000 seeded dr
 
 import torch
 
-from echo.worker.rejection_sampler import rejection_sample
+from echo.worker import rejection_sampler
 from echo_kernels.reference import gumbel_sample_ref
 
 V = 8
 DRAWS = 20_000
 # chi-square critical values at p = 0.001: 7 and 63 degrees of freedom
 CHI2_7, CHI2_63 = 24.32, 103.4
+
+
+def rejection_sample(logits, drafts: list[list[int]], temperature, seeds, steps,
+                     draft_probs=None) -> list[list[int]]:
+    """The worker's rejection_sample over per-request draft lists; draft_probs one row per
+    draft (the rows after each request's drafts get none)."""
+    ids, cu, width = rejection_sampler.flat_drafts(drafts)
+    if draft_probs is not None:  # aligned with the logits' rows
+        aligned = torch.zeros(len(ids), draft_probs.shape[1])
+        aligned[torch.from_numpy(ids >= 0)] = draft_probs
+        draft_probs = aligned
+    out = rejection_sampler.rejection_sample(logits, torch.from_numpy(ids), torch.from_numpy(cu),
+                                             temperature, seeds, steps, width, draft_probs)
+    return [[t for t in row if t >= 0] for row in out.tolist()]
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
