@@ -9,22 +9,27 @@ First the batch runs without speculation (greedy, ignore_eos), timed as tools/be
 times it: a warm-up of the same shapes, then per iteration the batch for one token (prefill
 alone) and for --output-len tokens; the difference over the extra tokens is the time per
 decode step, the median over iterations is reported. Its outputs are the target's greedy
-continuations: they are written to the oracle's file (--oracle-path, else a temporary one),
-and the same prompts run again, timed the same way, with speculative_config {"method":
-"oracle", "num_speculative_tokens": k, "oracle_path": ..., "oracle_acceptance": p} for each
-p of --acceptance. The oracle proposes the target's own next tokens, each right with
-probability p (echo/core/oracle_proposer.py), so the mechanism's cost and gain are measured
-with any weights, dummy ones included.
+continuations: they are written to the oracle's file (--oracle-path, else a temporary one).
+Then the same prompts run again, timed the same way, with speculative_config {"method":
+"oracle", "num_speculative_tokens": k, "oracle_path": ..., "oracle_acceptance": p}: first at
+p = 0, whose outputs replace the file's continuations (every token then comes from the first
+row of a 1 + k verification: with dummy weights, near-tie argmaxes flip between one-token
+decoding and verification numerics, and the later runs' rows agree with a verification run's),
+then for each p of --acceptance. The oracle proposes the target's own next tokens, each right
+with probability p (echo/core/oracle_proposer.py), so the mechanism's cost and gain are
+measured with any weights, dummy ones included.
 
 Reports per p: decode tok/s, the speedup over the run without speculation, the measured mean
 acceptance length (1 + accepted drafts per verification, from the engine's SchedulerStats:
 1 + spec_num_accepted_tokens / spec_num_drafts over the timed runs) next to the expected
 1 + sum_{i=1..k} p^i (a little above the measured one on short outputs: the last steps of a
-request may draft fewer than k), and whether every output equals the run without speculation
-(greedy verification is lossless; a difference means the verification's argmax differed from
-one-token decoding). Each configuration runs in a fresh process, so one engine's memory is
-gone before the next starts. Prefix caching is off so every run prefills. --json writes it
-all; runs on the CPU too (--device cpu, a tiny model folder with --load-format auto).
+request may draft fewer than k), whether every output equals the p = 0 recording (greedy
+verification is lossless; a difference means a verification's argmax differed between rows),
+and whether the recording equals the run without speculation (with real weights it should;
+with dummy ones numerics may flip it). Each configuration runs in a fresh process, so one
+engine's memory is gone before the next starts. Prefix caching is off so every run prefills.
+--json writes it all; runs on the CPU too (--device cpu, a tiny model folder with
+--load-format auto).
 """
 
 import argparse
@@ -208,14 +213,22 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         oracle_path = args.oracle_path or str(Path(folder) / "oracle.json")
         save_continuations(oracle_path, {tuple(p): c for p, c in zip(prompts, continuations[0])})
-        for p in args.acceptance:
+        # acceptance 0 first: every token is the first row of a 1 + k verification, and its
+        # outputs become the oracle's continuations, so later runs' rows agree with them
+        # (with dummy weights one-token decoding's numerics flip near-tie argmaxes)
+        for p in [0.0] + [p for p in args.acceptance if p != 0.0]:
             spec = {"method": "oracle", "num_speculative_tokens": k,
                     "oracle_path": oracle_path, "oracle_acceptance": p,
                     "disable_by_batch_size": args.disable_by_batch_size}
             run = in_fresh_process(time_decode, {**engine_args(args), "speculative_config": spec},
                                    prompts, args.output_len, args.iters)
-            mismatched = sum(tokens != expected for outputs in run.pop("outputs")
-                             for tokens, expected in zip(outputs, continuations[0]))
+            outputs = run.pop("outputs")
+            if p == 0.0:
+                recorded = outputs[0]
+                result["recording_equals_baseline"] = recorded == continuations[0]
+                save_continuations(oracle_path, {tuple(p): c for p, c in zip(prompts, recorded)})
+            mismatched = sum(tokens != expected for run_outputs in outputs
+                             for tokens, expected in zip(run_outputs, recorded))
             drafts = run["num_drafts"]
             row = {"acceptance": p,
                    "expected_acceptance_length": round(
@@ -233,8 +246,10 @@ def main(argv: list[str] | None = None) -> dict:
                   + ("equal" if mismatched == 0 else
                      f"DIFFER ({mismatched} of {(args.iters + 1) * args.batch_size})"))
     result["outputs_equal"] = all(r["outputs_equal"] for r in result["speculative"])
-    print("greedy outputs with speculation equal those without: "
-          + ("yes" if result["outputs_equal"] else "NO"))
+    print("greedy outputs with speculation equal the recording (acceptance 0): "
+          + ("yes" if result["outputs_equal"] else "NO") + "; the recording equals the run "
+          "without speculation: " + ("yes" if result["recording_equals_baseline"] else
+                                     "no (numerics)"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -3,27 +3,30 @@ target's own next tokens, each right with a chosen probability, so that the mech
 speedup can be measured against the acceptance length with dummy weights
 (tools/bench_spec.py).
 
-The continuations are the target's greedy outputs recorded by a run without speculation,
-keyed by prompt. A call proposes, after the tokens generated so far, the continuation's next
-min(k, limit) tokens; each position is right with probability `acceptance`, independently
-(a seeded RNG), and the first one that is not is replaced by a deliberately wrong token, where
-the proposal stops. So the accepted drafts of a verification number A with P(A >= i) = p^i:
-E[A] = sum_{i=1..k} p^i, and the mean acceptance length is 1 + E[A].
+The continuations are the target's greedy outputs recorded by an earlier run, keyed by prompt.
+A call proposes, after the tokens generated so far, the continuation's next min(k, limit)
+tokens; each position is right with probability `acceptance`, independently (a seeded RNG),
+until the first one that is not, which is replaced by a deliberately wrong token; the positions
+after it are proposed as recorded (a verification rejects them whatever they hold). So the
+accepted drafts of a verification number A with P(A >= i) = p^i: E[A] = sum_{i=1..k} p^i, and
+the mean acceptance length is 1 + E[A].
 
 Why a wrong token rather than stopping before it: every call with a continuation then proposes
-at least one draft, so every decode step is a verification, counted in the scheduler's
-spec_num_drafts, and 1 + spec_num_accepted_tokens / spec_num_drafts measures 1 + E[A] as it
-is. Had a wrong first position proposed nothing, that step would decode without drafts and
-not be counted, and the measured length would be the conditional 1 + E[A | A >= 1]. Positions
-after the first wrong one are not proposed (they would be rejected whatever they held): a
-verification computes A + 2 tokens (1 + k when all k are right) where a real drafter's would
-compute 1 + k; at batch 1 on a GPU a step of a few tokens is memory-bound and costs the same.
+drafts, so every decode step is a verification, counted in the scheduler's spec_num_drafts, and
+1 + spec_num_accepted_tokens / spec_num_drafts measures 1 + E[A] as it is. Had a wrong first
+position proposed nothing, that step would decode without drafts and not be counted, and the
+measured length would be the conditional 1 + E[A | A >= 1]. Why all k positions: a real
+drafter's verification computes 1 + k tokens whatever it accepts, and a uniform 1 + k batch is
+what the verification CUDA graphs are captured for.
 
 Greedy verification is lossless, so outputs are the recorded ones as long as the target's
-argmax over a verification's positions equals its argmax decoding one token at a time. Drafts
-follow the continuation by position, not by content: a run that diverged from it (numerics)
-keeps being offered the recorded tokens, mostly rejected, and its measured acceptance falls
-below the expected one.
+argmax over a verification's positions equals the recording's. Drafts follow the continuation
+by position, not by content: a run that diverged from it (numerics) keeps being offered the
+recorded tokens, mostly rejected, and its measured acceptance falls below the expected one.
+With dummy weights the logits are near ties and a one-token decode step's numerics (GEMV,
+decode attention) flip argmaxes against a 1 + k verification's, so tools/bench_spec.py records
+the continuations from a verification run (acceptance 0: every token the first row of a
+1 + k batch), whose rows agree with each other.
 """
 
 import json
@@ -114,12 +117,10 @@ class OracleProposer:
             return []
         prompt_len, continuation = found
         generated = len(token_ids) - prompt_len
-        drafts = []
-        for token in continuation[generated:generated + k]:
-            if self.rng.random() < self.acceptance:
-                drafts.append(token)
-            else:
-                drafts.append(wrong_token(token))
+        drafts = list(continuation[generated:generated + k])
+        for i, token in enumerate(drafts):
+            if self.rng.random() >= self.acceptance:
+                drafts[i] = wrong_token(token)
                 break
         return drafts
 

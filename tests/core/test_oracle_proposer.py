@@ -29,11 +29,11 @@ def test_acceptance_one_proposes_the_next_k_continuation_tokens():
     assert oracle.propose([1, 2, 3] + CONTINUATION) == []  # generated past it
 
 
-def test_acceptance_zero_proposes_one_wrong_token():
+def test_acceptance_zero_proposes_a_wrong_token_then_the_continuation():
     oracle = OracleProposer(4, {PROMPT: CONTINUATION, (7,): [0, 5]}, acceptance=0.0)
-    assert oracle.propose([1, 2, 3]) == [9]
-    assert oracle.propose([1, 2, 3, 10, 11]) == [11]
-    assert oracle.propose([7]) == [1]  # wrong for token 0 too, never negative
+    assert oracle.propose([1, 2, 3]) == [9, 11, 12, 13]
+    assert oracle.propose([1, 2, 3, 10, 11]) == [11, 13, 14, 15]
+    assert oracle.propose([7]) == [1, 5]  # wrong for token 0 too, never negative
     assert all(wrong_token(t) != t and wrong_token(t) >= 0 for t in range(10))
 
 
@@ -70,8 +70,9 @@ def test_the_mean_accepted_run_is_the_sum_of_the_powers_of_p(p):
     for _ in range(draws):
         drafts = oracle.propose(list(PROMPT))
         run = accepted_run(drafts, truth)
-        # right drafts, then one wrong one unless all k are right
-        assert len(drafts) == min(run + 1, k) and drafts[:run] == truth[:run]
+        # right drafts, then one wrong one unless all k are right, then the recorded ones
+        assert len(drafts) == k and drafts[:run] == truth[:run]
+        assert drafts[run + 1:] == truth[run + 1:]
         runs.append(run)
         for i in range(run):
             per_position[i] += 1
