@@ -3,7 +3,7 @@
     python tools/bench_spec.py [--model llama-3.1-8b] [--load-format dummy] [--batch-size 1]
         [--input-len 256] [--output-len 256] [--num-speculative-tokens 4]
         [--acceptance 0.5,0.77,0.9] [--iters 3] [--tp N] [--disable-by-batch-size N]
-        [--json F]
+        [--token-determined] [--json F]
 
 First the batch runs without speculation (greedy, ignore_eos), timed as tools/bench_latency.py
 times it: a warm-up of the same shapes, then per iteration the batch for one token (prefill
@@ -43,6 +43,8 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from echo import LLM, SamplingParams  # noqa: E402
@@ -67,8 +69,11 @@ def time_decode(engine_args: dict, prompts: list[list[int]], output_len: int,
     """bench_latency's measurement of one engine: prefill and per-step decode times (medians),
     every timed run's output token ids, and the speculative decoding counters of the timed
     runs (the one-token runs draft nothing)."""
+    token_determined = engine_args.pop("token_determined", False)
     llm = LLM(**engine_args)
     try:
+        if token_determined:
+            make_logits_token_determined(llm)
         vocab_size = llm.config.model.arch.vocab_size
         if any(t >= vocab_size for p in prompts for t in p):
             raise ValueError(f"prompt token ids past the model's vocabulary ({vocab_size})")
@@ -104,6 +109,19 @@ def time_decode(engine_args: dict, prompts: list[list[int]], output_len: int,
             "num_accepted_tokens": (after.spec_num_accepted_tokens
                                     - before.spec_num_accepted_tokens),
             "accepted_per_position": per_position}
+
+
+@torch.inference_mode()
+def make_logits_token_determined(llm: LLM) -> None:
+    """Zero every layer's o_proj and down_proj (an in-process engine, tensor_parallel_size 1):
+    each layer then adds exactly nothing to the residual stream, the logits are a function of
+    the input token alone with margins of random 4096-wide dot products, and one-token decoding
+    and a verification's rows agree on every argmax. Every kernel still runs on the same shapes
+    (zeros are multiplied like any value), so the step costs what it did; with plain dummy
+    weights the logits are near ties whose argmax flips with either step's numerics."""
+    for layer in llm.engine.executor.runner.model.model.layers:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
 
 
 def _child(conn, fn, args) -> None:
@@ -151,6 +169,8 @@ def engine_args(args: argparse.Namespace, model_only: bool = False) -> dict:
                   tensor_parallel_size=args.tp)
     if args.num_gpu_blocks_override is not None:
         kwargs["num_gpu_blocks_override"] = args.num_gpu_blocks_override
+    if args.token_determined:
+        kwargs["token_determined"] = True
     return kwargs
 
 
@@ -181,11 +201,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--disable-by-batch-size", type=int,
                         help="speculative_config.disable_by_batch_size: no drafts in a step "
                              "with more running requests")
+    parser.add_argument("--token-determined", action="store_true",
+                        help="zero every layer's o_proj and down_proj, so that the logits "
+                             "depend on the input token alone and argmaxes do not flip with "
+                             "numerics (dummy weights; tensor parallelism 1)")
     parser.add_argument("--oracle-path", help="keep the oracle's file here (else a temporary)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.output_len < 2:
         parser.error("--output-len must be at least 2")
+    if args.token_determined and args.tp != 1:
+        parser.error("--token-determined needs --tp 1 (it edits the in-process engine's weights)")
     if args.batch_size < 1 or args.input_len < 1 or args.iters < 1:
         parser.error("--batch-size, --input-len and --iters must be at least 1")
     return args
@@ -203,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
               "output_len": args.output_len, "num_speculative_tokens": k, "iters": args.iters,
               "kv_cache_dtype": args.kv_cache_dtype, "enforce_eager": args.enforce_eager,
               "tp": args.tp, "disable_by_batch_size": args.disable_by_batch_size,
+              "token_determined": args.token_determined,
               "baseline": {key: base[key] for key in
                            ("prefill_ms", "decode_ms_per_step", "decode_tok_per_s")},
               "baseline_deterministic": deterministic, "speculative": []}

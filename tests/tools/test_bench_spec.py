@@ -20,12 +20,12 @@ def test_bench_spec_on_a_tiny_model(tiny_llama, tmp_path):
                    "--batch-size", "2", "--input-len", "16", "--output-len", "16",
                    "--iters", "1", "--acceptance", "0,1", "--max-model-len", "128",
                    "--num-gpu-blocks-override", "16", "--oracle-path", str(tmp_path / "o.json"),
-                   "--json", str(out)])
+                   "--token-determined", "--json", str(out)])
     saved = json.loads(out.read_text())
     assert saved == result
     assert isinstance(saved["baseline"]["decode_tok_per_s"], float)
     assert saved["baseline_deterministic"]
-    assert saved["outputs_equal"] is True
+    assert saved["outputs_equal"] is True and saved["recording_equals_baseline"] is True
     never, always = saved["speculative"]
     assert [never["acceptance"], always["acceptance"]] == [0, 1]
     assert [never["expected_acceptance_length"], always["expected_acceptance_length"]] == [1, 5]
@@ -39,3 +39,9 @@ def test_bench_spec_on_a_tiny_model(tiny_llama, tmp_path):
                    ("decode_ms_per_step", "decode_tok_per_s", "speedup", "prefill_ms"))
     pairs = json.loads((tmp_path / "o.json").read_text())  # the oracle's file, kept
     assert len(pairs) == 2 and all(len(p) == 16 and len(c) == 16 for p, c in pairs)
+    # --token-determined: every next token is a function of the token before it
+    follows = {}
+    for prompt, continuation in pairs:
+        tokens = [prompt[-1], *continuation]
+        for a, b in zip(tokens, tokens[1:]):
+            assert follows.setdefault(a, b) == b
