@@ -76,9 +76,8 @@ class EngineCore:
         self.eos_token_ids = config.model.arch.eos_token_ids
         # steps sent to the executor whose output has not been processed, oldest first
         self.in_flight: deque = deque()
-        # speculative decoding drafts from the tokens of the step before: one step in flight
-        # (docs/ARCHITECTURE.md, Speculative decoding)
-        self.max_in_flight = 2 if config.scheduler.async_scheduling and spec is None else 1
+        # two steps in flight, but one where speculative decoding drafts (_pipeline_depth)
+        self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
         self.proposer = proposer
         self.structured = StructuredOutputManager(
             lambda: load_tokenizer(config.model), config.model.arch.vocab_size,
@@ -133,7 +132,7 @@ class EngineCore:
         structured = self.structured
         failed = self._fail(structured.poll()) if structured.compiling else []
         kv = self.scheduler.kv
-        if len(self.in_flight) < self.max_in_flight and (
+        if len(self.in_flight) < self._pipeline_depth() and (
                 self.scheduler.has_unfinished_requests() or kv.transfers_pending):
             with step_range("schedule", self.scheduler._step_id):
                 scheduler_output = self.scheduler.schedule()
@@ -154,7 +153,7 @@ class EngineCore:
                 self.in_flight.append(scheduler_output)
                 scheduled = not scheduler_output.is_empty
         # wait for the oldest step once the pipeline is full, or when nothing new could start
-        if not self.in_flight or (scheduled and len(self.in_flight) < self.max_in_flight):
+        if not self.in_flight or (scheduled and len(self.in_flight) < self._pipeline_depth()):
             if not self.in_flight and structured.compiling and not failed:
                 structured.wait_for_compiles(_COMPILE_WAIT_S)  # nothing else to do
             return EngineCoreOutputs(outputs=failed) if failed else None
@@ -178,6 +177,21 @@ class EngineCore:
         return EngineCoreOutputs(outputs=failed + outputs,
                                  scheduler_stats=self.scheduler.make_stats(),
                                  timestamp=time.time())
+
+    def _pipeline_depth(self) -> int:
+        """How many steps may be in flight. With speculative decoding a step's drafts come from
+        the tokens of the step before, on the host, and the runner verifies them landed: one,
+        while anyone drafts (docs/ARCHITECTURE.md, Speculative decoding). Above
+        disable_by_batch_size running requests nobody drafts, and two steps overlap again once
+        no step in flight and no request holds drafts."""
+        if self.proposer is None or self.max_in_flight == 1:
+            return self.max_in_flight
+        cutoff, running = self.config.speculative.disable_by_batch_size, self.scheduler.running
+        if (cutoff is None or len(running) <= cutoff
+                or any(step.scheduled_spec_decode_tokens for step in self.in_flight)
+                or any(request.spec_token_ids for request in running)):
+            return 1
+        return self.max_in_flight
 
     def _send_bitmask(self, scheduler_output: SchedulerOutput) -> None:
         with step_range("bitmask", scheduler_output.step_id):

@@ -146,3 +146,41 @@ def test_oracle_drafts_give_the_tokens_without_speculation(tiny_llama, tmp_path,
         assert drafts == 3 * (19 * 4 + 3 + 2 + 1)
     else:
         assert 0 < accepted < drafts
+
+
+def test_above_the_batch_size_cutoff_two_steps_overlap_and_drafts_resume_below(tiny_llama,
+                                                                               tmp_path):
+    """disable_by_batch_size 2 with three requests: nobody drafts and two steps are in flight
+    (async scheduling, as without speculation); once the shortest request ends, the two left
+    draft again with one step in flight. Greedy tokens equal those without speculation."""
+    from echo.core.oracle_proposer import save_continuations
+
+    prompts = [[1, 5, 9, 5, 9, 5, 9, 5], list(range(10, 40)), [3, 4]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 30, 30)]
+    expected, _, _, _ = run(tiny_llama, prompts, params, False, num_gpu_blocks_override=64)
+    path = tmp_path / "oracle.json"
+    save_continuations(path, {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids)
+                              for o in expected})
+    spec = {"method": "oracle", "num_speculative_tokens": 4, "oracle_path": str(path),
+            "oracle_acceptance": 1.0, "disable_by_batch_size": 2}
+    llm = LLM(str(tiny_llama), device="cpu", max_model_len=512, max_num_seqs=8,
+              num_gpu_blocks_override=64, speculative_config=spec)
+    engine, depths = llm.engine, []  # (steps in flight, running, drafts) at each launch
+    launch = engine.executor.execute_model_async
+
+    def recording(scheduler_output):
+        depths.append((len(engine.in_flight) + 1, len(engine.scheduler.running),
+                       bool(scheduler_output.scheduled_spec_decode_tokens)))
+        return launch(scheduler_output)
+
+    engine.executor.execute_model_async = recording
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    assert completions(outputs) == completions(expected)
+    assert any(d == 2 and r == 3 for d, r, _ in depths)  # overlapped above the cutoff
+    assert not any(spec and r > 2 for _, r, spec in depths)  # no drafts above it
+    assert all(d == 1 for d, _, spec in depths if spec)  # a step with drafts runs alone
+    assert stats.spec_num_accepted_tokens > 0  # the two left drafted, all accepted
