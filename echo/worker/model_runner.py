@@ -243,10 +243,11 @@ class ModelRunner:
                 firsts = last_rows[spec] - drafts[spec]
                 logits = logits[upload(np.repeat(firsts - cu_rows[:-1], np.diff(cu_rows))
                                        + np.arange(len(draft_ids)), device)]
+            put = self.buffers.put
             emitted = rejection_sample(
-                logits, upload(draft_ids, device), upload(cu_rows, device),
-                upload(batch.temperature[rows], device), upload(batch.seeds[rows], device),
-                upload(batch.num_output_tokens(rows), device), width).tolist()
+                logits, put("draft_ids", draft_ids), put("cu_draft_rows", cu_rows),
+                put("temperature", batch.temperature[rows]), put("seeds", batch.seeds[rows]),
+                put("sample_steps", batch.num_output_tokens(rows)), width).tolist()
             sampled.update((int(i), [t for t in tokens if t >= 0])
                            for i, tokens in zip(spec, emitted))
         sampled_ids = output.sampled_token_ids or [[] for _ in inp.req_ids]

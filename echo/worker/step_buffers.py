@@ -38,10 +38,13 @@ class StepBuffers:
             ("placeholder_idx", max_num_seqs, torch.int64),
             ("placeholder_src", max_num_seqs, torch.int64),
             ("block_table", max_num_seqs * max_blocks_per_seq, torch.int32),
-            # plain sampling of several decode steps per launch (worker/multi_step.py)
+            # plain sampling of several decode steps per launch (worker/multi_step.py), and
+            # the requests verifying drafts (worker/rejection_sampler.py)
             ("temperature", max_num_seqs, torch.float32),
             ("seeds", max_num_seqs, torch.int64),
             ("sample_steps", max_num_seqs, torch.int64),
+            ("draft_ids", max_num_tokens, torch.int64),
+            ("cu_draft_rows", max_num_seqs + 1, torch.int32),
         ):
             hosts = [torch.zeros(size, dtype=dtype, pin_memory=pin) for _ in range(2)]
             dev = torch.zeros(size, dtype=dtype, device=device)
