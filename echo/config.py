@@ -12,7 +12,7 @@ them all; the command line (echo/entrypoints/cli.py) builds its flags from that 
 
 import typing
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from echo.models.arch import ModelArch, arch_from_hf_config, preset_names, read_config_json
@@ -248,8 +248,8 @@ class DeviceConfig:
         _check_bool(self.enforce_eager, "enforce_eager")
 
 
-# draft_model and eagle3 are to come; "oracle" is for benchmarking only (tools/bench_spec.py)
-SPECULATIVE_METHODS = ("ngram", "oracle")
+# eagle3 is to come; "oracle" is for benchmarking only (tools/bench_spec.py)
+SPECULATIVE_METHODS = ("ngram", "draft_model", "oracle")
 ORACLE_ACCEPTANCE_DEFAULT = 0.75
 
 
@@ -257,12 +257,16 @@ ORACLE_ACCEPTANCE_DEFAULT = 0.75
 class SpeculativeConfig:
     """vLLM's speculative_config. ngram: drafts from prompt lookup over the request's own
     tokens; verified in one step of 1 + k tokens per request (docs/ARCHITECTURE.md,
-    Speculative decoding). oracle, for benchmarking only: the target's own greedy tokens
-    recorded by a run without speculation (oracle_path), each right with probability
-    oracle_acceptance (echo/core/oracle_proposer.py)."""
+    Speculative decoding). draft_model: a smaller model with the target's vocabulary (model:
+    a local folder, or a preset with dummy weights) proposes k tokens per step, run by the
+    same workers with its own KV cache (echo/worker/draft_model.py). oracle, for benchmarking
+    only: the target's own greedy tokens recorded by an earlier run (oracle_path), each right
+    with probability oracle_acceptance (echo/core/oracle_proposer.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4  # k
+    # draft_model only: the draft model, as the target model is given
+    model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     # no drafts in a step with more running requests than this (None: always draft): at large
@@ -286,6 +290,12 @@ class SpeculativeConfig:
                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.disable_by_batch_size is not None:
             _check_int(self.disable_by_batch_size, f"{name}.disable_by_batch_size")
+        if self.method == "draft_model":
+            _check(isinstance(self.model, str) and self.model != "", f"{name}.model",
+                   f"method 'draft_model' needs the draft model's folder, got {self.model!r}")
+        else:
+            _check(self.model is None, f"{name}.model",
+                   f"only for method 'draft_model', not {self.method!r}")
         if self.method != "oracle":
             for field_name in ("oracle_path", "oracle_acceptance"):
                 _check(getattr(self, field_name) is None, f"{name}.{field_name}",
@@ -325,10 +335,14 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig | None = None
+    # speculative_config.model, resolved as the target is (method draft_model)
+    draft_model: ModelConfig | None = None
 
     def __post_init__(self):
         arch = self.model.arch
         tp = self.parallel.tensor_parallel_size
+        if self.draft_model is not None:
+            self._check_draft(self.draft_model.arch, tp)
         # each rank holds whole heads and an equal slice of the MLP; names are config.json's
         _check(arch.num_heads % tp == 0, "tensor_parallel_size",
                f"{tp} does not divide the model's num_attention_heads ({arch.num_heads})")
@@ -355,6 +369,26 @@ class EngineConfig:
         _check(self.speculative is None or self.scheduler.num_scheduler_steps == 1,
                "num_scheduler_steps", f"{self.scheduler.num_scheduler_steps} cannot be combined "
                "with speculative_config: a step with drafts is verified on the host")
+
+    def _check_draft(self, draft: ModelArch, tp: int) -> None:
+        name = "speculative_config.model"
+        _check(draft.vocab_size == self.model.arch.vocab_size, name,
+               f"the draft's vocab_size {draft.vocab_size} differs from the target's "
+               f"{self.model.arch.vocab_size}: a draft model must share the tokenizer")
+        for size, what in ((draft.num_heads, "num_attention_heads"),
+                           (draft.intermediate_size, "intermediate_size")):
+            _check(size % tp == 0, name, f"tensor_parallel_size {tp} does not divide the "
+                   f"draft's {what} ({size})")
+        _check(draft.num_kv_heads % tp == 0 or tp % draft.num_kv_heads == 0, name,
+               f"tensor_parallel_size {tp} neither divides nor is a multiple of the draft's "
+               f"num_key_value_heads ({draft.num_kv_heads})")
+        _check(self.model.max_model_len <= draft.max_position_embeddings
+               or draft.rope_scaling is not None, name,
+               f"max_model_len {self.model.max_model_len} exceeds the draft's "
+               f"max_position_embeddings ({draft.max_position_embeddings})")
+        # the host tier copies the target's blocks only: the draft's would be stale
+        _check(self.cache.kv_offloading_size is None, "kv_offloading_size",
+               "cannot be combined with speculative_config method 'draft_model' yet")
 
     @staticmethod
     def create(model: str | None = None, **kwargs) -> "EngineConfig":
@@ -488,11 +522,22 @@ def _create(model: str | None, **kwargs) -> EngineConfig:
     sched.setdefault("max_num_batched_tokens", max(
         default.max_num_batched_tokens, sched.get("max_num_seqs", default.max_num_seqs)))
     spec = model_kwargs.get("speculative_config")
+    spec = SpeculativeConfig.from_dict(spec) if spec is not None else None
+    draft = None
+    if spec is not None and spec.method == "draft_model":
+        try:
+            draft_path, draft_hf = _resolve_model(spec.model, load_format)
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"speculative_config.model: {e}") from None
+        draft = replace(
+            model_cfg, model=spec.model, path=draft_path, tokenizer=draft_path,
+            arch=arch_from_hf_config(draft_hf, source=f"{draft_path or spec.model}/config.json"))
     return EngineConfig(
         model=model_cfg,
         cache=cache,
         scheduler=SchedulerConfig(max_model_len=model_cfg.max_model_len, **sched),
         parallel=parallel,
         device=device_cfg,
-        speculative=SpeculativeConfig.from_dict(spec) if spec is not None else None,
+        speculative=spec,
+        draft_model=draft,
     )

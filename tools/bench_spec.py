@@ -3,7 +3,7 @@
     python tools/bench_spec.py [--model llama-3.1-8b] [--load-format dummy] [--batch-size 1]
         [--input-len 256] [--output-len 256] [--num-speculative-tokens 4]
         [--acceptance 0.5,0.77,0.9] [--iters 3] [--tp N] [--disable-by-batch-size N]
-        [--token-determined] [--json F]
+        [--token-determined] [--draft-model M] [--json F]
 
 First the batch runs without speculation (greedy, ignore_eos), timed as tools/bench_latency.py
 times it: a warm-up of the same shapes, then per iteration the batch for one token (prefill
@@ -124,6 +124,34 @@ def make_logits_token_determined(llm: LLM) -> None:
         layer.mlp.down_proj.weight.zero_()
 
 
+def time_draft_model(args: argparse.Namespace, prompts: list[list[int]],
+                     expected: list[list[int]], base: dict) -> dict:
+    """The same prompts with speculative method draft_model (--draft-model): the cost of a
+    step that verifies k drafts and has the draft model propose k more, and the speedup that
+    cost gives at an acceptance length L (L tokens per step against one per baseline step).
+    With dummy weights nearly every draft is rejected, so the step is measured at length ~1;
+    its cost hardly depends on the length (the draft runs 1 + k tokens and k decode steps
+    whatever was accepted)."""
+    k = args.num_speculative_tokens
+    spec = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": k,
+            "disable_by_batch_size": args.disable_by_batch_size}
+    run = in_fresh_process(time_decode, {**engine_args(args), "speculative_config": spec},
+                           prompts, args.output_len, args.iters)
+    outputs = run.pop("outputs")
+    drafts = run["num_drafts"]
+    length = 1 + run["num_accepted_tokens"] / drafts if drafts else 1.0
+    step_ms = run["decode_ms_per_step"] * length  # per verification, not per token
+    row = {"model": args.draft_model, **run, "acceptance_length": round(length, 3),
+           "ms_per_verification_step": round(step_ms, 3),
+           "outputs_equal_baseline": all(o == expected for o in outputs),
+           "speedup_at_length": {
+               str(n): round(n * base["decode_ms_per_step"] / step_ms, 3) for n in (2, 3, 4)}}
+    print(f"  draft model {args.draft_model}: {step_ms:.3f} ms per verification step "
+          f"(acceptance length {length:.2f}); speedup at length 2/3/4: "
+          + " / ".join(f"{v:.2f}x" for v in row["speedup_at_length"].values()))
+    return row
+
+
 def _child(conn, fn, args) -> None:
     try:
         conn.send((True, fn(*args)))
@@ -201,6 +229,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--disable-by-batch-size", type=int,
                         help="speculative_config.disable_by_batch_size: no drafts in a step "
                              "with more running requests")
+    parser.add_argument("--draft-model",
+                        help="also time speculative method draft_model with this draft (a "
+                             "folder, or a preset with --load-format dummy)")
     parser.add_argument("--token-determined", action="store_true",
                         help="zero every layer's o_proj and down_proj, so that the logits "
                              "depend on the input token alone and argmaxes do not flip with "
@@ -272,6 +303,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"length {length} (expected {row['expected_acceptance_length']}), outputs "
                   + ("equal" if mismatched == 0 else
                      f"DIFFER ({mismatched} of {(args.iters + 1) * args.batch_size})"))
+    if args.draft_model:
+        result["draft_model"] = time_draft_model(args, prompts, continuations[0], base)
     result["outputs_equal"] = all(r["outputs_equal"] for r in result["speculative"])
     print("greedy outputs with speculation equal the recording (acceptance 0): "
           + ("yes" if result["outputs_equal"] else "NO") + "; the recording equals the run "

@@ -94,8 +94,13 @@ class _Transfer:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_host_blocks: int = 0):
+                 num_host_blocks: int = 0, num_lookahead_tokens: int = 0,
+                 max_model_len: int | None = None):
         self.block_size = block_size
+        # slots past a request's scheduled tokens, up to max_model_len, that the workers may
+        # write in the same step: a draft model's KV for the tokens it proposes
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self._requests: dict[str, _RequestBlocks] = {}
@@ -162,8 +167,12 @@ class KVCacheManager:
             state = self._requests[request.request_id] = _RequestBlocks()
         block_ids = state.block_ids
         num_tokens = request.num_computed_tokens + num_new_tokens
+        num_slots = num_tokens
+        if self.num_lookahead_tokens:
+            num_slots = max(num_tokens, min(num_tokens + self.num_lookahead_tokens,
+                                            self.max_model_len))
         if computed is None:
-            num_needed = -(-num_tokens // self.block_size) - len(block_ids)
+            num_needed = -(-num_slots // self.block_size) - len(block_ids)
             if num_needed <= 0:  # the common decode step: the last block has room
                 new_block_ids = []
             elif num_needed <= self.pool.num_free_blocks:
@@ -173,7 +182,10 @@ class KVCacheManager:
                 return None
         else:
             num_tokens += computed.num_tokens
-            new_block_ids = self._admit(request, state, num_tokens, computed)
+            num_slots += computed.num_tokens
+            if self.num_lookahead_tokens:
+                num_slots = max(num_tokens, min(num_slots, self.max_model_len))
+            new_block_ids = self._admit(request, state, num_slots, computed)
             if new_block_ids is None:
                 return None
 

@@ -74,7 +74,11 @@ class Scheduler:
         long_prefill_token_threshold: int | None = None,
         num_host_blocks: int = 0,
         tensor_parallel_size: int = 1,
+        draft_model_tokens: int = 0,
+        draft_max_batch_size: int | None = None,
     ):
+        """draft_model_tokens: k when a draft model run by the workers proposes (speculative
+        method draft_model), else 0; draft_max_batch_size: its disable_by_batch_size."""
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -87,8 +91,14 @@ class Scheduler:
                 f"{self.max_num_batched_tokens}], got {long_prefill_token_threshold}")
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.num_scheduler_steps = scheduler_config.num_scheduler_steps
+        # a draft model writes the KV of the k tokens it proposes after the step's own: their
+        # slots are allocated with the step's (lookahead)
+        self.draft_model_tokens = draft_model_tokens
+        self.draft_max_batch_size = draft_max_batch_size
         self.kv = KVCacheManager(num_gpu_blocks, self.block_size,
-                                 cache_config.enable_prefix_caching, num_host_blocks)
+                                 cache_config.enable_prefix_caching, num_host_blocks,
+                                 num_lookahead_tokens=draft_model_tokens,
+                                 max_model_len=self.max_model_len)
         # a preempted request's blocks go to the host tier (swap) or are only freed
         self.store_on_preempt = cache_config.preemption_mode == "swap"
         self.tensor_parallel_size = tensor_parallel_size
@@ -386,6 +396,8 @@ class Scheduler:
             samples = self._advance(request, num_scheduled[request.request_id])
             if samples and request.grammar is not None:
                 structured.append(request.request_id)
+        draft_req_ids = self._draft_requests(scheduled_running, new_reqs) \
+            if self.draft_model_tokens else []
         finished, self._finished_req_ids = self._finished_req_ids, []
         transfers, released = self.kv.take_transfers(self._step_id)
         output = SchedulerOutput(
@@ -399,6 +411,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
             released_kv_transfers=released,
             num_decode_steps=num_steps,
+            draft_req_ids=draft_req_ids,
         )
         if transfers is not None:
             output.kv_stores, output.kv_loads = transfers.stores, transfers.loads
@@ -483,6 +496,8 @@ class Scheduler:
             outputs.append(output)
         if finished_running:
             self.running = [r for r in self.running if r.request_id not in finished_running]
+        if runner_output.draft_token_ids:
+            self.take_model_drafts(runner_output.draft_token_ids)
         return outputs
 
     def _append_tokens(self, request: Request,
@@ -517,6 +532,32 @@ class Scheduler:
             per_position.extend([0] * (num_drafts - len(per_position)))
         for position in range(num_accepted):
             per_position[position] += 1
+
+    def _draft_requests(self, scheduled_running: list[Request],
+                        new_reqs: list[Request]) -> list[str]:
+        """The requests the draft model proposes for after this step: those that sample in it
+        (a token in flight for it now) with plain sampling and tokens left after it, unless
+        more run than draft_max_batch_size."""
+        cutoff = self.draft_max_batch_size
+        if cutoff is not None and len(self.running) > cutoff:
+            return []
+        return [r.request_id for requests in (scheduled_running, new_reqs) for r in requests
+                if r.num_output_placeholders and r.grammar is None
+                and plain_sampling(r.sampling_params)
+                and r.token_limit - r.num_tokens - r.num_output_placeholders > 0]
+
+    def take_model_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """The draft model's proposals from a step's output, for the requests' next step: cut
+        to what max_tokens and max_model_len leave after the tokens they now have."""
+        requests = self.requests
+        for rid, tokens in drafts.items():
+            request = requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished, aborted or preempted meanwhile
+            limit = request.token_limit - request.num_tokens - 1
+            if (limit > 0 and not request.num_output_placeholders
+                    and request.num_computed_tokens == request.num_tokens - 1):
+                request.spec_token_ids = tokens[:limit]
 
     def propose_drafts(self, propose, max_batch_size: int | None = None) -> None:
         """Give each running decode its drafts for the next step: propose(token ids, limit)

@@ -41,8 +41,11 @@ def num_host_blocks(config: EngineConfig) -> int:
     return host_tier_blocks(size, spec.bytes_per_block(), config.parallel.tensor_parallel_size)
 
 
-def make_proposer(spec: SpeculativeConfig, seed: int) -> NgramProposer | OracleProposer:
-    """The drafter of speculative_config's method (the oracle's continuations read here)."""
+def make_proposer(spec: SpeculativeConfig, seed: int) -> NgramProposer | OracleProposer | None:
+    """The core's drafter of speculative_config's method (the oracle's continuations read
+    here); None for a draft model, which the workers run."""
+    if spec.method == "draft_model":
+        return None
     if spec.method == "oracle":
         return OracleProposer(spec.num_speculative_tokens,
                               load_continuations(spec.oracle_path), spec.oracle_acceptance,
@@ -70,9 +73,14 @@ class EngineCore:
             executor.shutdown()
             raise
         self.num_host_blocks = num_host_blocks(config)
+        drafter = config.draft_model is not None  # the workers' draft model proposes
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
                                    num_host_blocks=self.num_host_blocks,
-                                   tensor_parallel_size=config.parallel.tensor_parallel_size)
+                                   tensor_parallel_size=config.parallel.tensor_parallel_size,
+                                   draft_model_tokens=spec.num_speculative_tokens if drafter
+                                   else 0,
+                                   draft_max_batch_size=spec.disable_by_batch_size if drafter
+                                   else None)
         self.eos_token_ids = config.model.arch.eos_token_ids
         # steps sent to the executor whose output has not been processed, oldest first
         self.in_flight: deque = deque()
@@ -184,7 +192,7 @@ class EngineCore:
         while anyone drafts (docs/ARCHITECTURE.md, Speculative decoding). Above
         disable_by_batch_size running requests nobody drafts, and two steps overlap again once
         no step in flight and no request holds drafts."""
-        if self.proposer is None or self.max_in_flight == 1:
+        if self.config.speculative is None or self.max_in_flight == 1:
             return self.max_in_flight
         cutoff, running = self.config.speculative.disable_by_batch_size, self.scheduler.running
         if (cutoff is None or len(running) <= cutoff

@@ -47,6 +47,14 @@ class CudaGraphRunner:
                 if bs <= max_verify_seqs and bs * verify_query_len <= max_num_tokens]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
+    def for_model(self, model: torch.nn.Module, backend: AttentionBackend,
+                  kv_caches: list[KVCache]) -> "CudaGraphRunner":
+        """Graphs of the same shapes over the same buffers for another model (a draft model
+        that computes every step's tokens after the target), not yet captured."""
+        other = CudaGraphRunner(model, backend, kv_caches, self.buffers, 1, self.max_model_len)
+        other.sizes, other.sizes_of = self.sizes, dict(self.sizes_of)
+        return other
+
     @torch.inference_mode()
     def capture(self) -> None:
         pool = None

@@ -33,6 +33,7 @@ from echo.layers.attention import ForwardContext
 from echo.profiling import profiler_window, step_range
 from echo.worker import startup
 from echo.worker.cuda_graphs import CudaGraphRunner
+from echo.worker.draft_model import DraftModel
 from echo.worker.grammar_bitmask import apply_grammar_bitmask
 from echo.worker.input_batch import InputBatch, StepInputs
 from echo.worker.kv_cache import KVCacheSpec
@@ -76,6 +77,12 @@ class ModelRunner:
         self.buffers: StepBuffers | None = None
         self.graphs: CudaGraphRunner | None = None
         self.multi_step: MultiStepDecoder | None = None  # with num_scheduler_steps > 1
+        # speculative method draft_model: the draft, its cache beside the target's
+        self.drafter: DraftModel | None = None
+        if config.draft_model is not None:
+            self.drafter = DraftModel(config, tp, self.device)
+        # step id -> the requests the drafter proposes for once the step's tokens land
+        self.draft_req_ids: dict[int, list[str]] = {}
         # launched steps, oldest first: outputs ready, or steps still on the device
         self.in_flight: deque[ModelRunnerOutput | _StepInFlight] = deque()
         # a launched step with structured requests, forwarded but not sampled until its
@@ -91,7 +98,9 @@ class ModelRunner:
     # ---- start-up (echo/worker/startup.py) ------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:
-        return self.kv_cache_spec.bytes_per_block()
+        """A block's bytes, the draft model's share included: both caches hold every block."""
+        draft = self.drafter.bytes_per_block() if self.drafter is not None else 0
+        return self.kv_cache_spec.bytes_per_block() + draft
 
     def determine_num_blocks(self) -> int:
         return startup.determine_num_blocks(self)
@@ -117,6 +126,8 @@ class ModelRunner:
         self.graphs = startup.prepare_step_path(self)
         if sched.num_scheduler_steps > 1:
             self.multi_step = startup.prepare_multi_step(self)
+        if self.drafter is not None:
+            self.drafter.init_kv_cache(num_blocks, self.buffers, self.graphs)
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -145,6 +156,8 @@ class ModelRunner:
                 return
             self.buffers.flip()
             inp = batch.prepare(out)
+            if out.draft_req_ids:
+                self.draft_req_ids[out.step_id] = out.draft_req_ids
         if out.num_decode_steps > 1:
             self._launch_decode_steps(out.step_id, inp, out.num_decode_steps)
             return
@@ -193,6 +206,17 @@ class ModelRunner:
 
     def _sample(self, step_id: int, inp: StepInputs, hidden: torch.Tensor,
                 logits: torch.Tensor) -> None:
+        self._sample_step(step_id, inp, hidden, logits)
+        draft_req_ids = self.draft_req_ids.pop(step_id, None)
+        if draft_req_ids:  # the drafter needs the step's tokens: land them now
+            step = self.in_flight.pop()
+            output = step if isinstance(step, ModelRunnerOutput) else self._land(step)
+            with step_range("draft", step_id):
+                output.draft_token_ids = self.drafter.propose(self.input_batch, draft_req_ids)
+            self.in_flight.append(output)
+
+    def _sample_step(self, step_id: int, inp: StepInputs, hidden: torch.Tensor,
+                     logits: torch.Tensor) -> None:
         if inp.num_drafts is not None:
             with step_range("verify", step_id):
                 self.in_flight.append(self._verify(step_id, inp, hidden, logits))
@@ -372,11 +396,17 @@ class ModelRunner:
             if size is not None:
                 self.buffers.load(inp, pad_seqs_to=size)
                 self._fill_placeholders(inp)
-                return self.graphs.replay(size, query_len)[:num_tokens]
+                hidden = self.graphs.replay(size, query_len)[:num_tokens]
+                if self.drafter is not None:
+                    self.drafter.follow(None, None, None, graph=(size, query_len))
+                return hidden
         input_ids, positions, meta = self.buffers.load(inp)
         self._fill_placeholders(inp)
-        return self.model(input_ids, positions, ForwardContext(self.backend, meta,
-                                                               self.kv_caches))
+        hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta,
+                                                                 self.kv_caches))
+        if self.drafter is not None:
+            self.drafter.follow(input_ids, positions, meta, graph=None)
+        return hidden
 
     def _fill_placeholders(self, inp: StepInputs) -> None:
         if not len(inp.placeholder_idx):

@@ -27,11 +27,12 @@ from echo.worker.step_buffers import StepBuffers
 
 
 def advance_decode_inputs(buffers: StepBuffers, tokens: torch.Tensor, block_table: torch.Tensor,
-                          block_size: int) -> None:
+                          block_size: int, max_position: int | None = None) -> None:
     """Turn a decode batch's inputs into the next step's, on the device: the sampled token is
     each sequence's next input, one position and one context token further, stored at the slot
     the block table gives that position. Padding rows (slot -1: they store nothing) stay as
-    they are, so the same captured graph serves any batch up to its size."""
+    they are, so the same captured graph serves any batch up to its size. A row reaching
+    max_position (a draft model's steps past max_model_len) stores nothing from then on."""
     rows = tokens.shape[0]
     input_ids, positions = buffers.tensor("input_ids")[:rows], buffers.tensor("positions")[:rows]
     slots, seq_lens = buffers.tensor("slot_mapping")[:rows], buffers.tensor("seq_lens")[:rows]
@@ -45,6 +46,9 @@ def advance_decode_inputs(buffers: StepBuffers, tokens: torch.Tensor, block_tabl
     index = torch.div(positions, block_size, rounding_mode="floor").clamp_(
         max=block_table.shape[1] - 1)
     block = block_table.gather(1, index[:, None])
+    if max_position is not None:
+        real &= positions < max_position
+        positions.clamp_(max=max_position - 1)
     slots.copy_(torch.where(real, block.squeeze(1).long() * block_size + positions % block_size,
                             -1))
 
@@ -61,9 +65,11 @@ def advanced_metadata(meta: AttentionMetadata, steps: int) -> AttentionMetadata:
 class MultiStepDecoder:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
                  kv_caches: list[KVCache], buffers: StepBuffers, graphs: CudaGraphRunner | None,
-                 block_size: int, max_num_seqs: int, max_steps: int, device: torch.device):
+                 block_size: int, max_num_seqs: int, max_steps: int, device: torch.device,
+                 max_position: int | None = None):
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.buffers, self.graphs, self.block_size = buffers, graphs, block_size
+        self.max_position = max_position  # advance_decode_inputs' bound
         self.tokens = torch.zeros(max_steps, max_num_seqs, dtype=torch.int64, device=device)
         # batch size -> (graph, its sampled tokens): sampling and advance over the forward
         # graph of that size
@@ -76,7 +82,7 @@ class MultiStepDecoder:
         tokens = gumbel_sample(logits, buffers.tensor("temperature")[:rows],
                                buffers.tensor("seeds")[:rows],
                                buffers.tensor("sample_steps")[:rows])
-        advance_decode_inputs(buffers, tokens, block_table, self.block_size)
+        advance_decode_inputs(buffers, tokens, block_table, self.block_size, self.max_position)
         return tokens
 
     @torch.inference_mode()

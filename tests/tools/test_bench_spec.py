@@ -20,12 +20,16 @@ def test_bench_spec_on_a_tiny_model(tiny_llama, tmp_path):
                    "--batch-size", "2", "--input-len", "16", "--output-len", "16",
                    "--iters", "1", "--acceptance", "0,1", "--max-model-len", "128",
                    "--num-gpu-blocks-override", "16", "--oracle-path", str(tmp_path / "o.json"),
-                   "--token-determined", "--json", str(out)])
+                   "--token-determined", "--draft-model", str(tiny_llama),
+                   "--json", str(out)])
     saved = json.loads(out.read_text())
     assert saved == result
     assert isinstance(saved["baseline"]["decode_tok_per_s"], float)
     assert saved["baseline_deterministic"]
     assert saved["outputs_equal"] is True and saved["recording_equals_baseline"] is True
+    draft = saved["draft_model"]  # lossless whatever the draft proposes
+    assert draft["outputs_equal_baseline"] and draft["num_drafts"] > 0
+    assert set(draft["speedup_at_length"]) == {"2", "3", "4"}
     never, always = saved["speculative"]
     assert [never["acceptance"], always["acceptance"]] == [0, 1]
     assert [never["expected_acceptance_length"], always["expected_acceptance_length"]] == [1, 5]

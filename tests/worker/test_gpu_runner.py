@@ -152,3 +152,30 @@ def test_verification_graphs_of_one_plus_k_tokens_equal_eager_and_no_speculation
     eager, _ = tokens(enforce_eager=True)
     want = [o.outputs[0].token_ids for o in expected]
     assert with_graphs == want and eager == want
+
+
+def test_draft_model_with_graphs_equals_eager_and_no_speculation(tiny_llama, tmp_path):
+    """speculative method draft_model on the GPU: the draft follows every step through graphs
+    of the target's shapes and proposes through its own decode and sampling graphs; greedy
+    tokens equal eager and no speculation, and the target itself as draft is accepted."""
+    from tests.helpers import write_tiny_model
+
+    draft = write_tiny_model(tmp_path / "draft", "qwen3", tie=True, seed=7)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def tokens(spec=None, **kwargs):
+        llm = gpu_llm(tiny_llama, speculative_config=spec, **kwargs)
+        try:
+            outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+            assert llm.engine.scheduler.kv.usage == 0
+            return [o.outputs[0].token_ids for o in outputs], llm.stats()
+        finally:
+            llm.shutdown()
+
+    expected, _ = tokens()
+    for model in (draft, tiny_llama):
+        spec = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
+        graphs, stats = tokens(spec)
+        eager, _ = tokens(spec, enforce_eager=True)
+        assert graphs == expected and eager == expected and stats.spec_num_drafts > 0
+    assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens  # itself
