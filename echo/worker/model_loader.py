@@ -103,17 +103,36 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             param.data.normal_(0.0, 0.02, generator=generator)
 
 
-def build_model(config: ModelConfig, device: torch.device, tp: TPGroup = SINGLE) -> nn.Module:
-    dtype = getattr(torch, config.dtype)
+def _construct(make, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """make() with its parameters created in dtype, on device."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_class(config.arch.family)(config.arch, tp, config.max_model_len)
+            return make()
     finally:
         torch.set_default_dtype(previous)
+
+
+def build_model(config: ModelConfig, device: torch.device, tp: TPGroup = SINGLE) -> nn.Module:
+    model = _construct(lambda: model_class(config.arch.family)(config.arch, tp,
+                                                               config.max_model_len),
+                       getattr(torch, config.dtype), device)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
         load_weights(model, config.path)
     return model.eval()
+
+
+def build_eagle3_head(folder: Path, dtype: torch.dtype, device: torch.device,
+                      max_position: int | None = None) -> nn.Module:
+    """An EAGLE-3 head (echo/models/eagle3.py) from its folder: config.json and safetensors."""
+    from echo.models.arch import read_config_json
+    from echo.models.eagle3 import Eagle3Head, eagle3_config
+
+    config = eagle3_config(read_config_json(folder / "config.json"),
+                           source=f"{folder}/config.json")
+    head = _construct(lambda: Eagle3Head(config, max_position=max_position), dtype, device)
+    load_weights(head, folder)
+    return head.eval()

@@ -1,0 +1,135 @@
+"""EAGLE-3 draft heads in the checkpoint format published for Llama-3.1-8B and Qwen3-8B
+(config.json architectures ["LlamaForCausalLMEagle3"], one decoder layer, draft_vocab_size).
+
+The head drafts from the target's own hidden states. At the first draft position its input
+hidden state is `fc` over the concatenation of three target layers' hidden states (the
+residual stream entering layers 2, L // 2 and L - 3 of an L-layer target, vLLM's choice for
+Llama); at later positions it is the head's own output before the final norm. Its one decoder
+layer (`midlayer`) normalizes the token's embedding (the target's embedding table: the head has
+none of its own) and the hidden state separately, concatenates them (embedding first) into the
+2 * hidden input of its q/k/v projections, and continues as a Llama layer (o_proj back to
+hidden, the incoming hidden state as the residual, SwiGLU MLP). Its LM head covers a draft
+vocabulary; `d2t` maps draft id i to target id i + d2t[i] (`t2d`, the target ids that have a
+draft id, is kept only because checkpoints hold it).
+
+Tensor names are the checkpoint's: fc.weight, midlayer.{input_layernorm, hidden_norm,
+post_attention_layernorm}.weight, midlayer.self_attn.{q,k,v,o}_proj.weight,
+midlayer.mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight, d2t, t2d.
+
+Not wired into the engine yet: the target exposing those hidden states and a runner for the
+head (its KV cache beside the target's, as the draft model's) are to come.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from echo.distributed.parallel_state import SINGLE, TPGroup
+from echo.layers.attention import ForwardContext
+from echo.layers.embedding import ParallelLMHead
+from echo.layers.layernorm import RMSNorm
+from echo.layers.linear import QKVParallelLinear, ReplicatedLinear
+from echo.layers.rotary import RotaryEmbedding
+from echo.models.arch import ModelArch, arch_from_hf_config
+from echo.models.llama import LlamaAttention, LlamaMLP
+
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    arch: ModelArch  # the decoder layer's shapes (a Llama layer's, but for q/k/v's input)
+    draft_vocab_size: int
+    target_hidden_size: int  # of each of the three hidden states fc fuses
+
+
+def eagle3_config(cfg: dict, source: str = "config.json") -> Eagle3Config:
+    names = cfg.get("architectures") or []
+    if not names or names[0] not in EAGLE3_ARCHITECTURES:
+        raise ValueError(f"{source}: architectures={names!r} is not an EAGLE-3 head "
+                         f"({', '.join(EAGLE3_ARCHITECTURES)})")
+    arch = arch_from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"]}, source)
+    if arch.num_layers != 1:
+        raise ValueError(f"{source}: num_hidden_layers={arch.num_layers}: an EAGLE-3 head has "
+                         "one decoder layer")
+    return Eagle3Config(arch, int(cfg.get("draft_vocab_size") or arch.vocab_size),
+                        int(cfg.get("target_hidden_size") or arch.hidden_size))
+
+
+def eagle3_target_layers(num_target_layers: int) -> tuple[int, int, int]:
+    """The target layers whose incoming hidden states the head fuses."""
+    return 2, num_target_layers // 2, num_target_layers - 3
+
+
+class Eagle3Attention(LlamaAttention):
+    """Llama attention whose q/k/v read the concatenated [embedding, hidden] (2 * hidden)."""
+
+    def __init__(self, arch: ModelArch, rope: RotaryEmbedding, tp: TPGroup):
+        super().__init__(arch, 0, rope, tp)
+        self.qkv_proj = QKVParallelLinear(2 * arch.hidden_size, arch.head_dim, arch.num_heads,
+                                          arch.num_kv_heads, arch.attention_bias, tp)
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, rope: RotaryEmbedding, tp: TPGroup):
+        super().__init__()
+        self.self_attn = Eagle3Attention(arch, rope, tp)
+        self.mlp = LlamaMLP(arch, tp, "midlayer.mlp")
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.hidden_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, positions, embeds, hidden, ctx: ForwardContext) -> torch.Tensor:
+        residual = hidden
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x) + residual
+
+
+class Eagle3Head(nn.Module):
+    # checkpoint name fragment -> (fused parameter fragment, shard id), as LlamaForCausalLM's
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Eagle3Config, tp: TPGroup = SINGLE,
+                 max_position: int | None = None):
+        super().__init__()
+        if tp.size != 1:
+            raise ValueError("an EAGLE-3 head runs with tensor_parallel_size 1 for now")
+        arch = config.arch
+        self.arch, self.config = arch, config
+        self.fc = ReplicatedLinear(3 * config.target_hidden_size, arch.hidden_size, False, tp)
+        rope = RotaryEmbedding(arch.head_dim, max_position or arch.max_position_embeddings,
+                               arch.rope_theta, arch.rope_scaling)
+        self.midlayer = Eagle3DecoderLayer(arch, rope, tp)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = ParallelLMHead(config.draft_vocab_size, arch.hidden_size, tp)
+        no_grad = {"requires_grad": False}
+        self.d2t = nn.Parameter(torch.zeros(config.draft_vocab_size, dtype=torch.int64),
+                                **no_grad)
+        self.t2d = nn.Parameter(torch.zeros(arch.vocab_size, dtype=torch.bool), **no_grad)
+
+    def fuse(self, target_hidden: list[torch.Tensor]) -> torch.Tensor:
+        """The first draft position's hidden state from the three target layers' (in
+        eagle3_target_layers order), each [tokens, target hidden]."""
+        return self.fc(torch.cat(target_hidden, dim=-1))
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        """The head's output before its final norm, [tokens, hidden]: the next position's
+        input hidden state, and compute_logits' input."""
+        return self.midlayer(positions, embeds, hidden, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary."""
+        return self.lm_head(self.norm(hidden))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
