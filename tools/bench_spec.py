@@ -3,7 +3,7 @@
     python tools/bench_spec.py [--model llama-3.1-8b] [--load-format dummy] [--batch-size 1]
         [--input-len 256] [--output-len 256] [--num-speculative-tokens 4]
         [--acceptance 0.5,0.77,0.9] [--iters 3] [--tp N] [--disable-by-batch-size N]
-        [--token-determined] [--draft-model M] [--json F]
+        [--token-determined] [--draft-model M [--no-oracle]] [--json F]
 
 First the batch runs without speculation (greedy, ignore_eos), timed as tools/bench_latency.py
 times it: a warm-up of the same shapes, then per iteration the batch for one token (prefill
@@ -232,6 +232,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft-model",
                         help="also time speculative method draft_model with this draft (a "
                              "folder, or a preset with --load-format dummy)")
+    parser.add_argument("--no-oracle", action="store_true",
+                        help="skip the oracle's runs (with --draft-model: time the draft only)")
     parser.add_argument("--token-determined", action="store_true",
                         help="zero every layer's o_proj and down_proj, so that the logits "
                              "depend on the input token alone and argmaxes do not flip with "
@@ -241,6 +243,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.output_len < 2:
         parser.error("--output-len must be at least 2")
+    if args.no_oracle and not args.draft_model:
+        parser.error("--no-oracle times nothing without --draft-model")
     if args.token_determined and args.tp != 1:
         parser.error("--token-determined needs --tp 1 (it edits the in-process engine's weights)")
     if args.batch_size < 1 or args.input_len < 1 or args.iters < 1:
@@ -274,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
         # acceptance 0 first: every token is the first row of a 1 + k verification, and its
         # outputs become the oracle's continuations, so later runs' rows agree with them
         # (with dummy weights one-token decoding's numerics flip near-tie argmaxes)
-        for p in [0.0] + [p for p in args.acceptance if p != 0.0]:
+        for p in [] if args.no_oracle else [0.0] + [p for p in args.acceptance if p != 0.0]:
             spec = {"method": "oracle", "num_speculative_tokens": k,
                     "oracle_path": oracle_path, "oracle_acceptance": p,
                     "disable_by_batch_size": args.disable_by_batch_size}
@@ -305,11 +309,17 @@ def main(argv: list[str] | None = None) -> dict:
                      f"DIFFER ({mismatched} of {(args.iters + 1) * args.batch_size})"))
     if args.draft_model:
         result["draft_model"] = time_draft_model(args, prompts, continuations[0], base)
+    if args.no_oracle:
+        return _finish(args, result)
     result["outputs_equal"] = all(r["outputs_equal"] for r in result["speculative"])
     print("greedy outputs with speculation equal the recording (acceptance 0): "
           + ("yes" if result["outputs_equal"] else "NO") + "; the recording equals the run "
           "without speculation: " + ("yes" if result["recording_equals_baseline"] else
                                      "no (numerics)"))
+    return _finish(args, result)
+
+
+def _finish(args: argparse.Namespace, result: dict) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -32,7 +32,7 @@ from echo.layers.layernorm import RMSNorm
 from echo.layers.linear import QKVParallelLinear, ReplicatedLinear
 from echo.layers.rotary import RotaryEmbedding
 from echo.models.arch import ModelArch, arch_from_hf_config
-from echo.models.llama import LlamaAttention, LlamaMLP
+from echo.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 
@@ -89,14 +89,8 @@ class Eagle3DecoderLayer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
-    # checkpoint name fragment -> (fused parameter fragment, shard id), as LlamaForCausalLM's
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    # checkpoint name fragment -> (fused parameter fragment, shard id): a Llama layer's
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
 
     def __init__(self, config: Eagle3Config, tp: TPGroup = SINGLE,
                  max_position: int | None = None):

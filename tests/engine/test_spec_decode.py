@@ -111,25 +111,32 @@ def test_sampled_requests_and_requests_without_drafts_share_a_step(smollm2):
 
 
 
+ORACLE_PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 5], list(range(10, 40)), [3, 4]]
+
+
+def oracle_engine(model, tmp_path, params, **spec):
+    """The outputs without speculation of ORACLE_PROMPTS, and an engine whose oracle drafts
+    them (k = 4, with the given speculative_config fields)."""
+    from echo.core.oracle_proposer import save_continuations
+
+    expected, _, _, _ = run(model, ORACLE_PROMPTS, params, False, num_gpu_blocks_override=64)
+    path = tmp_path / "oracle.json"
+    save_continuations(path, {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids)
+                              for o in expected})
+    spec = {"method": "oracle", "num_speculative_tokens": 4, "oracle_path": str(path), **spec}
+    return expected, LLM(str(model), device="cpu", max_model_len=512, max_num_seqs=8,
+                         num_gpu_blocks_override=64, speculative_config=spec)
+
+
 @pytest.mark.parametrize("acceptance", [1.0, 0.0, 0.6])
 def test_oracle_drafts_give_the_tokens_without_speculation(tiny_llama, tmp_path, acceptance):
     """The oracle proposes the run's own greedy continuations: the outputs do not change, and
     the engine's counters agree with the acceptance (1: every draft accepted, k a step; 0: one
     wrong draft a step, none accepted)."""
-    from echo.core.oracle_proposer import save_continuations
-
-    prompts = [[1, 5, 9, 5, 9, 5, 9, 5], list(range(10, 40)), [3, 4]]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    expected, _, _, _ = run(tiny_llama, prompts, greedy, False, num_gpu_blocks_override=64)
-    path = tmp_path / "oracle.json"
-    save_continuations(path, {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids)
-                              for o in expected})
-    spec = {"method": "oracle", "num_speculative_tokens": 4, "oracle_path": str(path),
-            "oracle_acceptance": acceptance}
-    llm = LLM(str(tiny_llama), device="cpu", max_model_len=512, max_num_seqs=8,
-              num_gpu_blocks_override=64, speculative_config=spec)
+    expected, llm = oracle_engine(tiny_llama, tmp_path, greedy, acceptance=acceptance)
     try:
-        outputs = llm.generate(prompts, greedy, use_tqdm=False)
+        outputs = llm.generate(ORACLE_PROMPTS, greedy, use_tqdm=False)
         stats = llm.stats()
     finally:
         llm.shutdown()
@@ -153,18 +160,9 @@ def test_above_the_batch_size_cutoff_two_steps_overlap_and_drafts_resume_below(t
     """disable_by_batch_size 2 with three requests: nobody drafts and two steps are in flight
     (async scheduling, as without speculation); once the shortest request ends, the two left
     draft again with one step in flight. Greedy tokens equal those without speculation."""
-    from echo.core.oracle_proposer import save_continuations
-
-    prompts = [[1, 5, 9, 5, 9, 5, 9, 5], list(range(10, 40)), [3, 4]]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 30, 30)]
-    expected, _, _, _ = run(tiny_llama, prompts, params, False, num_gpu_blocks_override=64)
-    path = tmp_path / "oracle.json"
-    save_continuations(path, {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids)
-                              for o in expected})
-    spec = {"method": "oracle", "num_speculative_tokens": 4, "oracle_path": str(path),
-            "oracle_acceptance": 1.0, "disable_by_batch_size": 2}
-    llm = LLM(str(tiny_llama), device="cpu", max_model_len=512, max_num_seqs=8,
-              num_gpu_blocks_override=64, speculative_config=spec)
+    expected, llm = oracle_engine(tiny_llama, tmp_path, params, acceptance=1.0,
+                                  disable_by_batch_size=2)
     engine, depths = llm.engine, []  # (steps in flight, running, drafts) at each launch
     launch = engine.executor.execute_model_async
 
@@ -175,7 +173,7 @@ def test_above_the_batch_size_cutoff_two_steps_overlap_and_drafts_resume_below(t
 
     engine.executor.execute_model_async = recording
     try:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(ORACLE_PROMPTS, params, use_tqdm=False)
         stats = llm.stats()
     finally:
         llm.shutdown()
