@@ -15,7 +15,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from echo.models.arch import ModelArch, arch_from_hf_config, preset_names, read_config_json
+from echo.models.arch import (
+    ModelArch,
+    arch_from_hf_config,
+    eagle3_config,
+    preset_names,
+    read_config_json,
+)
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -248,8 +254,9 @@ class DeviceConfig:
         _check_bool(self.enforce_eager, "enforce_eager")
 
 
-# eagle3 is to come; "oracle" is for benchmarking only (tools/bench_spec.py)
-SPECULATIVE_METHODS = ("ngram", "draft_model", "oracle")
+# "oracle" is for benchmarking only (tools/bench_spec.py)
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3", "oracle")
+DRAFTING_MODELS = ("draft_model", "eagle3")  # methods whose drafter the workers run
 ORACLE_ACCEPTANCE_DEFAULT = 0.75
 
 
@@ -259,13 +266,15 @@ class SpeculativeConfig:
     tokens; verified in one step of 1 + k tokens per request (docs/ARCHITECTURE.md,
     Speculative decoding). draft_model: a smaller model with the target's vocabulary (model:
     a local folder, or a preset with dummy weights) proposes k tokens per step, run by the
-    same workers with its own KV cache (echo/worker/draft_model.py). oracle, for benchmarking
+    same workers with its own KV cache (echo/worker/draft_model.py). eagle3: an EAGLE-3 head
+    (model: its folder) drafts from the target's hidden states (echo/models/eagle3.py,
+    echo/worker/eagle3_drafter.py). oracle, for benchmarking
     only: the target's own greedy tokens recorded by an earlier run (oracle_path), each right
     with probability oracle_acceptance (echo/core/oracle_proposer.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4  # k
-    # draft_model only: the draft model, as the target model is given
+    # draft_model and eagle3 only: the draft model (as the target model is given) or head
     model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
@@ -290,12 +299,12 @@ class SpeculativeConfig:
                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.disable_by_batch_size is not None:
             _check_int(self.disable_by_batch_size, f"{name}.disable_by_batch_size")
-        if self.method == "draft_model":
+        if self.method in DRAFTING_MODELS:
             _check(isinstance(self.model, str) and self.model != "", f"{name}.model",
-                   f"method 'draft_model' needs the draft model's folder, got {self.model!r}")
+                   f"method {self.method!r} needs the draft's folder, got {self.model!r}")
         else:
             _check(self.model is None, f"{name}.model",
-                   f"only for method 'draft_model', not {self.method!r}")
+                   f"only for methods {', '.join(DRAFTING_MODELS)}, not {self.method!r}")
         if self.method != "oracle":
             for field_name in ("oracle_path", "oracle_acceptance"):
                 _check(getattr(self, field_name) is None, f"{name}.{field_name}",
@@ -375,6 +384,20 @@ class EngineConfig:
         _check(draft.vocab_size == self.model.arch.vocab_size, name,
                f"the draft's vocab_size {draft.vocab_size} differs from the target's "
                f"{self.model.arch.vocab_size}: a draft model must share the tokenizer")
+        # the host tier copies the target's blocks only: the draft's would be stale
+        _check(self.cache.kv_offloading_size is None, "kv_offloading_size",
+               f"cannot be combined with speculative_config method {self.speculative.method!r}"
+               " yet")
+        if self.speculative.method == "eagle3":
+            target = self.model.arch
+            _check(draft.hidden_size == target.hidden_size, name,
+                   f"the head's hidden_size {draft.hidden_size} differs from the target's "
+                   f"{target.hidden_size}")
+            _check(target.num_layers >= 4, name, "an EAGLE-3 head needs a target of at least "
+                   f"4 layers, not {target.num_layers}")
+            _check(tp == 1, "tensor_parallel_size",
+                   "speculative_config method 'eagle3' runs with tensor_parallel_size 1 yet")
+            return  # the head's rotary table is built for max_model_len
         for size, what in ((draft.num_heads, "num_attention_heads"),
                            (draft.intermediate_size, "intermediate_size")):
             _check(size % tp == 0, name, f"tensor_parallel_size {tp} does not divide the "
@@ -386,9 +409,6 @@ class EngineConfig:
                or draft.rope_scaling is not None, name,
                f"max_model_len {self.model.max_model_len} exceeds the draft's "
                f"max_position_embeddings ({draft.max_position_embeddings})")
-        # the host tier copies the target's blocks only: the draft's would be stale
-        _check(self.cache.kv_offloading_size is None, "kv_offloading_size",
-               "cannot be combined with speculative_config method 'draft_model' yet")
 
     @staticmethod
     def create(model: str | None = None, **kwargs) -> "EngineConfig":
@@ -524,14 +544,19 @@ def _create(model: str | None, **kwargs) -> EngineConfig:
     spec = model_kwargs.get("speculative_config")
     spec = SpeculativeConfig.from_dict(spec) if spec is not None else None
     draft = None
-    if spec is not None and spec.method == "draft_model":
+    if spec is not None and spec.method in DRAFTING_MODELS:
         try:
             draft_path, draft_hf = _resolve_model(spec.model, load_format)
+            source = f"{draft_path or spec.model}/config.json"
+            if spec.method == "eagle3":
+                _check(draft_path is not None, "model", "an EAGLE-3 head is a local folder")
+                draft_arch = eagle3_config(draft_hf, source).arch
+            else:
+                draft_arch = arch_from_hf_config(draft_hf, source=source)
         except (FileNotFoundError, ValueError) as e:
             raise ValueError(f"speculative_config.model: {e}") from None
-        draft = replace(
-            model_cfg, model=spec.model, path=draft_path, tokenizer=draft_path,
-            arch=arch_from_hf_config(draft_hf, source=f"{draft_path or spec.model}/config.json"))
+        draft = replace(model_cfg, model=spec.model, path=draft_path, tokenizer=draft_path,
+                        arch=draft_arch)
     return EngineConfig(
         model=model_cfg,
         cache=cache,

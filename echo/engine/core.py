@@ -8,7 +8,7 @@ import gc
 import time
 from collections import deque
 
-from echo.config import EngineConfig, SpeculativeConfig
+from echo.config import DRAFTING_MODELS, EngineConfig, SpeculativeConfig
 from echo.core.length_limit import check_kv_cache_holds
 from echo.core.ngram_proposer import NgramProposer
 from echo.core.oracle_proposer import OracleProposer, load_continuations
@@ -44,7 +44,7 @@ def num_host_blocks(config: EngineConfig) -> int:
 def make_proposer(spec: SpeculativeConfig, seed: int) -> NgramProposer | OracleProposer | None:
     """The core's drafter of speculative_config's method (the oracle's continuations read
     here); None for a draft model, which the workers run."""
-    if spec.method == "draft_model":
+    if spec.method in DRAFTING_MODELS:
         return None
     if spec.method == "oracle":
         return OracleProposer(spec.num_speculative_tokens,

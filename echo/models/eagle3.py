@@ -20,8 +20,6 @@ Not wired into the engine yet: the target exposing those hidden states and a run
 head (its KV cache beside the target's, as the draft model's) are to come.
 """
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -31,35 +29,8 @@ from echo.layers.embedding import ParallelLMHead
 from echo.layers.layernorm import RMSNorm
 from echo.layers.linear import QKVParallelLinear, ReplicatedLinear
 from echo.layers.rotary import RotaryEmbedding
-from echo.models.arch import ModelArch, arch_from_hf_config
+from echo.models.arch import Eagle3Config, ModelArch
 from echo.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-
-EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
-
-
-@dataclass(frozen=True)
-class Eagle3Config:
-    arch: ModelArch  # the decoder layer's shapes (a Llama layer's, but for q/k/v's input)
-    draft_vocab_size: int
-    target_hidden_size: int  # of each of the three hidden states fc fuses
-
-
-def eagle3_config(cfg: dict, source: str = "config.json") -> Eagle3Config:
-    names = cfg.get("architectures") or []
-    if not names or names[0] not in EAGLE3_ARCHITECTURES:
-        raise ValueError(f"{source}: architectures={names!r} is not an EAGLE-3 head "
-                         f"({', '.join(EAGLE3_ARCHITECTURES)})")
-    arch = arch_from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"]}, source)
-    if arch.num_layers != 1:
-        raise ValueError(f"{source}: num_hidden_layers={arch.num_layers}: an EAGLE-3 head has "
-                         "one decoder layer")
-    return Eagle3Config(arch, int(cfg.get("draft_vocab_size") or arch.vocab_size),
-                        int(cfg.get("target_hidden_size") or arch.hidden_size))
-
-
-def eagle3_target_layers(num_target_layers: int) -> tuple[int, int, int]:
-    """The target layers whose incoming hidden states the head fuses."""
-    return 2, num_target_layers // 2, num_target_layers - 3
 
 
 class Eagle3Attention(LlamaAttention):

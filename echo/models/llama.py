@@ -124,13 +124,22 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             self.layer_cls(arch, i, rope, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, tp if reduces else None)
+        # layers whose incoming residual stream a forward keeps in aux_hidden (an EAGLE-3
+        # head drafts from them: echo/models/eagle3.py); none unless set
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: list[torch.Tensor] = []
 
     def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # partial sums: the first layer's input norm all-reduces them, fused with its norm
         residual = torch.zeros_like(hidden) if self.embeds_unreduced else None
-        for layer in self.layers:
+        aux = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, ctx)
+        if self.aux_layers:  # in aux_layers' order, a layer named twice kept twice
+            self.aux_hidden = [aux[i] for i in self.aux_layers]
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

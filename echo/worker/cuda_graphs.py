@@ -46,6 +46,9 @@ class CudaGraphRunner:
                 bs for bs in self.sizes
                 if bs <= max_verify_seqs and bs * verify_query_len <= max_num_tokens]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # each graph's copies of the hidden states the model keeps for an EAGLE-3 head
+        # (LlamaModel.aux_hidden), when it keeps any
+        self.aux_hidden: dict[tuple[int, int], list[torch.Tensor]] = {}
 
     def for_model(self, model: torch.nn.Module, backend: AttentionBackend,
                   kv_caches: list[KVCache]) -> "CudaGraphRunner":
@@ -69,6 +72,7 @@ class CudaGraphRunner:
                 hidden = self.model(ids, positions, ctx)
             pool = pool or graph.pool()
             self.graphs[bs, q] = (graph, hidden)
+            self.aux_hidden[bs, q] = list(getattr(self.model.model, "aux_hidden", []))
         torch.cuda.synchronize()
 
     def padded_size(self, num_seqs: int, query_len: int = 1) -> int | None:
@@ -85,4 +89,7 @@ class CudaGraphRunner:
     def replay(self, bs: int, query_len: int = 1) -> torch.Tensor:
         graph, hidden = self.graphs[bs, query_len]
         graph.replay()
+        aux = self.aux_hidden.get((bs, query_len))
+        if aux:  # where an eager forward would have left them
+            self.model.model.aux_hidden = aux
         return hidden

@@ -78,8 +78,10 @@ class DraftModel:
         else:
             self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches))
 
-    def propose(self, batch: InputBatch, req_ids: list[str]) -> dict[str, list[int]]:
-        """k greedy drafts after each request's last token (all on the host already)."""
+    def propose(self, batch: InputBatch, req_ids: list[str], inp: StepInputs | None = None,
+                output=None) -> dict[str, list[int]]:
+        """k greedy drafts after each request's last token (all on the host already; the
+        step's inputs and output are the EAGLE-3 drafter's business, not this one's)."""
         req_ids = [r for r in req_ids if r in batch.row_of]
         if not req_ids:
             return {}

@@ -128,8 +128,8 @@ def build_model(config: ModelConfig, device: torch.device, tp: TPGroup = SINGLE)
 def build_eagle3_head(folder: Path, dtype: torch.dtype, device: torch.device,
                       max_position: int | None = None) -> nn.Module:
     """An EAGLE-3 head (echo/models/eagle3.py) from its folder: config.json and safetensors."""
-    from echo.models.arch import read_config_json
-    from echo.models.eagle3 import Eagle3Head, eagle3_config
+    from echo.models.arch import eagle3_config, read_config_json
+    from echo.models.eagle3 import Eagle3Head
 
     config = eagle3_config(read_config_json(folder / "config.json"),
                            source=f"{folder}/config.json")

@@ -34,6 +34,7 @@ from echo.profiling import profiler_window, step_range
 from echo.worker import startup
 from echo.worker.cuda_graphs import CudaGraphRunner
 from echo.worker.draft_model import DraftModel
+from echo.worker.eagle3_drafter import Eagle3Drafter
 from echo.worker.grammar_bitmask import apply_grammar_bitmask
 from echo.worker.input_batch import InputBatch, StepInputs
 from echo.worker.kv_cache import KVCacheSpec
@@ -78,8 +79,10 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.multi_step: MultiStepDecoder | None = None  # with num_scheduler_steps > 1
         # speculative method draft_model: the draft, its cache beside the target's
-        self.drafter: DraftModel | None = None
-        if config.draft_model is not None:
+        self.drafter: DraftModel | Eagle3Drafter | None = None
+        if config.draft_model is not None and config.speculative.method == "eagle3":
+            self.drafter = Eagle3Drafter(config, self.model, self.device)
+        elif config.draft_model is not None:
             self.drafter = DraftModel(config, tp, self.device)
         # step id -> the requests the drafter proposes for once the step's tokens land
         self.draft_req_ids: dict[int, list[str]] = {}
@@ -212,7 +215,8 @@ class ModelRunner:
             step = self.in_flight.pop()
             output = step if isinstance(step, ModelRunnerOutput) else self._land(step)
             with step_range("draft", step_id):
-                output.draft_token_ids = self.drafter.propose(self.input_batch, draft_req_ids)
+                output.draft_token_ids = self.drafter.propose(self.input_batch, draft_req_ids,
+                                                              inp, output)
             self.in_flight.append(output)
 
     def _sample_step(self, step_id: int, inp: StepInputs, hidden: torch.Tensor,

@@ -94,3 +94,47 @@ def test_tensor_parallel_draft_and_random_sampling(tiny_llama, tmp_path):
     assert completions(two) == completions(one) and stats.spec_num_drafts > 0
     plain, _ = generate(tiny_llama, prompts[:1], params[:1], **kwargs)
     assert completions(one)[:1] == completions(plain)  # greedy: lossless
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_an_eagle3_head_drafts_from_the_targets_hidden_states(family, tmp_path):
+    """method eagle3 with a random head (the published format, written by
+    tests/models/test_eagle3.py's helper) on a 6-layer target: drafts are proposed from the
+    hidden states entering layers 2, 3 and 3, and the greedy tokens are those without
+    speculation; prefix caching and a stop at max_tokens inside accepted runs included."""
+    from tests.models.test_eagle3 import write_head
+
+    target = write_tiny_model(tmp_path / "target", family, tie=family == "qwen3", num_layers=6)
+    write_head(tmp_path / "head")
+    prompts = [[1, 5, 9, 5, 9, 5, 9, 5], list(range(10, 40)), [3, 4]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 9, 33)]
+    kwargs = {"num_gpu_blocks_override": 64}
+    expected, _ = generate(target, prompts, params, **kwargs)
+    spec = {"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
+    llm = LLM(str(target), device="cpu", max_model_len=512, max_num_seqs=8,
+              speculative_config=spec, **kwargs)
+    try:
+        runner = llm.engine.executor.runner
+        assert runner.model.model.aux_layers == (2, 3, 3)
+        assert llm.engine.proposer is None  # the workers' head drafts, not the core
+        first = llm.generate(prompts, params, use_tqdm=False)
+        again = llm.generate(prompts, params, use_tqdm=False)  # over cached prefixes
+        stats = llm.stats()
+        assert llm.engine.scheduler.kv.usage == 0
+    finally:
+        llm.shutdown()
+    assert completions(first) == completions(expected) == completions(again)
+    assert stats.spec_num_drafts > 0 and stats.spec_num_draft_tokens > stats.spec_num_drafts
+
+
+def test_bad_eagle3_heads_are_named(tiny_llama, tmp_path):
+    from echo.config import EngineConfig
+    from tests.models.test_eagle3 import write_head
+
+    write_head(tmp_path / "head")
+    spec = {"method": "eagle3", "model": str(tmp_path / "head")}
+    with pytest.raises(ValueError, match="at least 4 layers"):
+        EngineConfig.create(str(tiny_llama), device="cpu", speculative_config=spec)
+    with pytest.raises(ValueError, match="speculative_config.model.*not an EAGLE-3 head"):
+        EngineConfig.create(str(tiny_llama), device="cpu",
+                            speculative_config={**spec, "model": str(tiny_llama)})

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from echo.attention.backend import AttentionMetadata
 from echo.attention.torch_backend import TorchAttentionBackend
 from echo.layers.attention import ForwardContext
-from echo.models.eagle3 import eagle3_target_layers
+from echo.models.arch import eagle3_target_layers
 from echo.worker.kv_cache import KVCacheSpec
 from echo.worker.model_loader import build_eagle3_head
 

@@ -1,0 +1,202 @@
+"""The drafter of speculative method eagle3: an EAGLE-3 head (echo/models/eagle3.py) run by the
+worker beside the target, on the hidden states the target keeps for it (LlamaModel.aux_hidden,
+the residual stream entering layers 2, L // 2 and L - 3).
+
+The head at position p reads the embedding of the token at p + 1 and a hidden state for p,
+and predicts the token at p + 2. Once a step's tokens are on the host, `propose` runs the head
+over the positions the step confirmed (a verification's accepted run, a decode's token, a
+prefill chunk), each with the next token's embedding and the fused target hidden states, which
+writes the head's KV of those positions (one layer, in the target's blocks and slots, as the
+draft model's cache); the last position of each drafting request gives its first draft. Then
+k - 1 decode steps of the head through MultiStepDecoder, each feeding the head's own output
+before its final norm back as the next position's hidden state, give the others; the head's
+logits over its draft vocabulary are scattered into the target's (d2t), so drafts are target
+ids. Drafts are greedy point masses, as the draft model's.
+
+The head only writes KV in steps that draft (where the step's tokens are landed at once):
+positions computed in other steps (two steps in flight above disable_by_batch_size) leave its
+KV stale there, which lowers acceptance and never changes an output.
+"""
+
+import numpy as np
+import torch
+from torch import nn
+
+from echo.attention.backend import KVCache, make_backend
+from echo.config import EngineConfig
+from echo.core.step_results import ModelRunnerOutput
+from echo.layers.attention import ForwardContext
+from echo.models.arch import eagle3_target_layers
+from echo.worker.cuda_graphs import CudaGraphRunner
+from echo.worker.input_batch import InputBatch, StepInputs
+from echo.worker.kv_cache import KVCacheSpec
+from echo.worker.model_loader import build_eagle3_head
+from echo.worker.multi_step import MultiStepDecoder
+from echo.worker.step_buffers import StepBuffers
+
+
+class _HeadSteps(nn.Module):
+    """The head as MultiStepDecoder drives a model: forward(input ids, positions, context),
+    the hidden state carried from one step to the next, and logits over the target's
+    vocabulary (tokens outside the draft vocabulary at -inf)."""
+
+    def __init__(self, head: nn.Module, embed: nn.Module, max_rows: int, vocab_size: int,
+                 device: torch.device):
+        super().__init__()
+        self.head, self.embed = head, embed
+        self.hidden = torch.zeros(max_rows, head.arch.hidden_size, device=device,
+                                  dtype=head.norm.weight.dtype)
+        self.vocab_size = vocab_size
+        self.target_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size,
+                                                          device=device))
+
+    def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
+        rows = input_ids.shape[0]
+        out = self.head(self.embed(input_ids), self.hidden[:rows], positions, ctx)
+        self.hidden[:rows].copy_(out)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        draft = self.head.compute_logits(hidden).float()
+        full = torch.full((hidden.shape[0], self.vocab_size), float("-inf"),
+                          device=hidden.device)
+        return full.index_copy_(1, self.target_ids, draft)
+
+
+class Eagle3Drafter:
+    def __init__(self, config: EngineConfig, target: nn.Module, device: torch.device):
+        self.config, self.device = config, device
+        self.num_tokens = config.speculative.num_speculative_tokens  # k
+        self.target = target
+        self.head = build_eagle3_head(config.draft_model.path, getattr(torch, config.model.dtype),
+                                      device, max_position=config.model.max_model_len)
+        target.model.aux_layers = eagle3_target_layers(config.model.arch.num_layers)
+        attn = self.head.midlayer.self_attn
+        self.kv_cache_spec = KVCacheSpec(1, config.cache.block_size, attn.num_kv_heads,
+                                         attn.head_dim, getattr(torch, config.model.dtype),
+                                         config.cache.kv_cache_dtype)
+        self.backend = make_backend(config.device.attention_backend, attn.num_heads,
+                                    attn.num_kv_heads, attn.head_dim, attn.head_dim**-0.5)
+        self.kv_caches: list[KVCache] = []
+        self.steps: _HeadSteps | None = None
+        self.decoder: MultiStepDecoder | None = None
+        self.buffers: StepBuffers | None = None
+
+    def bytes_per_block(self) -> int:
+        return self.kv_cache_spec.bytes_per_block()
+
+    def init_kv_cache(self, num_blocks: int, buffers: StepBuffers,
+                      target_graphs: CudaGraphRunner | None) -> None:
+        """The head's cache; its steps run eagerly (one layer: few launches)."""
+        sched = self.config.scheduler
+        self.buffers = buffers
+        self.kv_caches = self.kv_cache_spec.allocate(num_blocks, self.device)
+        self.steps = _HeadSteps(self.head, self.target.model.embed_tokens, sched.max_num_seqs,
+                                self.config.model.arch.vocab_size, self.device)
+        self.decoder = MultiStepDecoder(
+            self.steps, self.backend, self.kv_caches, buffers, None,
+            self.config.cache.block_size, sched.max_num_seqs, max(1, self.num_tokens - 1),
+            self.device, max_position=sched.max_model_len)
+
+    def follow(self, *args, graph=None) -> None:
+        """Nothing while the target computes: the head needs the step's tokens (propose)."""
+
+    def propose(self, batch: InputBatch, req_ids: list[str], inp: StepInputs,
+                output: ModelRunnerOutput) -> dict[str, list[int]]:
+        buffers = self.buffers
+        first = self._first_pass_inputs(batch, inp, output)
+        aux = [h[torch.from_numpy(first.flat).to(self.device)]
+               for h in self.target.model.aux_hidden]
+        buffers.flip()
+        input_ids, positions, meta = buffers.load(first.inputs)
+        ctx = ForwardContext(self.backend, meta, self.kv_caches)
+        out = self.head(self.target.model.embed_tokens(input_ids), self.head.fuse(aux),
+                        positions, ctx)
+        wanted = set(req_ids)
+        drafting = [i for i, r in enumerate(first.inputs.req_ids) if r in wanted]
+        if not drafting:
+            return {}
+        last = torch.from_numpy(np.asarray(first.inputs.cu_seqlens_q[1:], np.int64) - 1)
+        last = last[drafting].to(self.device)
+        tokens = [self.steps.compute_logits(out[last]).argmax(-1)]
+        if self.num_tokens > 1:
+            rows = first.inputs.rows[drafting]
+            self.steps.hidden[:len(drafting)].copy_(out[last])
+            tokens.extend(self._decode(batch, rows, tokens[0]))
+        host = torch.stack(tokens).tolist()  # [k, drafting]
+        names = [first.inputs.req_ids[i] for i in drafting]
+        return {rid: [step[j] for step in host] for j, rid in enumerate(names)}
+
+    def _first_pass_inputs(self, batch: InputBatch, inp: StepInputs,
+                           output: ModelRunnerOutput):
+        """The positions the step confirmed per request, with the token after each."""
+        cu, step_positions = inp.cu_seqlens_q, inp.positions
+        emitted = dict(zip(output.req_ids, output.sampled_token_ids, strict=True))
+        drafts = {}
+        if inp.num_drafts is not None:
+            drafts = {inp.req_ids[s]: int(k) for s, k in zip(inp.sample_seq_idx, inp.num_drafts)}
+        flat, req_ids, rows, counts = [], [], [], []
+        for i, rid in enumerate(inp.req_ids):
+            if rid not in batch.row_of:
+                continue
+            scheduled = int(cu[i + 1] - cu[i])
+            confirmed = len(emitted.get(rid, ())) if drafts.get(rid) else scheduled
+            if confirmed <= 0:
+                continue
+            flat.append(np.arange(cu[i], cu[i] + confirmed))
+            req_ids.append(rid)
+            rows.append(batch.row_of[rid])
+            counts.append(confirmed)
+        flat = np.concatenate(flat) if flat else np.zeros(0, np.int64)
+        rows = np.asarray(rows, np.int64)
+        counts = np.asarray(counts, np.int64)
+        positions = step_positions[flat]
+        token_rows = np.repeat(rows, counts)
+        block_size = batch.block_size
+        cu_new = np.zeros(len(rows) + 1, np.int32)
+        np.cumsum(counts, out=cu_new[1:])
+        max_blocks = int(batch.num_blocks[rows].max()) if len(rows) else 1
+        inputs = StepInputs(
+            req_ids=req_ids, rows=rows, input_ids=batch.token_ids[token_rows, positions + 1],
+            positions=positions,
+            slot_mapping=batch.block_table[token_rows, positions // block_size].astype(np.int64)
+            * block_size + positions % block_size,
+            block_table=batch.block_table[rows, :max_blocks], cu_seqlens_q=cu_new,
+            seq_lens=(positions[cu_new[1:] - 1] + 1).astype(np.int32),
+            sample_seq_idx=np.arange(len(rows)), logits_indices=cu_new[1:] - 1,
+            placeholder_idx=np.zeros(0, np.int64), placeholder_rows=np.zeros(0, np.int64))
+        return _FirstPass(inputs, flat)
+
+    def _decode(self, batch: InputBatch, rows: np.ndarray,
+                first_drafts: torch.Tensor) -> list[torch.Tensor]:
+        """k - 1 steps of the head after the first drafts: position num_tokens - 1 reads the
+        first draft's embedding and the first pass's output."""
+        num = len(rows)
+        positions = batch.num_tokens[rows] - 1
+        block_size = batch.block_size
+        inp = StepInputs(
+            req_ids=[""] * num, rows=rows, input_ids=np.zeros(num, np.int64),
+            positions=positions,
+            slot_mapping=batch.block_table[rows, positions // block_size].astype(np.int64)
+            * block_size + positions % block_size,
+            block_table=batch.block_table[rows, :int(batch.num_blocks[rows].max())],
+            cu_seqlens_q=np.arange(num + 1, dtype=np.int32),
+            seq_lens=(positions + 1).astype(np.int32), sample_seq_idx=np.arange(num),
+            logits_indices=np.arange(num), placeholder_idx=np.zeros(0, np.int64),
+            placeholder_rows=np.zeros(0, np.int64))
+        buffers = self.buffers
+        buffers.flip()
+        input_ids, positions_t, meta = buffers.load(inp)
+        input_ids.copy_(first_drafts)
+        zeros = np.zeros(num, np.int64)
+        buffers.put("temperature", zeros.astype(np.float32))  # greedy
+        buffers.put("seeds", zeros)
+        buffers.put("sample_steps", zeros)
+        tokens = self.decoder.run(self.num_tokens - 1, num, input_ids, positions_t, meta,
+                                  replay=False)
+        return list(tokens)
+
+
+class _FirstPass:
+    def __init__(self, inputs: StepInputs, flat: np.ndarray):
+        self.inputs, self.flat = inputs, flat  # flat: each position's row in the step
