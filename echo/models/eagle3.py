@@ -16,8 +16,7 @@ Tensor names are the checkpoint's: fc.weight, midlayer.{input_layernorm, hidden_
 post_attention_layernorm}.weight, midlayer.self_attn.{q,k,v,o}_proj.weight,
 midlayer.mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight, d2t, t2d.
 
-Not wired into the engine yet: the target exposing those hidden states and a runner for the
-head (its KV cache beside the target's, as the draft model's) are to come.
+The engine runs it as speculative method eagle3 (echo/worker/eagle3_drafter.py).
 """
 
 import torch
