@@ -13,7 +13,8 @@ def write_tiny_model(folder: Path, family: str, tie: bool, rope_scaling: bool = 
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
-                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=num_kv_heads,
+                  num_hidden_layers=num_layers, num_attention_heads=4,
+                  num_key_value_heads=num_kv_heads,
                   max_position_embeddings=512, tie_word_embeddings=tie, bos_token_id=1,
                   eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-6)
     if family == "qwen3":

@@ -20,6 +20,7 @@ nothing.
 
 import numpy as np
 import torch
+from torch import nn
 
 from echo.attention.backend import AttentionMetadata, KVCache, make_backend
 from echo.config import EngineConfig
@@ -29,36 +30,49 @@ from echo.worker.cuda_graphs import CudaGraphRunner
 from echo.worker.input_batch import InputBatch, StepInputs
 from echo.worker.kv_cache import KVCacheSpec
 from echo.worker.model_loader import build_model
-from echo.worker.multi_step import MultiStepDecoder
+from echo.worker.multi_step import MultiStepDecoder, greedy_sampling
 from echo.worker.step_buffers import StepBuffers
 
 
-class DraftModel:
-    def __init__(self, config: EngineConfig, tp: TPGroup, device: torch.device):
-        draft = config.draft_model
-        self.config, self.device, self.tp = config, device, tp
+class Drafter:
+    """What a drafter run by the worker has besides its model: a KV cache of `num_layers`
+    layers shaped as its attention `attn` is, with as many blocks as the target's; the
+    attention backend; the StepBuffers it shares with the target."""
+
+    def __init__(self, config: EngineConfig, device: torch.device, num_layers: int,
+                 attn: nn.Module, dtype: torch.dtype):
+        self.config, self.device = config, device
         self.num_tokens = config.speculative.num_speculative_tokens  # k
-        self.model = build_model(draft, device, tp)
-        attn = self.model.model.layers[0].self_attn
-        self.kv_cache_spec = KVCacheSpec(
-            draft.arch.num_layers, config.cache.block_size, attn.num_kv_heads, attn.head_dim,
-            getattr(torch, draft.dtype), config.cache.kv_cache_dtype)
+        self.kv_cache_spec = KVCacheSpec(num_layers, config.cache.block_size, attn.num_kv_heads,
+                                         attn.head_dim, dtype, config.cache.kv_cache_dtype)
         self.backend = make_backend(config.device.attention_backend, attn.num_heads,
                                     attn.num_kv_heads, attn.head_dim, attn.head_dim**-0.5)
         self.kv_caches: list[KVCache] = []
-        self.graphs: CudaGraphRunner | None = None
         self.decoder: MultiStepDecoder | None = None
         self.buffers: StepBuffers | None = None
 
     def bytes_per_block(self) -> int:
         return self.kv_cache_spec.bytes_per_block()
 
+    def allocate(self, num_blocks: int, buffers: StepBuffers) -> None:
+        self.buffers = buffers
+        self.kv_caches = self.kv_cache_spec.allocate(num_blocks, self.device)
+
+
+class DraftModel(Drafter):
+    def __init__(self, config: EngineConfig, tp: TPGroup, device: torch.device):
+        draft = config.draft_model
+        self.tp = tp
+        self.model = build_model(draft, device, tp)
+        super().__init__(config, device, draft.arch.num_layers,
+                         self.model.model.layers[0].self_attn, getattr(torch, draft.dtype))
+        self.graphs: CudaGraphRunner | None = None
+
     def init_kv_cache(self, num_blocks: int, buffers: StepBuffers,
                       target_graphs: CudaGraphRunner | None) -> None:
         """The cache, and graphs of the shapes the target captured (when it did)."""
         sched = self.config.scheduler
-        self.buffers = buffers
-        self.kv_caches = self.kv_cache_spec.allocate(num_blocks, self.device)
+        self.allocate(num_blocks, buffers)
         if target_graphs is not None:
             self.graphs = target_graphs.for_model(self.model, self.backend, self.kv_caches)
             self.graphs.capture()
@@ -87,27 +101,12 @@ class DraftModel:
             return {}
         rows = np.array([batch.row_of[r] for r in req_ids], dtype=np.int64)
         num = len(rows)
-        positions = batch.num_tokens[rows] - 1
-        block_size = batch.block_size
-        max_blocks = int(batch.num_blocks[rows].max())
-        slots = batch.block_table[rows, positions // block_size].astype(np.int64) * block_size \
-            + positions % block_size
-        inp = StepInputs(
-            req_ids=req_ids, rows=rows, input_ids=batch.token_ids[rows, positions],
-            positions=positions, slot_mapping=slots,
-            block_table=batch.block_table[rows, :max_blocks],
-            cu_seqlens_q=np.arange(num + 1, dtype=np.int32),
-            seq_lens=(positions + 1).astype(np.int32), sample_seq_idx=np.arange(num),
-            logits_indices=np.arange(num), placeholder_idx=np.zeros(0, np.int64),
-            placeholder_rows=np.zeros(0, np.int64))
         buffers = self.buffers
         buffers.flip()
         size = self.graphs.padded_size(num) if self.graphs is not None else None
-        input_ids, positions_t, meta = buffers.load(inp, pad_seqs_to=size)
-        zeros = np.zeros(meta.num_seqs, np.int64)
-        buffers.put("temperature", zeros.astype(np.float32))  # greedy
-        buffers.put("seeds", zeros)
-        buffers.put("sample_steps", zeros)
+        input_ids, positions_t, meta = buffers.load(batch.last_token_inputs(req_ids, rows),
+                                                    pad_seqs_to=size)
+        greedy_sampling(buffers, meta.num_seqs)
         tokens = self.decoder.run(self.num_tokens, num, input_ids, positions_t, meta,
                                   replay=size is not None).tolist()  # [k, num]
         return {rid: [step[i] for step in tokens] for i, rid in enumerate(req_ids)}

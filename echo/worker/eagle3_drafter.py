@@ -22,16 +22,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from echo.attention.backend import KVCache, make_backend
 from echo.config import EngineConfig
 from echo.core.step_results import ModelRunnerOutput
 from echo.layers.attention import ForwardContext
 from echo.models.arch import eagle3_target_layers
 from echo.worker.cuda_graphs import CudaGraphRunner
+from echo.worker.draft_model import Drafter
 from echo.worker.input_batch import InputBatch, StepInputs
-from echo.worker.kv_cache import KVCacheSpec
 from echo.worker.model_loader import build_eagle3_head
-from echo.worker.multi_step import MultiStepDecoder
+from echo.worker.multi_step import MultiStepDecoder, greedy_sampling
 from echo.worker.step_buffers import StepBuffers
 
 
@@ -63,34 +62,21 @@ class _HeadSteps(nn.Module):
         return full.index_copy_(1, self.target_ids, draft)
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(Drafter):
     def __init__(self, config: EngineConfig, target: nn.Module, device: torch.device):
-        self.config, self.device = config, device
-        self.num_tokens = config.speculative.num_speculative_tokens  # k
         self.target = target
-        self.head = build_eagle3_head(config.draft_model.path, getattr(torch, config.model.dtype),
-                                      device, max_position=config.model.max_model_len)
+        dtype = getattr(torch, config.model.dtype)
+        self.head = build_eagle3_head(config.draft_model.path, dtype, device,
+                                      max_position=config.model.max_model_len)
         target.model.aux_layers = eagle3_target_layers(config.model.arch.num_layers)
-        attn = self.head.midlayer.self_attn
-        self.kv_cache_spec = KVCacheSpec(1, config.cache.block_size, attn.num_kv_heads,
-                                         attn.head_dim, getattr(torch, config.model.dtype),
-                                         config.cache.kv_cache_dtype)
-        self.backend = make_backend(config.device.attention_backend, attn.num_heads,
-                                    attn.num_kv_heads, attn.head_dim, attn.head_dim**-0.5)
-        self.kv_caches: list[KVCache] = []
+        super().__init__(config, device, 1, self.head.midlayer.self_attn, dtype)
         self.steps: _HeadSteps | None = None
-        self.decoder: MultiStepDecoder | None = None
-        self.buffers: StepBuffers | None = None
-
-    def bytes_per_block(self) -> int:
-        return self.kv_cache_spec.bytes_per_block()
 
     def init_kv_cache(self, num_blocks: int, buffers: StepBuffers,
                       target_graphs: CudaGraphRunner | None) -> None:
         """The head's cache; its steps run eagerly (one layer: few launches)."""
         sched = self.config.scheduler
-        self.buffers = buffers
-        self.kv_caches = self.kv_cache_spec.allocate(num_blocks, self.device)
+        self.allocate(num_blocks, buffers)
         self.steps = _HeadSteps(self.head, self.target.model.embed_tokens, sched.max_num_seqs,
                                 self.config.model.arch.vocab_size, self.device)
         self.decoder = MultiStepDecoder(
@@ -103,100 +89,62 @@ class Eagle3Drafter:
 
     def propose(self, batch: InputBatch, req_ids: list[str], inp: StepInputs,
                 output: ModelRunnerOutput) -> dict[str, list[int]]:
-        buffers = self.buffers
-        first = self._first_pass_inputs(batch, inp, output)
-        aux = [h[torch.from_numpy(first.flat).to(self.device)]
-               for h in self.target.model.aux_hidden]
-        buffers.flip()
-        input_ids, positions, meta = buffers.load(first.inputs)
-        ctx = ForwardContext(self.backend, meta, self.kv_caches)
-        out = self.head(self.target.model.embed_tokens(input_ids), self.head.fuse(aux),
-                        positions, ctx)
+        first, flat = self._first_pass_inputs(batch, inp, output)
         wanted = set(req_ids)
-        drafting = [i for i, r in enumerate(first.inputs.req_ids) if r in wanted]
+        drafting = [i for i, r in enumerate(first.req_ids) if r in wanted]
         if not drafting:
             return {}
-        last = torch.from_numpy(np.asarray(first.inputs.cu_seqlens_q[1:], np.int64) - 1)
-        last = last[drafting].to(self.device)
+        buffers = self.buffers
+        buffers.flip()
+        input_ids, positions, meta = buffers.load(first)
+        aux = [h[torch.from_numpy(flat).to(self.device)] for h in self.target.model.aux_hidden]
+        out = self.head(self.target.model.embed_tokens(input_ids), self.head.fuse(aux),
+                        positions, ForwardContext(self.backend, meta, self.kv_caches))
+        last = torch.from_numpy(first.logits_indices[drafting].astype(np.int64)).to(self.device)
         tokens = [self.steps.compute_logits(out[last]).argmax(-1)]
+        names = [first.req_ids[i] for i in drafting]
         if self.num_tokens > 1:
-            rows = first.inputs.rows[drafting]
             self.steps.hidden[:len(drafting)].copy_(out[last])
-            tokens.extend(self._decode(batch, rows, tokens[0]))
+            tokens.extend(self._decode(batch, names, first.rows[drafting], tokens[0]))
         host = torch.stack(tokens).tolist()  # [k, drafting]
-        names = [first.inputs.req_ids[i] for i in drafting]
         return {rid: [step[j] for step in host] for j, rid in enumerate(names)}
 
-    def _first_pass_inputs(self, batch: InputBatch, inp: StepInputs,
-                           output: ModelRunnerOutput):
-        """The positions the step confirmed per request, with the token after each."""
-        cu, step_positions = inp.cu_seqlens_q, inp.positions
+    @staticmethod
+    def _first_pass_inputs(batch: InputBatch, inp: StepInputs,
+                           output: ModelRunnerOutput) -> tuple[StepInputs, np.ndarray]:
+        """The positions the step confirmed per request (a verification: the accepted run;
+        else every token it computed), each with the token after it, and each position's
+        row among the step's tokens (the target's hidden states)."""
+        cu = inp.cu_seqlens_q
         emitted = dict(zip(output.req_ids, output.sampled_token_ids, strict=True))
         drafts = {}
         if inp.num_drafts is not None:
             drafts = {inp.req_ids[s]: int(k) for s, k in zip(inp.sample_seq_idx, inp.num_drafts)}
         flat, req_ids, rows, counts = [], [], [], []
         for i, rid in enumerate(inp.req_ids):
-            if rid not in batch.row_of:
-                continue
-            scheduled = int(cu[i + 1] - cu[i])
-            confirmed = len(emitted.get(rid, ())) if drafts.get(rid) else scheduled
-            if confirmed <= 0:
+            row = batch.row_of.get(rid)
+            confirmed = len(emitted.get(rid, ())) if drafts.get(rid) else int(cu[i + 1] - cu[i])
+            if row is None or confirmed <= 0:
                 continue
             flat.append(np.arange(cu[i], cu[i] + confirmed))
             req_ids.append(rid)
-            rows.append(batch.row_of[rid])
+            rows.append(row)
             counts.append(confirmed)
         flat = np.concatenate(flat) if flat else np.zeros(0, np.int64)
         rows = np.asarray(rows, np.int64)
-        counts = np.asarray(counts, np.int64)
-        positions = step_positions[flat]
-        token_rows = np.repeat(rows, counts)
-        block_size = batch.block_size
-        cu_new = np.zeros(len(rows) + 1, np.int32)
-        np.cumsum(counts, out=cu_new[1:])
-        max_blocks = int(batch.num_blocks[rows].max()) if len(rows) else 1
-        inputs = StepInputs(
-            req_ids=req_ids, rows=rows, input_ids=batch.token_ids[token_rows, positions + 1],
-            positions=positions,
-            slot_mapping=batch.block_table[token_rows, positions // block_size].astype(np.int64)
-            * block_size + positions % block_size,
-            block_table=batch.block_table[rows, :max_blocks], cu_seqlens_q=cu_new,
-            seq_lens=(positions[cu_new[1:] - 1] + 1).astype(np.int32),
-            sample_seq_idx=np.arange(len(rows)), logits_indices=cu_new[1:] - 1,
-            placeholder_idx=np.zeros(0, np.int64), placeholder_rows=np.zeros(0, np.int64))
-        return _FirstPass(inputs, flat)
+        positions = inp.positions[flat]
+        next_tokens = batch.token_ids[np.repeat(rows, counts), positions + 1]
+        return batch.runs_inputs(req_ids, rows, positions, np.asarray(counts, np.int64),
+                                 next_tokens), flat
 
-    def _decode(self, batch: InputBatch, rows: np.ndarray,
+    def _decode(self, batch: InputBatch, req_ids: list[str], rows: np.ndarray,
                 first_drafts: torch.Tensor) -> list[torch.Tensor]:
         """k - 1 steps of the head after the first drafts: position num_tokens - 1 reads the
         first draft's embedding and the first pass's output."""
-        num = len(rows)
-        positions = batch.num_tokens[rows] - 1
-        block_size = batch.block_size
-        inp = StepInputs(
-            req_ids=[""] * num, rows=rows, input_ids=np.zeros(num, np.int64),
-            positions=positions,
-            slot_mapping=batch.block_table[rows, positions // block_size].astype(np.int64)
-            * block_size + positions % block_size,
-            block_table=batch.block_table[rows, :int(batch.num_blocks[rows].max())],
-            cu_seqlens_q=np.arange(num + 1, dtype=np.int32),
-            seq_lens=(positions + 1).astype(np.int32), sample_seq_idx=np.arange(num),
-            logits_indices=np.arange(num), placeholder_idx=np.zeros(0, np.int64),
-            placeholder_rows=np.zeros(0, np.int64))
         buffers = self.buffers
         buffers.flip()
-        input_ids, positions_t, meta = buffers.load(inp)
+        input_ids, positions, meta = buffers.load(batch.last_token_inputs(req_ids, rows))
         input_ids.copy_(first_drafts)
-        zeros = np.zeros(num, np.int64)
-        buffers.put("temperature", zeros.astype(np.float32))  # greedy
-        buffers.put("seeds", zeros)
-        buffers.put("sample_steps", zeros)
-        tokens = self.decoder.run(self.num_tokens - 1, num, input_ids, positions_t, meta,
-                                  replay=False)
-        return list(tokens)
-
-
-class _FirstPass:
-    def __init__(self, inputs: StepInputs, flat: np.ndarray):
-        self.inputs, self.flat = inputs, flat  # flat: each position's row in the step
+        greedy_sampling(buffers, len(rows))
+        return list(self.decoder.run(self.num_tokens - 1, len(rows), input_ids, positions, meta,
+                                     replay=False))

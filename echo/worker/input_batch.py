@@ -226,6 +226,34 @@ class InputBatch:
             num_drafts=num_drafts,
         )
 
+    def slots(self, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The KV slot of each (row, position), from the rows' block tables."""
+        blocks = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
+        return blocks * self.block_size + positions % self.block_size
+
+    def runs_inputs(self, req_ids: list[str], rows: np.ndarray, positions: np.ndarray,
+                    counts: np.ndarray, input_ids: np.ndarray) -> StepInputs:
+        """A step of its own over the given runs of positions (count per request, positions
+        flattened), each run's last position sampled: a drafter's inputs over rows of this
+        batch, whose blocks are allocated for them."""
+        cu = np.zeros(len(rows) + 1, np.int32)
+        np.cumsum(counts, out=cu[1:])
+        none = np.zeros(0, np.int64)
+        max_blocks = int(self.num_blocks[rows].max()) if len(rows) else 1
+        return StepInputs(
+            req_ids=req_ids, rows=rows, input_ids=input_ids, positions=positions,
+            slot_mapping=self.slots(np.repeat(rows, counts), positions),
+            block_table=self.block_table[rows, :max_blocks], cu_seqlens_q=cu,
+            seq_lens=(positions[cu[1:] - 1] + 1).astype(np.int32),
+            sample_seq_idx=np.arange(len(rows)), logits_indices=cu[1:] - 1,
+            placeholder_idx=none, placeholder_rows=none)
+
+    def last_token_inputs(self, req_ids: list[str], rows: np.ndarray) -> StepInputs:
+        """A decode step over each row's last token (a drafter's first step)."""
+        positions = self.num_tokens[rows] - 1
+        return self.runs_inputs(req_ids, rows, positions, np.ones(len(rows), np.int64),
+                                self.token_ids[rows, positions])
+
     def num_output_tokens(self, rows: np.ndarray) -> np.ndarray:
         """Generated so far, counting tokens still on the device."""
         return self.num_tokens[rows] + self.num_pending[rows] - self.num_prompt_tokens[rows]

@@ -17,6 +17,7 @@ attention metadata's host fields advanced by the host.
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from echo.attention.backend import AttentionBackend, AttentionMetadata, KVCache
@@ -60,6 +61,14 @@ def advanced_metadata(meta: AttentionMetadata, steps: int) -> AttentionMetadata:
     return dataclasses.replace(
         meta, max_seqlen_k=meta.max_seqlen_k + steps, no_cached_prefix=False,
         seq_lens_cpu=tuple(n + steps for n in meta.seq_lens_cpu))
+
+
+def greedy_sampling(buffers: StepBuffers, rows: int) -> None:
+    """Sampling fields of a decode batch that samples greedily (a drafter's steps)."""
+    zeros = np.zeros(rows, np.int64)
+    buffers.put("temperature", zeros.astype(np.float32))
+    buffers.put("seeds", zeros)
+    buffers.put("sample_steps", zeros)
 
 
 class MultiStepDecoder:

@@ -134,7 +134,7 @@ def test_oracle_drafts_give_the_tokens_without_speculation(tiny_llama, tmp_path,
     the engine's counters agree with the acceptance (1: every draft accepted, k a step; 0: one
     wrong draft a step, none accepted)."""
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    expected, llm = oracle_engine(tiny_llama, tmp_path, greedy, acceptance=acceptance)
+    expected, llm = oracle_engine(tiny_llama, tmp_path, greedy, oracle_acceptance=acceptance)
     try:
         outputs = llm.generate(ORACLE_PROMPTS, greedy, use_tqdm=False)
         stats = llm.stats()
@@ -161,7 +161,7 @@ def test_above_the_batch_size_cutoff_two_steps_overlap_and_drafts_resume_below(t
     (async scheduling, as without speculation); once the shortest request ends, the two left
     draft again with one step in flight. Greedy tokens equal those without speculation."""
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 30, 30)]
-    expected, llm = oracle_engine(tiny_llama, tmp_path, params, acceptance=1.0,
+    expected, llm = oracle_engine(tiny_llama, tmp_path, params, oracle_acceptance=1.0,
                                   disable_by_batch_size=2)
     engine, depths = llm.engine, []  # (steps in flight, running, drafts) at each launch
     launch = engine.executor.execute_model_async
