@@ -10,6 +10,10 @@ A step with structured requests (SchedulerOutput.structured_req_ids) stops after
 pass: `apply_grammar_bitmask` masks its logits and samples, once the core has filled the mask
 from the previous step's tokens (docs/ARCHITECTURE.md, Structured outputs).
 
+Speculative decoding: a step with drafts is verified (rejection_sampler.py) and landed before
+it returns; a step that names draft_req_ids lands at once too, and the drafter proposes the
+next drafts from its tokens (ModelRunnerOutput.draft_token_ids).
+
 Prompt logprobs (SamplingParams.prompt_logprobs): a prefill chunk of a request that asked for
 them runs the LM head over its prompt positions too (those rows only, a slice at a time), and
 the step's output carries the chunk's logprobs; the frontend joins the chunks.
@@ -78,7 +82,8 @@ class ModelRunner:
         self.buffers: StepBuffers | None = None
         self.graphs: CudaGraphRunner | None = None
         self.multi_step: MultiStepDecoder | None = None  # with num_scheduler_steps > 1
-        # speculative method draft_model: the draft, its cache beside the target's
+        # speculative methods draft_model and eagle3: the drafter, its cache beside the
+        # target's (draft_model.py, eagle3_drafter.py)
         self.drafter: DraftModel | Eagle3Drafter | None = None
         if config.draft_model is not None and config.speculative.method == "eagle3":
             self.drafter = Eagle3Drafter(config, self.model, self.device)
