@@ -344,7 +344,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig | None = None
-    # speculative_config.model, resolved as the target is (method draft_model)
+    # speculative_config.model, resolved as the target is (methods draft_model and eagle3)
     draft_model: ModelConfig | None = None
 
     def __post_init__(self):

@@ -98,7 +98,7 @@ class KVCacheManager:
                  max_model_len: int | None = None):
         self.block_size = block_size
         # slots past a request's scheduled tokens, up to max_model_len, that the workers may
-        # write in the same step: a draft model's KV for the tokens it proposes
+        # write in the same step: a drafter's KV for the tokens it proposes
         self.num_lookahead_tokens = num_lookahead_tokens
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -167,6 +167,8 @@ class KVCacheManager:
             state = self._requests[request.request_id] = _RequestBlocks()
         block_ids = state.block_ids
         num_tokens = request.num_computed_tokens + num_new_tokens
+        if computed is not None:
+            num_tokens += computed.num_tokens
         num_slots = num_tokens
         if self.num_lookahead_tokens:
             num_slots = max(num_tokens, min(num_tokens + self.num_lookahead_tokens,
@@ -181,10 +183,6 @@ class KVCacheManager:
             else:
                 return None
         else:
-            num_tokens += computed.num_tokens
-            num_slots += computed.num_tokens
-            if self.num_lookahead_tokens:
-                num_slots = max(num_tokens, min(num_slots, self.max_model_len))
             new_block_ids = self._admit(request, state, num_slots, computed)
             if new_block_ids is None:
                 return None

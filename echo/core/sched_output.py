@@ -60,8 +60,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # decode steps the workers run before returning (every request then samples one token per
     # step, each step's input the token the one before sampled: docs/ARCHITECTURE.md)
     num_decode_steps: int = 1
-    # speculative method draft_model: the requests the workers' draft model proposes k tokens
-    # for once this step's tokens are known (ModelRunnerOutput.draft_token_ids)
+    # speculative methods draft_model and eagle3: the requests the workers' drafter proposes
+    # k tokens for once this step's tokens are known (ModelRunnerOutput.draft_token_ids)
     draft_req_ids: list[str] = []
 
     @property

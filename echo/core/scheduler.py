@@ -75,10 +75,11 @@ class Scheduler:
         num_host_blocks: int = 0,
         tensor_parallel_size: int = 1,
         draft_model_tokens: int = 0,
-        draft_max_batch_size: int | None = None,
+        spec_max_batch_size: int | None = None,
     ):
-        """draft_model_tokens: k when a draft model run by the workers proposes (speculative
-        method draft_model), else 0; draft_max_batch_size: its disable_by_batch_size."""
+        """draft_model_tokens: k when a drafter run by the workers proposes (speculative
+        methods draft_model and eagle3), else 0; spec_max_batch_size: speculative_config's
+        disable_by_batch_size, whatever proposes."""
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -91,10 +92,10 @@ class Scheduler:
                 f"{self.max_num_batched_tokens}], got {long_prefill_token_threshold}")
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.num_scheduler_steps = scheduler_config.num_scheduler_steps
-        # a draft model writes the KV of the k tokens it proposes after the step's own: their
-        # slots are allocated with the step's (lookahead)
+        # a drafter in the workers writes the KV of the k tokens it proposes after the step's
+        # own: their slots are allocated with the step's (lookahead)
         self.draft_model_tokens = draft_model_tokens
-        self.draft_max_batch_size = draft_max_batch_size
+        self.spec_max_batch_size = spec_max_batch_size
         self.kv = KVCacheManager(num_gpu_blocks, self.block_size,
                                  cache_config.enable_prefix_caching, num_host_blocks,
                                  num_lookahead_tokens=draft_model_tokens,
@@ -535,11 +536,9 @@ class Scheduler:
 
     def _draft_requests(self, scheduled_running: list[Request],
                         new_reqs: list[Request]) -> list[str]:
-        """The requests the draft model proposes for after this step: those that sample in it
-        (a token in flight for it now) with plain sampling and tokens left after it, unless
-        more run than draft_max_batch_size."""
-        cutoff = self.draft_max_batch_size
-        if cutoff is not None and len(self.running) > cutoff:
+        """The requests the workers' drafter proposes for after this step: those that sample
+        in it (a token in flight for it now) with plain sampling and tokens left after it."""
+        if self.drafts_paused():
             return []
         return [r.request_id for requests in (scheduled_running, new_reqs) for r in requests
                 if r.num_output_placeholders and r.grammar is None
@@ -559,11 +558,17 @@ class Scheduler:
                     and request.num_computed_tokens == request.num_tokens - 1):
                 request.spec_token_ids = tokens[:limit]
 
-    def propose_drafts(self, propose, max_batch_size: int | None = None) -> None:
+    def drafts_paused(self) -> bool:
+        """Whether more requests run than speculative_config.disable_by_batch_size: nobody
+        drafts then."""
+        cutoff = self.spec_max_batch_size
+        return cutoff is not None and len(self.running) > cutoff
+
+    def propose_drafts(self, propose) -> None:
         """Give each running decode its drafts for the next step: propose(token ids, limit)
         returns at most limit tokens (limit: what max_tokens and max_model_len leave after
-        the token the step samples anyway). None above max_batch_size running requests."""
-        if max_batch_size is not None and len(self.running) > max_batch_size:
+        the token the step samples anyway). None while drafts_paused()."""
+        if self.drafts_paused():
             return
         for request in self.running:
             if request.num_output_placeholders or not plain_sampling(request.sampling_params):

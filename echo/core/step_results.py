@@ -41,8 +41,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # copy seconds (the metrics' figures: every rank moves the same share)
     finished_kv_transfers: list[int] = []
     kv_transfer_totals: tuple[int, int, float] | None = None
-    # speculative method draft_model: request id -> the draft model's k tokens after the
-    # step's (SchedulerOutput.draft_req_ids)
+    # speculative methods draft_model and eagle3: request id -> the drafter's k tokens after
+    # the step's (SchedulerOutput.draft_req_ids)
     draft_token_ids: dict[str, list[int]] = {}
 
 

@@ -73,14 +73,13 @@ class EngineCore:
             executor.shutdown()
             raise
         self.num_host_blocks = num_host_blocks(config)
-        drafter = config.draft_model is not None  # the workers' draft model proposes
+        drafter = config.draft_model is not None  # the workers' drafter proposes
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
                                    num_host_blocks=self.num_host_blocks,
                                    tensor_parallel_size=config.parallel.tensor_parallel_size,
                                    draft_model_tokens=spec.num_speculative_tokens if drafter
                                    else 0,
-                                   draft_max_batch_size=spec.disable_by_batch_size if drafter
-                                   else None)
+                                   spec_max_batch_size=spec and spec.disable_by_batch_size)
         self.eos_token_ids = config.model.arch.eos_token_ids
         # steps sent to the executor whose output has not been processed, oldest first
         self.in_flight: deque = deque()
@@ -177,8 +176,7 @@ class EngineCore:
                 self._send_bitmask(self._bitmask_due)
                 self._bitmask_due = None
             if self.proposer is not None:
-                self.scheduler.propose_drafts(self.proposer.propose,
-                                              self.config.speculative.disable_by_batch_size)
+                self.scheduler.propose_drafts(self.proposer.propose)
         if (not (failed or outputs) and scheduler_output.is_empty
                 and (scheduler_output.has_kv_transfers or self.scheduler.kv.transfers_pending)):
             return None  # a step that only carried or polled copies: nothing to tell
@@ -194,10 +192,9 @@ class EngineCore:
         no step in flight and no request holds drafts."""
         if self.config.speculative is None or self.max_in_flight == 1:
             return self.max_in_flight
-        cutoff, running = self.config.speculative.disable_by_batch_size, self.scheduler.running
-        if (cutoff is None or len(running) <= cutoff
+        if (not self.scheduler.drafts_paused()
                 or any(step.scheduled_spec_decode_tokens for step in self.in_flight)
-                or any(request.spec_token_ids for request in running)):
+                or any(request.spec_token_ids for request in self.scheduler.running)):
             return 1
         return self.max_in_flight
 

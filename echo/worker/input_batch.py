@@ -189,7 +189,6 @@ class InputBatch:
         np.cumsum(counts, out=cu[1:])
         token_rows = np.repeat(rows, counts)
         positions = np.repeat(starts - cu[:-1], counts) + np.arange(cu[-1])
-        block_ids = self.block_table[token_rows, positions // self.block_size]
         seq_lens = (starts + counts).astype(np.int32)
         max_blocks = int(self.num_blocks[rows].max()) if len(rows) else 0
         known = self.num_tokens[rows]
@@ -215,7 +214,7 @@ class InputBatch:
             rows=rows,
             input_ids=self.token_ids[token_rows, positions],
             positions=positions,
-            slot_mapping=block_ids.astype(np.int64) * self.block_size + positions % self.block_size,
+            slot_mapping=self.slots(token_rows, positions),
             block_table=self.block_table[rows, :max_blocks],
             cu_seqlens_q=cu,
             seq_lens=seq_lens,
