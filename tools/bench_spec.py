@@ -3,7 +3,8 @@
     python tools/bench_spec.py [--model llama-3.1-8b] [--load-format dummy] [--batch-size 1]
         [--input-len 256] [--output-len 256] [--num-speculative-tokens 4]
         [--acceptance 0.5,0.77,0.9] [--iters 3] [--tp N] [--disable-by-batch-size N]
-        [--token-determined] [--draft-model M [--no-oracle]] [--json F]
+        [--token-determined] [--draft-model M] [--eagle3-head DIR|random] [--no-oracle]
+        [--json F]
 
 First the batch runs without speculation (greedy, ignore_eos), timed as tools/bench_latency.py
 times it: a warm-up of the same shapes, then per iteration the batch for one token (prefill
@@ -124,16 +125,66 @@ def make_logits_token_determined(llm: LLM) -> None:
         layer.mlp.down_proj.weight.zero_()
 
 
+def write_random_eagle3_head(folder: Path, model: str, load_format: str,
+                             draft_vocab_size: int, seed: int = 0) -> Path:
+    """An EAGLE-3 head with random weights in the published format (bfloat16), shaped for the
+    target as the published Llama-3.1-8B head is (the target's attention and MLP widths, one
+    layer, draft_vocab_size tokens of the target's vocabulary): its cost per step is that of
+    a trained head, its drafts are rejected."""
+    from safetensors.torch import save_file
+
+    from echo.config import EngineConfig
+
+    arch = EngineConfig.create(model, load_format=load_format).model.arch
+    h, inter, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    kept = torch.randperm(arch.vocab_size, generator=g)[:draft_vocab_size].sort().values
+    t2d = torch.zeros(arch.vocab_size, dtype=torch.bool)
+    t2d[kept] = True
+    ones = torch.ones(h, dtype=torch.bfloat16)
+    weights = {
+        "fc.weight": rand(h, 3 * h),
+        "midlayer.input_layernorm.weight": ones, "midlayer.hidden_norm.weight": ones.clone(),
+        "midlayer.self_attn.q_proj.weight": rand(arch.num_heads * d, 2 * h),
+        "midlayer.self_attn.k_proj.weight": rand(arch.num_kv_heads * d, 2 * h),
+        "midlayer.self_attn.v_proj.weight": rand(arch.num_kv_heads * d, 2 * h),
+        "midlayer.self_attn.o_proj.weight": rand(h, arch.num_heads * d),
+        "midlayer.post_attention_layernorm.weight": ones.clone(),
+        "midlayer.mlp.gate_proj.weight": rand(inter, h),
+        "midlayer.mlp.up_proj.weight": rand(inter, h),
+        "midlayer.mlp.down_proj.weight": rand(h, inter),
+        "norm.weight": ones.clone(), "lm_head.weight": rand(draft_vocab_size, h),
+        "d2t": kept - torch.arange(draft_vocab_size), "t2d": t2d,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": h, "intermediate_size": inter, "num_attention_heads": arch.num_heads,
+        "num_key_value_heads": arch.num_kv_heads, "head_dim": d, "num_hidden_layers": 1,
+        "vocab_size": arch.vocab_size, "draft_vocab_size": draft_vocab_size,
+        "rms_norm_eps": arch.rms_norm_eps, "rope_theta": arch.rope_theta,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
+    return folder
+
+
 def time_draft_model(args: argparse.Namespace, prompts: list[list[int]],
-                     expected: list[list[int]], base: dict) -> dict:
-    """The same prompts with speculative method draft_model (--draft-model): the cost of a
-    step that verifies k drafts and has the draft model propose k more, and the speedup that
-    cost gives at an acceptance length L (L tokens per step against one per baseline step).
-    With dummy weights nearly every draft is rejected, so the step is measured at length ~1;
-    its cost hardly depends on the length (the draft runs 1 + k tokens and k decode steps
-    whatever was accepted)."""
+                     expected: list[list[int]], base: dict, method: str = "draft_model",
+                     model: str | None = None) -> dict:
+    """The same prompts with speculative method draft_model (--draft-model) or eagle3
+    (--eagle3-head): the cost of a step that verifies k drafts and has the drafter propose k
+    more, and the speedup that cost gives at an acceptance length L (L tokens per step
+    against one per baseline step). With random weights nearly every draft is rejected, so
+    the step is measured at length ~1; its cost hardly depends on the length (the drafter
+    runs the same forwards whatever was accepted)."""
     k = args.num_speculative_tokens
-    spec = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": k,
+    model = model or args.draft_model
+    spec = {"method": method, "model": model, "num_speculative_tokens": k,
             "disable_by_batch_size": args.disable_by_batch_size}
     run = in_fresh_process(time_decode, {**engine_args(args), "speculative_config": spec},
                            prompts, args.output_len, args.iters)
@@ -141,12 +192,12 @@ def time_draft_model(args: argparse.Namespace, prompts: list[list[int]],
     drafts = run["num_drafts"]
     length = 1 + run["num_accepted_tokens"] / drafts if drafts else 1.0
     step_ms = run["decode_ms_per_step"] * length  # per verification, not per token
-    row = {"model": args.draft_model, **run, "acceptance_length": round(length, 3),
+    row = {"method": method, "model": model, **run, "acceptance_length": round(length, 3),
            "ms_per_verification_step": round(step_ms, 3),
            "outputs_equal_baseline": all(o == expected for o in outputs),
            "speedup_at_length": {
                str(n): round(n * base["decode_ms_per_step"] / step_ms, 3) for n in (2, 3, 4)}}
-    print(f"  draft model {args.draft_model}: {step_ms:.3f} ms per verification step "
+    print(f"  {method} {model}: {step_ms:.3f} ms per verification step "
           f"(acceptance length {length:.2f}); speedup at length 2/3/4: "
           + " / ".join(f"{v:.2f}x" for v in row["speedup_at_length"].values()))
     return row
@@ -232,8 +283,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft-model",
                         help="also time speculative method draft_model with this draft (a "
                              "folder, or a preset with --load-format dummy)")
+    parser.add_argument("--eagle3-head",
+                        help="also time speculative method eagle3 with this head's folder, or "
+                             "'random': a random head shaped for the target")
+    parser.add_argument("--eagle3-draft-vocab", type=int, default=32000,
+                        help="the random head's draft vocabulary (the published "
+                             "Llama-3.1-8B head's: 32000)")
     parser.add_argument("--no-oracle", action="store_true",
-                        help="skip the oracle's runs (with --draft-model: time the draft only)")
+                        help="skip the oracle's runs (time the drafters only)")
     parser.add_argument("--token-determined", action="store_true",
                         help="zero every layer's o_proj and down_proj, so that the logits "
                              "depend on the input token alone and argmaxes do not flip with "
@@ -243,8 +300,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.output_len < 2:
         parser.error("--output-len must be at least 2")
-    if args.no_oracle and not args.draft_model:
-        parser.error("--no-oracle times nothing without --draft-model")
+    if args.no_oracle and not (args.draft_model or args.eagle3_head):
+        parser.error("--no-oracle times nothing without --draft-model or --eagle3-head")
     if args.token_determined and args.tp != 1:
         parser.error("--token-determined needs --tp 1 (it edits the in-process engine's weights)")
     if args.batch_size < 1 or args.input_len < 1 or args.iters < 1:
@@ -307,8 +364,15 @@ def main(argv: list[str] | None = None) -> dict:
                   f"length {length} (expected {row['expected_acceptance_length']}), outputs "
                   + ("equal" if mismatched == 0 else
                      f"DIFFER ({mismatched} of {(args.iters + 1) * args.batch_size})"))
-    if args.draft_model:
-        result["draft_model"] = time_draft_model(args, prompts, continuations[0], base)
+        if args.draft_model:
+            result["draft_model"] = time_draft_model(args, prompts, continuations[0], base)
+        if args.eagle3_head:
+            head = args.eagle3_head
+            if head == "random":
+                head = str(write_random_eagle3_head(Path(folder) / "eagle3", args.model,
+                                                    args.load_format, args.eagle3_draft_vocab))
+            result["eagle3"] = time_draft_model(args, prompts, continuations[0], base,
+                                                "eagle3", head)
     if args.no_oracle:
         return _finish(args, result)
     result["outputs_equal"] = all(r["outputs_equal"] for r in result["speculative"])

@@ -72,7 +72,8 @@ class CudaGraphRunner:
                 hidden = self.model(ids, positions, ctx)
             pool = pool or graph.pool()
             self.graphs[bs, q] = (graph, hidden)
-            self.aux_hidden[bs, q] = list(getattr(self.model.model, "aux_hidden", []))
+            inner = getattr(self.model, "model", None)  # a drafter's head has none
+            self.aux_hidden[bs, q] = list(getattr(inner, "aux_hidden", None) or [])
         torch.cuda.synchronize()
 
     def padded_size(self, num_seqs: int, query_len: int = 1) -> int | None:

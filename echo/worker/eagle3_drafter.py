@@ -71,18 +71,28 @@ class Eagle3Drafter(Drafter):
         target.model.aux_layers = eagle3_target_layers(config.model.arch.num_layers)
         super().__init__(config, device, 1, self.head.midlayer.self_attn, dtype)
         self.steps: _HeadSteps | None = None
+        self.graphs: CudaGraphRunner | None = None
 
     def init_kv_cache(self, num_blocks: int, buffers: StepBuffers,
                       target_graphs: CudaGraphRunner | None) -> None:
-        """The head's cache; its steps run eagerly (one layer: few launches)."""
+        """The head's cache, and graphs of its decode steps when the target captured graphs
+        (the first pass over a step's confirmed positions has a shape per step: eager)."""
         sched = self.config.scheduler
         self.allocate(num_blocks, buffers)
         self.steps = _HeadSteps(self.head, self.target.model.embed_tokens, sched.max_num_seqs,
                                 self.config.model.arch.vocab_size, self.device)
+        if target_graphs is not None:
+            drafting = min(sched.max_num_seqs,
+                           self.config.speculative.disable_by_batch_size or sched.max_num_seqs)
+            self.graphs = CudaGraphRunner(self.steps, self.backend, self.kv_caches, buffers,
+                                          drafting, sched.max_model_len)
+            self.graphs.capture()
         self.decoder = MultiStepDecoder(
-            self.steps, self.backend, self.kv_caches, buffers, None,
+            self.steps, self.backend, self.kv_caches, buffers, self.graphs,
             self.config.cache.block_size, sched.max_num_seqs, max(1, self.num_tokens - 1),
             self.device, max_position=sched.max_model_len)
+        if self.graphs is not None:
+            self.decoder.capture()
 
     def follow(self, *args, graph=None) -> None:
         """Nothing while the target computes: the head needs the step's tokens (propose)."""
@@ -141,10 +151,12 @@ class Eagle3Drafter(Drafter):
                 first_drafts: torch.Tensor) -> list[torch.Tensor]:
         """k - 1 steps of the head after the first drafts: position num_tokens - 1 reads the
         first draft's embedding and the first pass's output."""
-        buffers = self.buffers
+        buffers, num = self.buffers, len(rows)
         buffers.flip()
-        input_ids, positions, meta = buffers.load(batch.last_token_inputs(req_ids, rows))
-        input_ids.copy_(first_drafts)
-        greedy_sampling(buffers, len(rows))
-        return list(self.decoder.run(self.num_tokens - 1, len(rows), input_ids, positions, meta,
-                                     replay=False))
+        size = self.graphs.padded_size(num) if self.graphs is not None else None
+        input_ids, positions, meta = buffers.load(batch.last_token_inputs(req_ids, rows),
+                                                  pad_seqs_to=size)
+        input_ids[:num].copy_(first_drafts)
+        greedy_sampling(buffers, meta.num_seqs)
+        return list(self.decoder.run(self.num_tokens - 1, num, input_ids, positions, meta,
+                                     replay=size is not None))

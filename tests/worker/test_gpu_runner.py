@@ -179,3 +179,35 @@ def test_draft_model_with_graphs_equals_eager_and_no_speculation(tiny_llama, tmp
         eager, _ = tokens(spec, enforce_eager=True)
         assert graphs == expected and eager == expected and stats.spec_num_drafts > 0
     assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens  # itself
+
+
+def test_eagle3_head_steps_replay_graphs_and_equal_no_speculation(tmp_path):
+    """speculative method eagle3 on the GPU: the head's k - 1 decode steps replay its own
+    graphs (and sampling graphs), the target's verification graphs keep the hidden states the
+    head reads; greedy tokens equal eager and no speculation."""
+    from tests.helpers import write_tiny_model
+    from tests.models.test_eagle3 import write_head
+
+    target = write_tiny_model(tmp_path / "target", "llama", tie=False, num_layers=6)
+    write_head(tmp_path / "head")
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    spec = {"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
+
+    def tokens(spec=None, **kwargs):
+        llm = gpu_llm(target, speculative_config=spec, **kwargs)
+        try:
+            drafter, replayed = llm.engine.executor.runner.drafter, []
+            if drafter is not None and drafter.graphs is not None:
+                replay = drafter.graphs.replay
+                drafter.graphs.replay = lambda bs, q=1: replayed.append(bs) or replay(bs, q)
+            outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+            assert llm.engine.scheduler.kv.usage == 0
+            return [o.outputs[0].token_ids for o in outputs], llm.stats(), replayed
+        finally:
+            llm.shutdown()
+
+    expected, _, _ = tokens()
+    graphs, stats, replayed = tokens(spec)
+    eager, _, _ = tokens(spec, enforce_eager=True)
+    assert replayed and stats.spec_num_drafts > 0
+    assert graphs == expected and eager == expected
