@@ -137,6 +137,7 @@ def write_random_eagle3_head(folder: Path, model: str, load_format: str,
 
     arch = EngineConfig.create(model, load_format=load_format).model.arch
     h, inter, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    draft_vocab_size = min(draft_vocab_size, arch.vocab_size)
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape):

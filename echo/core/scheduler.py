@@ -55,13 +55,20 @@ from echo.core.stop_checker import check_stop
 
 def plain_sampling(params) -> bool:
     """Temperature (or greedy) sampling of the raw distribution, nothing the host must see
-    between two tokens: what the rejection sampler verifies and what several decode steps per
-    launch sample. Requests with top-k/top-p/min-p, penalties, token rules, grammars or
-    logprobs decode one token a step."""
+    between two tokens: what several decode steps per launch sample. Requests with
+    top-k/top-p/min-p, penalties, token rules, grammars or logprobs decode one token a
+    launch (or verify drafts: see drafts_for)."""
     return (params.top_k in (-1, 0) and params.top_p == 1 and params.min_p == 0
             and not params.has_penalties and not params.has_token_rules
             and params.structured_outputs is None and params.logprobs is None
             and params.min_tokens == 0)
+
+
+def drafts_for(request: Request) -> bool:
+    """Whether speculative decoding drafts for the request: the rejection sampler verifies
+    every sampling option (each row at the distribution plain decoding would sample from),
+    not yet grammars."""
+    return request.grammar is None and request.sampling_params.structured_outputs is None
 
 
 class Scheduler:
@@ -478,9 +485,9 @@ class Scheduler:
                 status = check_stop(request)
             else:
                 new_token_ids, status = self._append_tokens(request, new_token_ids)
-            entry = logprobs[i] if logprobs else None
+            entries = logprobs[i] if logprobs else None
             output = EngineCoreOutput(rid, new_token_ids,
-                                      [entry] if entry is not None else [],
+                                      entries[:len(new_token_ids)] if entries else [],
                                       None, None, request.num_cached_tokens)
             if prompt_logprobs:  # the last chunk of a prompt comes with its first token
                 output.prompt_logprobs = prompt_logprobs.get(rid)
@@ -537,12 +544,12 @@ class Scheduler:
     def _draft_requests(self, scheduled_running: list[Request],
                         new_reqs: list[Request]) -> list[str]:
         """The requests the workers' drafter proposes for after this step: those that sample
-        in it (a token in flight for it now) with plain sampling and tokens left after it."""
+        in it (a token in flight for it now), drafts_for() them and have tokens left after
+        it."""
         if self.drafts_paused():
             return []
         return [r.request_id for requests in (scheduled_running, new_reqs) for r in requests
-                if r.num_output_placeholders and r.grammar is None
-                and plain_sampling(r.sampling_params)
+                if r.num_output_placeholders and drafts_for(r)
                 and r.token_limit - r.num_tokens - r.num_output_placeholders > 0]
 
     def take_model_drafts(self, drafts: dict[str, list[int]]) -> None:
@@ -571,7 +578,7 @@ class Scheduler:
         if self.drafts_paused():
             return
         for request in self.running:
-            if request.num_output_placeholders or not plain_sampling(request.sampling_params):
+            if request.num_output_placeholders or not drafts_for(request):
                 continue
             limit = request.token_limit - request.num_tokens - 1
             if limit > 0 and request.num_computed_tokens == request.num_tokens - 1:

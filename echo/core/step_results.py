@@ -30,10 +30,12 @@ class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     step_id: int
     req_ids: list[str] = []
-    # per request: [] while its prefill is unfinished, else the one token sampled this step
+    # per request: [] while its prefill is unfinished, else the tokens sampled this step (one,
+    # or a verification's accepted drafts and the token after)
     sampled_token_ids: list[list[int]] = []
-    # per request, parallel to sampled_token_ids; None where no logprobs were asked for
-    logprobs: list[LogprobsEntry | None] = []
+    # per request, parallel to sampled_token_ids: an entry per sampled token; None where no
+    # logprobs were asked for
+    logprobs: list[list[LogprobsEntry] | None] = []
     # request id -> the prompt logprobs this step's chunk produced (requests that asked only)
     prompt_logprobs: dict[str, PromptLogprobs] = {}
     # KV host-tier transfers (SchedulerOutput.kv_stores / kv_loads) this rank finished since

@@ -22,7 +22,6 @@ the step's output carries the chunk's logprobs; the frontend joins the chunks.
 import sys
 import time
 from collections import deque
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -46,7 +45,7 @@ from echo.worker.kv_transfer import HostKVCache, KVTransfers, host_tier_blocks
 from echo.worker.model_loader import build_model
 from echo.worker.multi_step import MultiStepDecoder
 from echo.worker.rejection_sampler import flat_drafts, rejection_sample
-from echo.worker.sampler import Sampler, SamplerOutput
+from echo.worker.sampler import Sampler, SamplerOutput, raw_logprobs, target_distribution
 from echo.worker.sampling_inputs import build_sampling_tensors, upload
 from echo.worker.step_buffers import StepBuffers
 
@@ -243,52 +242,47 @@ class ModelRunner:
 
     def _verify(self, step_id: int, inp: StepInputs, hidden: torch.Tensor,
                 logits: torch.Tensor) -> ModelRunnerOutput:
-        """A step with drafts (speculative decoding; one step in flight): requests with drafts
-        through the rejection sampler, the others through the sampler on their last row; all
-        landed on the host before returning."""
-        batch = self.input_batch
-        drafts = inp.num_drafts
-        last_rows = np.cumsum(drafts + 1) - 1  # each sampling request's last logits row
-        spec = np.flatnonzero(drafts > 0)
-        plain = np.flatnonzero(drafts == 0)
-        sampled: dict[int, list[int]] = {}  # index into sample_seq_idx -> emitted tokens
-        output = ModelRunnerOutput(step_id=step_id)
-        if len(plain):
-            plain_inp = replace(inp, sample_seq_idx=inp.sample_seq_idx[plain])
-            rows = inp.rows[plain_inp.sample_seq_idx]
-            result = self.sampler(logits[torch.from_numpy(last_rows[plain]).to(logits.device)],
-                                  build_sampling_tensors(batch, rows, self.vocab_size,
-                                                         self.arch.eos_token_ids, self.device))
-            logprobs = [n if n >= 0 else None for n in batch.logprobs[rows].tolist()]
-            step = _StepInFlight(step_id, plain_inp, rows, result, logprobs)
-            step.ready.synchronize()
-            tokens = step.host_tokens.tolist()
-            output = self._runner_output(step, [[t] for t in tokens])
-            sampled.update((int(i), [t]) for i, t in zip(plain, tokens))
-        if len(spec):
-            seqs = inp.sample_seq_idx[spec]
-            rows = inp.rows[seqs]
-            draft_ids, cu_rows, width = flat_drafts(
-                [batch.token_ids[r, batch.num_tokens[r]:batch.num_tokens[r] + k]
-                 for r, k in zip(rows, drafts[spec])])
-            device = logits.device
-            if len(plain):  # only the requests with drafts: their rows, in order
-                firsts = last_rows[spec] - drafts[spec]
-                logits = logits[upload(np.repeat(firsts - cu_rows[:-1], np.diff(cu_rows))
-                                       + np.arange(len(draft_ids)), device)]
-            put = self.buffers.put
-            emitted = rejection_sample(
-                logits, put("draft_ids", draft_ids), put("cu_draft_rows", cu_rows),
-                put("temperature", batch.temperature[rows]), put("seeds", batch.seeds[rows]),
-                put("sample_steps", batch.num_output_tokens(rows)), width).tolist()
-            sampled.update((int(i), [t for t in tokens if t >= 0])
-                           for i, tokens in zip(spec, emitted))
-        sampled_ids = output.sampled_token_ids or [[] for _ in inp.req_ids]
-        for i, seq in enumerate(inp.sample_seq_idx.tolist()):
-            tokens = sampled[i]
+        """A step with drafts (speculative decoding; one step in flight): every sampling
+        request's rows (one per draft, then the one after; a request without drafts has that
+        one only) through the rejection sampler, against the distribution plain decoding
+        would sample from at each row (sampling_inputs.py: a row sees the drafts before it as
+        outputs; sampler.target_distribution); landed on the host before returning."""
+        batch, put = self.input_batch, self.buffers.put
+        seqs, counts = inp.sample_seq_idx, inp.num_drafts
+        rows = inp.rows[seqs]
+        draft_ids, cu_rows, width = flat_drafts(
+            [batch.token_ids[r, batch.num_tokens[r]:batch.num_tokens[r] + k]
+             for r, k in zip(rows, counts)])
+        ahead = np.arange(len(draft_ids)) - np.repeat(cu_rows[:-1], counts + 1)
+        t = build_sampling_tensors(batch, np.repeat(rows, counts + 1), self.vocab_size,
+                                   self.arch.eos_token_ids, self.device, ahead)
+        raw = raw_logprobs(logits, t)
+        target, temperature = target_distribution(logits, t)
+        cu = put("cu_draft_rows", cu_rows)
+        firsts = cu[:-1]  # each request's first row: its temperature, seed and output index
+        emitted = rejection_sample(target, put("draft_ids", draft_ids), cu, temperature[firsts],
+                                   t.seeds[firsts], t.steps[firsts], width)
+        if raw is not None:  # the emitted tokens' logprobs at the rows that drew them
+            at = torch.minimum(firsts[:, None] + torch.arange(width, device=cu.device),
+                               cu[1:, None] - 1)
+            own = raw[at, emitted.clamp(min=0)].tolist()
+            top = raw[at].topk(t.max_logprobs, dim=-1) if t.max_logprobs > 0 else None
+            top_ids = top.indices.tolist() if top is not None else None
+            top_lps = top.values.tolist() if top is not None else None
+        emitted = emitted.tolist()
+        sampled_ids: list[list[int]] = [[] for _ in inp.req_ids]
+        logprobs: list[list[LogprobsEntry] | None] = [None] * len(inp.req_ids)
+        for i, (seq, n) in enumerate(zip(seqs.tolist(), batch.logprobs[rows].tolist())):
+            tokens = [token for token in emitted[i] if token >= 0]
             sampled_ids[seq] = tokens
             batch.append_tokens(inp.req_ids[seq], tokens)
-        output.req_ids, output.sampled_token_ids = inp.req_ids, sampled_ids
+            if raw is not None and n >= 0:
+                logprobs[seq] = [LogprobsEntry(own[i][j], top_ids[i][j][:n] if n else [],
+                                               top_lps[i][j][:n] if n else [])
+                                 for j in range(len(tokens))]
+        output = ModelRunnerOutput(step_id=step_id, req_ids=inp.req_ids,
+                                   sampled_token_ids=sampled_ids,
+                                   logprobs=logprobs if raw is not None else [])
         if self.prompt_logprobs:  # prefill chunks beside the drafts may score their prompts
             prompt = self._prompt_logprobs(inp, hidden)
             output.prompt_logprobs = prompt.to_host() if prompt else {}
@@ -433,7 +427,7 @@ class ModelRunner:
         """token_ids: each sampling request's tokens, in sample_seq_idx order."""
         inp, sampled = step.inp, step.sampled
         sampled_ids: list[list[int]] = [[] for _ in inp.req_ids]
-        logprobs: list[LogprobsEntry | None] = [None] * len(inp.req_ids)
+        logprobs: list[list[LogprobsEntry] | None] = [None] * len(inp.req_ids)
         host = None
         if sampled.logprob is not None:
             host = (sampled.logprob.tolist(),
@@ -443,8 +437,8 @@ class ModelRunner:
                                                  step.logprobs)):
             sampled_ids[seq] = tokens
             if host is not None and n is not None:
-                logprobs[seq] = LogprobsEntry(host[0][i], host[1][i][:n] if n else [],
-                                              host[2][i][:n] if n else [])
+                logprobs[seq] = [LogprobsEntry(host[0][i], host[1][i][:n] if n else [],
+                                               host[2][i][:n] if n else [])]
         return ModelRunnerOutput(step_id=step.step_id, req_ids=inp.req_ids,
                                  sampled_token_ids=sampled_ids,
                                  logprobs=logprobs if host is not None else [],

@@ -93,38 +93,50 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.T
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def target_distribution(logits: torch.Tensor, t: SamplingTensors
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits to draw each row's token from and the temperature to draw them at: logit
+    bias, penalties and bans applied; with top-k/top-p/min-p, the temperature-scaled logits
+    filtered, drawn at temperature 1 (greedy rows at 0). The sampler draws from it, the
+    rejection sampler verifies drafts against it."""
+    # vLLM's order: allowed ids, bad words, min_tokens, logit_bias, then penalties; the
+    # bans are -inf, which bias and penalties leave -inf, so they are applied last here
+    if t.bias_values is not None:
+        logits = logits.float().index_put((t.bias_index[0], t.bias_index[1]),
+                                          t.bias_values, accumulate=True)
+    if t.output_counts is not None:
+        logits = apply_penalties(logits.float(), t)
+    if t.banned is not None:
+        logits = logits.masked_fill(t.banned, float("-inf"))
+    if t.all_greedy or not (t.need_top_k or t.need_top_p or t.need_min_p):
+        return logits, t.temperature
+    # the filters act on the temperature-scaled distribution
+    is_greedy = t.temperature == 0
+    scaled = logits.float() / torch.where(is_greedy, 1.0, t.temperature)[:, None]
+    return apply_top_k_top_p_min_p(scaled, t), is_greedy.logical_not().float()
+
+
+def raw_logprobs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor | None:
+    """logprobs of the raw logits, before any processing, as vLLM's default
+    (logprobs_mode=raw_logprobs): logit_bias, bans and penalties do not change them. None
+    when nobody asked for logprobs."""
+    return logits.float().log_softmax(dim=-1) if t.max_logprobs is not None else None
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
-        # logprobs of the raw logits, before any processing, as vLLM's default
-        # (logprobs_mode=raw_logprobs): logit_bias, bans and penalties do not change them
-        raw_logprobs = logits.float().log_softmax(dim=-1) if t.max_logprobs is not None else None
-        # vLLM's order: allowed ids, bad words, min_tokens, logit_bias, then penalties; the
-        # bans are -inf, which bias and penalties leave -inf, so they are applied last here
-        if t.bias_values is not None:
-            logits = logits.float().index_put((t.bias_index[0], t.bias_index[1]),
-                                              t.bias_values, accumulate=True)
-        if t.output_counts is not None:
-            logits = apply_penalties(logits.float(), t)
-        if t.banned is not None:
-            logits = logits.masked_fill(t.banned, float("-inf"))
+        raw = raw_logprobs(logits, t)
+        logits, temperature = target_distribution(logits, t)
         if t.all_greedy and not logits.is_cuda:
             token_ids = logits.argmax(dim=-1)  # the twin would draw noise nobody uses
-        elif t.all_greedy:
-            # the kernel's argmax spreads a small batch's rows over the SMs; torch's argmax of
-            # one row was slower (docs/benchmarks.md, What was tried and dropped: Sampling)
-            token_ids = gumbel_sample(logits, t.temperature, t.seeds, t.steps)
-        elif t.need_top_k or t.need_top_p or t.need_min_p:
-            # the filters act on the temperature-scaled distribution
-            is_greedy = t.temperature == 0
-            scaled = logits.float() / torch.where(is_greedy, 1.0, t.temperature)[:, None]
-            filtered = apply_top_k_top_p_min_p(scaled, t)
-            token_ids = gumbel_sample(filtered, is_greedy.logical_not().float(), t.seeds,
-                                      t.steps)
         else:
-            token_ids = gumbel_sample(logits, t.temperature, t.seeds, t.steps)
-        if raw_logprobs is None:
+            # greedy on the GPU too: the kernel's argmax spreads a small batch's rows over the
+            # SMs; torch's argmax of one row was slower (docs/benchmarks.md, What was tried
+            # and dropped: Sampling)
+            token_ids = gumbel_sample(logits, temperature, t.seeds, t.steps)
+        if raw is None:
             return SamplerOutput(token_ids)
-        logprob = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
-        top = raw_logprobs.topk(t.max_logprobs, dim=-1) if t.max_logprobs > 0 else None
+        logprob = raw.gather(-1, token_ids[:, None]).squeeze(-1)
+        top = raw.topk(t.max_logprobs, dim=-1) if t.max_logprobs > 0 else None
         return SamplerOutput(token_ids, logprob, top.indices if top else None,
                              top.values if top else None)

@@ -1,4 +1,11 @@
-"""Per-step sampling tensors, gathered from the InputBatch rows of the requests that sample."""
+"""Per-step sampling tensors, gathered from the InputBatch rows of the requests that sample.
+
+A verification (speculative decoding) scores several rows per request: the row after its
+last token, then one after each draft. Row j of a request sees the j drafts before it as
+outputs (`ahead`): its output index, its penalties' counts, its min_tokens and bad-word bans
+are those the request would have after accepting them, so each row's distribution is the one
+plain decoding would sample from there. The drafts sit in the InputBatch's token_ids right
+after the request's tokens (InputBatch.update), which is where those counts read them."""
 
 import numpy as np
 import torch
@@ -8,18 +15,23 @@ from echo.worker.sampler import SamplingTensors
 
 
 def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, vocab_size: int,
-                           eos_token_ids: tuple[int, ...], device: torch.device
-                           ) -> SamplingTensors:
+                           eos_token_ids: tuple[int, ...], device: torch.device,
+                           ahead: np.ndarray | None = None) -> SamplingTensors:
+    """One row per entry of `rows` (a request's row may repeat); ahead: per entry, how many of
+    the request's drafts come before it (None: none)."""
+    if ahead is None:
+        ahead = np.zeros(len(rows), np.int64)
     temperature, top_k = batch.temperature[rows], batch.top_k[rows]
     top_p, min_p = batch.top_p[rows], batch.min_p[rows]
     # two host-to-device copies per step (floats, ints), pinned so they do not block
     floats = upload(np.stack([temperature, top_p, min_p]), device)
-    ints = upload(np.stack([top_k, batch.seeds[rows], batch.num_output_tokens(rows)]), device)
+    ints = upload(np.stack([top_k, batch.seeds[rows], batch.num_output_tokens(rows) + ahead]),
+                  device)
     max_logprobs = int(batch.logprobs[rows].max()) if len(rows) else -1
     extra = {}
     if batch.has_penalties[rows].any():
-        extra = _penalties(batch, rows, vocab_size, device)
-    extra.update(_token_rules(batch, rows, vocab_size, eos_token_ids, device))
+        extra = _penalties(batch, rows, ahead, vocab_size, device)
+    extra.update(_token_rules(batch, rows, ahead, vocab_size, eos_token_ids, device))
     return SamplingTensors(
         temperature=floats[0], top_p=floats[1], min_p=floats[2],
         top_k=ints[0], seeds=ints[1], steps=ints[2],
@@ -38,13 +50,13 @@ def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def _penalties(batch: InputBatch, rows: np.ndarray, vocab_size: int,
+def _penalties(batch: InputBatch, rows: np.ndarray, ahead: np.ndarray, vocab_size: int,
                device: torch.device) -> dict:
     params = [batch.params[r] for r in rows]
     counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32)
     prompt_mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
     for i, row in enumerate(rows):
-        prompt_len, total = batch.num_prompt_tokens[row], batch.num_tokens[row]
+        prompt_len, total = batch.num_prompt_tokens[row], batch.num_tokens[row] + ahead[i]
         prompt_mask[i, torch.from_numpy(batch.token_ids[row, :prompt_len])] = True
         output = torch.from_numpy(batch.token_ids[row, prompt_len:total])
         counts[i].index_add_(0, output, torch.ones(len(output)))
@@ -56,13 +68,13 @@ def _penalties(batch: InputBatch, rows: np.ndarray, vocab_size: int,
             "output_counts": counts.to(device), "prompt_mask": prompt_mask.to(device)}
 
 
-def _token_rules(batch: InputBatch, rows: np.ndarray, vocab_size: int,
+def _token_rules(batch: InputBatch, rows: np.ndarray, ahead: np.ndarray, vocab_size: int,
                  eos_token_ids: tuple[int, ...], device: torch.device) -> dict:
     """logit_bias as (row, token) pairs and their biases; the banned [B, V] mask built on the
     device from index lists: EOS and stop tokens until a request has min_tokens outputs,
     every token outside a request's allowed_token_ids, its bad-word tokens due now. Nothing
     (no per-step work past two vector tests) while no request here has any of them."""
-    pending = np.nonzero(batch.min_tokens[rows] > batch.num_output_tokens(rows))[0]
+    pending = np.nonzero(batch.min_tokens[rows] > batch.num_output_tokens(rows) + ahead)[0]
     ruled = np.nonzero(batch.has_token_rules[rows])[0]
     if not len(pending) and not len(ruled):
         return {}
@@ -87,8 +99,8 @@ def _token_rules(batch: InputBatch, rows: np.ndarray, vocab_size: int,
             allow_ids.append(rules.allowed_ids)
         now = rules.always_banned
         if rules.sequences:  # its output is all on the host: reads_outputs has it landed
-            now = rules.banned_after(
-                batch.token_ids[row, batch.num_prompt_tokens[row]:batch.num_tokens[row]])
+            now = rules.banned_after(batch.token_ids[
+                row, batch.num_prompt_tokens[row]:batch.num_tokens[row] + ahead[i]])
         if len(now):
             ban_rows.append(np.full(len(now), i))
             ban_ids.append(now)

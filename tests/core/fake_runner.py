@@ -92,7 +92,7 @@ class FakeModelRunner:
         for rid in req_ids:
             params = self.requests[rid].params
             logprobs.append(None if not sampled[rid] or params.logprobs is None
-                            else LogprobsEntry(logprob=-float(sampled[rid][0] % 7)))
+                            else [LogprobsEntry(logprob=-float(t % 7)) for t in sampled[rid]])
         return ModelRunnerOutput(so.step_id, req_ids, list(sampled.values()), logprobs)
 
     def _compute(self, num_scheduled: dict[str, int], sampled: dict[str, list[int]]) -> None:

@@ -3,6 +3,8 @@ run without speculation, on SmolLM2 with repeated text (where drafts are accepte
 random Qwen3 and Llama (where they mostly are not); stops inside an accepted run; no KV block
 kept; a prefix reused after rejections."""
 
+import math
+
 import pytest
 
 from echo import LLM, SamplingParams
@@ -96,19 +98,51 @@ def test_a_prefix_reused_after_rejections_hits_the_cache_and_gives_the_same_outp
         llm.shutdown()
 
 
-def test_sampled_requests_and_requests_without_drafts_share_a_step(smollm2):
-    """Seeded sampling with drafts, top-p requests (no drafts) beside them: outputs are valid
-    and the seeded ones reproduce."""
-    params = [SamplingParams(temperature=0.8, seed=7, max_tokens=24),
-              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24),
-              SamplingParams(temperature=0, max_tokens=24, logprobs=2)]
-    first, _, _, _ = run(smollm2, REPEATS, params, speculative=True)
-    again, _, _, _ = run(smollm2, REPEATS, params, speculative=True)
-    assert completions(first) == completions(again)
-    plain, _, _, _ = run(smollm2, REPEATS[2:], params[2:], speculative=False)
-    assert completions(first)[2] == completions(plain)[0]  # greedy, no drafts: unchanged
-    assert len(first[2].outputs[0].logprobs) == len(first[2].outputs[0].token_ids)
-
+def test_every_sampling_option_is_verified_as_plain_decoding_samples(smollm2):
+    """Drafts for requests with penalties, logit_bias, bad words, min_tokens and logprobs are
+    verified at the distribution plain decoding samples from after the drafts before them:
+    greedy tokens and their logprobs equal those without speculation (penalties that count
+    the drafts as outputs flip argmaxes on this repeated text when miscounted); top_k=1 at
+    temperature 1 is greedy; top-k/top-p/min-p draws stay inside their filter."""
+    greedy = dict(temperature=0, max_tokens=40)
+    fox = REPEATS[0]
+    cases = [(fox, SamplingParams(repetition_penalty=1.3, logprobs=3, **greedy)),
+             (REPEATS[1], SamplingParams(presence_penalty=0.6, frequency_penalty=0.3,
+                                         **greedy)),
+             (fox, SamplingParams(bad_words=["lazy"], logit_bias={578: 2.0}, **greedy)),
+             (fox, SamplingParams(min_tokens=30, logprobs=0, **greedy)),
+             (REPEATS[1], SamplingParams(temperature=1.0, top_k=1, max_tokens=40)),
+             (fox, SamplingParams(temperature=1.0, top_k=3, seed=1, logprobs=3,
+                                  max_tokens=40)),
+             (fox, SamplingParams(temperature=1.0, top_p=0.3, seed=2, logprobs=20,
+                                  max_tokens=40)),
+             (fox, SamplingParams(temperature=1.5, min_p=0.2, seed=3, logprobs=1,
+                                  max_tokens=40))]
+    prompts, params = [p for p, _ in cases], [q for _, q in cases]
+    expected, _, _, _ = run(smollm2, prompts, params, speculative=False)
+    outputs, drafted, accepted, _ = run(smollm2, prompts, params, speculative=True)
+    assert accepted > 0 and drafted > accepted
+    greedy_top_1 = run(smollm2, prompts[4:5], SamplingParams(**greedy), speculative=False)[0]
+    for i, (got, want) in enumerate(zip(outputs[:5], expected[:4] + greedy_top_1)):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids, params[i]
+        got_lps, want_lps = got.outputs[0].logprobs, want.outputs[0].logprobs
+        assert (got_lps is None) == (want_lps is None)
+        for a, b in zip(got_lps or [], want_lps or []):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a)
+    for out in outputs[5:]:
+        completion = out.outputs[0]
+        assert len(completion.logprobs) == len(completion.token_ids) > 0
+    for token, entry in zip(outputs[5].outputs[0].token_ids, outputs[5].outputs[0].logprobs):
+        assert entry[token].rank is not None and entry[token].rank <= 3  # top-k 3
+    for token, entry in zip(outputs[6].outputs[0].token_ids, outputs[6].outputs[0].logprobs):
+        rank = entry[token].rank  # top-p 0.3: the more likely tokens' mass is below 0.3
+        assert rank is not None and rank <= 20
+        assert sum(math.exp(e.logprob) for e in entry.values() if e.rank < rank) < 0.3
+    for token, entry in zip(outputs[7].outputs[0].token_ids, outputs[7].outputs[0].logprobs):
+        top = next(e.logprob for e in entry.values() if e.rank == 1)
+        # min-p 0.2 on the distribution at temperature 1.5
+        assert math.exp((entry[token].logprob - top) / 1.5) >= 0.2 - 1e-4
 
 
 ORACLE_PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 5], list(range(10, 40)), [3, 4]]

@@ -228,3 +228,45 @@ def test_bad_words_resolve_as_vllm_with_and_without_a_leading_space(tiny_chat_mo
     assert set(rules.always_banned.tolist()) == singles
     with pytest.raises(ValueError, match="^SamplingParams.bad_words: "):
         SamplingParams(bad_words=["x"]).update_from_tokenizer(None)
+
+
+def reference_penalties(logits: torch.Tensor, p: SamplingParams, prompt: list[int],
+                        output: list[int]) -> torch.Tensor:
+    """vLLM's penalties on one row: repetition over prompt and output, then frequency and
+    presence over the output."""
+    row = logits.clone()
+    for token in set(prompt) | set(output):
+        row[token] = row[token] / p.repetition_penalty if row[token] > 0 else (
+            row[token] * p.repetition_penalty)
+    for token in set(output):
+        row[token] -= p.frequency_penalty * output.count(token) + p.presence_penalty
+    return row
+
+
+def test_each_verification_row_sees_the_drafts_before_it_as_outputs():
+    """A request verifying drafts (speculative decoding) is scored at one row per draft and
+    one after: build_sampling_tensors with `ahead` gives row j the distribution plain decoding
+    would have after accepting the first j drafts: penalties count them, a bad word they
+    complete is banned, min_tokens counts them, the noise index moves on."""
+    from echo.worker.sampler import target_distribution
+
+    x, y = 20, 21
+    params = greedy(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.5,
+                    min_tokens=3, bad_words_token_ids=[[x, y, 30]])
+    output, drafts = [7], [x, y, 7]
+    batch, rows = make_batch([(params, output)])
+    row = int(rows[0])
+    start = batch.num_tokens[row]
+    batch.token_ids[row, start:start + len(drafts)] = drafts  # as InputBatch.update puts them
+    ahead = np.arange(len(drafts) + 1)
+    t = build_sampling_tensors(batch, np.repeat(rows, len(ahead)), V, EOS, CPU, ahead)
+    logits = torch.randn(len(ahead), V, generator=torch.Generator().manual_seed(0)) * 3
+    got, _ = target_distribution(logits, t)
+    for j in ahead:
+        seen = output + drafts[:j]
+        expected = reference_logits(logits[j:j + 1], [params], [seen])[0]
+        expected = reference_penalties(expected, params, [1, 5, 9], seen)
+        torch.testing.assert_close(got[j], expected, msg=f"row {j}")
+    assert t.steps.tolist() == [1, 2, 3, 4]
+    assert got[2, 30] == NEG_INF and got[1, 30] > NEG_INF  # x, y drafted: the word's end
+    assert got[1, EOS[0]] == NEG_INF and got[2, EOS[0]] > NEG_INF  # 3 outputs from row 2 on
