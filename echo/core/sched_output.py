@@ -83,3 +83,6 @@ class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     req_ids: list[str] = []
     num_words: int = 0  # per row: ceil(vocab_size / 32)
     rows: bytes = b""
+    # speculative decoding: rows per request (one per draft it verifies, then one); [] when
+    # every request has one
+    row_counts: list[int] = []

@@ -57,18 +57,12 @@ def plain_sampling(params) -> bool:
     """Temperature (or greedy) sampling of the raw distribution, nothing the host must see
     between two tokens: what several decode steps per launch sample. Requests with
     top-k/top-p/min-p, penalties, token rules, grammars or logprobs decode one token a
-    launch (or verify drafts: see drafts_for)."""
+    launch (or verify drafts: the rejection sampler verifies every sampling option, each row at
+    the distribution plain decoding would sample from, grammars with a mask per row)."""
     return (params.top_k in (-1, 0) and params.top_p == 1 and params.min_p == 0
             and not params.has_penalties and not params.has_token_rules
             and params.structured_outputs is None and params.logprobs is None
             and params.min_tokens == 0)
-
-
-def drafts_for(request: Request) -> bool:
-    """Whether speculative decoding drafts for the request: the rejection sampler verifies
-    every sampling option (each row at the distribution plain decoding would sample from),
-    not yet grammars."""
-    return request.grammar is None and request.sampling_params.structured_outputs is None
 
 
 class Scheduler:
@@ -544,12 +538,11 @@ class Scheduler:
     def _draft_requests(self, scheduled_running: list[Request],
                         new_reqs: list[Request]) -> list[str]:
         """The requests the workers' drafter proposes for after this step: those that sample
-        in it (a token in flight for it now), drafts_for() them and have tokens left after
-        it."""
+        in it (a token in flight for it now) and have tokens left after it."""
         if self.drafts_paused():
             return []
         return [r.request_id for requests in (scheduled_running, new_reqs) for r in requests
-                if r.num_output_placeholders and drafts_for(r)
+                if r.num_output_placeholders
                 and r.token_limit - r.num_tokens - r.num_output_placeholders > 0]
 
     def take_model_drafts(self, drafts: dict[str, list[int]]) -> None:
@@ -578,7 +571,7 @@ class Scheduler:
         if self.drafts_paused():
             return
         for request in self.running:
-            if request.num_output_placeholders or not drafts_for(request):
+            if request.num_output_placeholders:
                 continue
             limit = request.token_limit - request.num_tokens - 1
             if limit > 0 and request.num_computed_tokens == request.num_tokens - 1:

@@ -201,7 +201,8 @@ class EngineCore:
     def _send_bitmask(self, scheduler_output: SchedulerOutput) -> None:
         with step_range("bitmask", scheduler_output.step_id):
             self.executor.apply_grammar_bitmask(self.structured.bitmask(
-                scheduler_output.step_id, scheduler_output.structured_req_ids))
+                scheduler_output.step_id, scheduler_output.structured_req_ids,
+                scheduler_output.scheduled_spec_decode_tokens))
 
     def _refuse(self, outputs: list[EngineCoreOutput], refused: list[tuple[str, str]]) -> None:
         """Finish, with an error, requests whose sampled token their grammar refused."""

@@ -90,13 +90,19 @@ class StructuredOutputManager:
                 del grammars[output.request_id]
         return refused
 
-    def bitmask(self, step_id: int, request_ids: list[str]) -> GrammarBitmask:
+    def bitmask(self, step_id: int, request_ids: list[str],
+                drafts: dict[str, list[int]] | None = None) -> GrammarBitmask:
         """The step's bitmask for the requests that sample in it, filled from matchers that
-        have accepted every token before the step."""
+        have accepted every token before the step: a row per request, or with drafts
+        (speculative decoding) one per draft and one after (RequestGrammar.fill_rows)."""
+        drafts = drafts or {}
         grammars = [(rid, self.grammars.get(rid)) for rid in request_ids]
-        rows = [(rid, g) for rid, g in grammars if g is not None and g.constrains]
+        rows = [(rid, g) for rid, g in grammars if g is not None and g.ready
+                and (g.constrains or rid in drafts)]
         if not rows:
             return GrammarBitmask(step_id, num_words=self.num_words)
+        if any(rid in drafts for rid, _ in rows):
+            return self._draft_bitmask(step_id, rows, drafts)
         count = len(rows)
         matchers = [g.matcher for _, g in rows]
         if count >= _THREADED_FILL_ROWS:
@@ -109,6 +115,18 @@ class StructuredOutputManager:
                 self._rows.view(np.uint32)[i, g.start_id // 32] |= np.uint32(1 << g.start_id % 32)
         return GrammarBitmask(step_id, [rid for rid, _ in rows], self.num_words,
                               self._rows[:count].tobytes())
+
+    def _draft_bitmask(self, step_id: int, rows: list[tuple[str, RequestGrammar]],
+                       drafts: dict[str, list[int]]) -> GrammarBitmask:
+        counts = [len(drafts.get(rid, ())) + 1 for rid, _ in rows]
+        table = np.empty((sum(counts), self.num_words), dtype=np.int32)
+        kept, kept_counts, at = [], [], 0
+        for (rid, grammar), count in zip(rows, counts):
+            if grammar.fill_rows(table[at:at + count], drafts.get(rid, [])):
+                kept.append(rid)
+                kept_counts.append(count)
+                at += count  # a request no row of which constrains is left out
+        return GrammarBitmask(step_id, kept, self.num_words, table[:at].tobytes(), kept_counts)
 
     def shutdown(self) -> None:
         self.compiler.shutdown()

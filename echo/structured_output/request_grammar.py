@@ -9,6 +9,7 @@ them; the grammar applies from the token after the closing one.
 import time
 from concurrent.futures import Future
 
+import numpy as np
 import xgrammar
 
 from echo.sampling_params import StructuredOutputsParams
@@ -82,6 +83,28 @@ class RequestGrammar:
                 return False
             self.num_accepted += 1
         return True
+
+    def fill_rows(self, rows: np.ndarray, drafts: list[int]) -> bool:
+        """Fill rows[0 .. len(drafts)] with the tokens allowed at the request's next token and
+        after each of its drafts (speculative decoding: row j as if drafts[:j] were accepted;
+        an unconstrained row allows every token), then put the state back. Rows past a draft
+        the grammar refuses stay all allowed: that draft's own row refuses it, so nothing
+        after it is emitted. True when some row constrains."""
+        state = self.reasoning, self.may_open, self.num_accepted
+        constrained = False
+        rows[:len(drafts) + 1] = -1
+        for j in range(len(drafts) + 1):
+            if self.constrains:
+                self.matcher.fill_next_token_bitmask(rows, j)
+                constrained = True
+                if self.may_open:  # a reasoning model's first token may open its reasoning
+                    rows.view(np.uint32)[j, self.start_id // 32] |= np.uint32(
+                        1 << self.start_id % 32)
+            if j == len(drafts) or not self.accept(drafts[j:j + 1]):
+                break
+        self.rollback(self.num_accepted - state[2])
+        self.reasoning, self.may_open = state[0], state[1]
+        return constrained
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last num_tokens the matcher accepted (rejected draft tokens)."""

@@ -8,15 +8,19 @@ import torch
 from echo.core.sched_output import GrammarBitmask
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, sample_req_ids: list[str],
+def apply_grammar_bitmask(logits: torch.Tensor, first_rows: dict[str, int],
                           bitmask: GrammarBitmask) -> torch.Tensor:
-    """logits: one row per request in sample_req_ids. In place on the GPU (a Triton kernel);
-    elsewhere the PyTorch twin's masked copy is returned."""
+    """first_rows: each sampling request's first logits row (its only one, or with drafts
+    the first of its 1 + drafts rows, which take its bitmask rows in order). In place on the
+    GPU (a Triton kernel); elsewhere the PyTorch twin's masked copy is returned."""
     if not bitmask.req_ids:
         return logits
-    row_of = {rid: i for i, rid in enumerate(sample_req_ids)}
-    indices = torch.tensor([row_of[rid] for rid in bitmask.req_ids], dtype=torch.int64)
-    shape = (len(bitmask.req_ids), bitmask.num_words)
+    counts = bitmask.row_counts or [1] * len(bitmask.req_ids)
+    firsts = np.array([first_rows[rid] for rid in bitmask.req_ids], dtype=np.int64)
+    num_rows = int(sum(counts))
+    indices = torch.from_numpy(np.repeat(firsts - np.cumsum(counts) + counts, counts)
+                               + np.arange(num_rows))
+    shape = (num_rows, bitmask.num_words)
     if not logits.is_cuda:
         from echo_kernels.reference import apply_token_bitmask_ref
 

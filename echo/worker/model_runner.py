@@ -207,8 +207,11 @@ class ModelRunner:
             raise RuntimeError(f"bitmask of step {bitmask.step_id} for step {step_id}")
         self.awaiting_bitmask = None
         with step_range("bitmask", step_id):
+            per_request = 1 if inp.num_drafts is None else inp.num_drafts + 1
+            firsts = np.cumsum(np.broadcast_to(per_request, len(inp.sample_seq_idx))) - per_request
             logits = apply_grammar_bitmask(
-                logits, [inp.req_ids[i] for i in inp.sample_seq_idx], bitmask)
+                logits, {inp.req_ids[i]: int(f) for i, f in zip(inp.sample_seq_idx, firsts)},
+                bitmask)
         self._sample(step_id, inp, hidden, logits)
 
     def _sample(self, step_id: int, inp: StepInputs, hidden: torch.Tensor,

@@ -128,6 +128,30 @@ def test_chunked_prefill_and_prefix_caching_keep_the_constraint(tiny_chat_model,
     assert texts == expected
 
 
+def test_drafts_are_verified_with_the_grammars_mask_at_each_position(tiny_chat_model, llm):
+    """n-gram speculation for structured requests (drafts from a prompt holding JSON of the
+    schema's shape): each draft's row is masked as plain decoding would mask it there, so
+    the outputs stay valid, the greedy one equals the run without speculation, and drafts
+    are accepted."""
+    prompt = ('Like {"name": "ann", "age": 7, "color": "red", "tags": ["a", "b"]}, '
+              'describe a person as JSON:')
+    greedy = SamplingParams(temperature=0, max_tokens=200,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    params = [greedy] + [json_params(seed) for seed in range(4)]
+    expected = assert_valid(llm.generate([prompt], greedy, use_tqdm=False))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+    drafting = make_llm(tiny_chat_model, speculative_config=spec)
+    try:
+        texts = assert_valid(drafting.generate([prompt] * 5, params, use_tqdm=False))
+        stats = drafting.stats()
+        assert drafting.engine.scheduler.kv.usage == 0
+    finally:
+        drafting.shutdown()
+    assert texts[0] == expected[0]
+    assert stats.spec_num_accepted_tokens > 0 and stats.spec_num_drafts > 0
+
+
 def test_tensor_parallel_workers_apply_the_same_mask(tiny_chat_model, llm):
     params = [json_params(seed) for seed in range(4)]
     expected = assert_valid(llm.generate([PROMPT] * 4, params, use_tqdm=False))
