@@ -395,9 +395,6 @@ class EngineConfig:
                    f"{target.hidden_size}")
             _check(target.num_layers >= 4, name, "an EAGLE-3 head needs a target of at least "
                    f"4 layers, not {target.num_layers}")
-            _check(tp == 1, "tensor_parallel_size",
-                   "speculative_config method 'eagle3' runs with tensor_parallel_size 1 yet")
-            return  # the head's rotary table is built for max_model_len
         for size, what in ((draft.num_heads, "num_attention_heads"),
                            (draft.intermediate_size, "intermediate_size")):
             _check(size % tp == 0, name, f"tensor_parallel_size {tp} does not divide the "
@@ -405,6 +402,8 @@ class EngineConfig:
         _check(draft.num_kv_heads % tp == 0 or tp % draft.num_kv_heads == 0, name,
                f"tensor_parallel_size {tp} neither divides nor is a multiple of the draft's "
                f"num_key_value_heads ({draft.num_kv_heads})")
+        if self.speculative.method == "eagle3":
+            return  # the head's rotary table is built for max_model_len
         _check(self.model.max_model_len <= draft.max_position_embeddings
                or draft.rope_scaling is not None, name,
                f"max_model_len {self.model.max_model_len} exceeds the draft's "

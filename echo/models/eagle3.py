@@ -65,8 +65,6 @@ class Eagle3Head(nn.Module):
     def __init__(self, config: Eagle3Config, tp: TPGroup = SINGLE,
                  max_position: int | None = None):
         super().__init__()
-        if tp.size != 1:
-            raise ValueError("an EAGLE-3 head runs with tensor_parallel_size 1 for now")
         arch = config.arch
         self.arch, self.config = arch, config
         self.fc = ReplicatedLinear(3 * config.target_hidden_size, arch.hidden_size, False, tp)

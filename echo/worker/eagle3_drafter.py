@@ -24,6 +24,7 @@ from torch import nn
 
 from echo.config import EngineConfig
 from echo.core.step_results import ModelRunnerOutput
+from echo.distributed.parallel_state import TPGroup
 from echo.layers.attention import ForwardContext
 from echo.models.arch import eagle3_target_layers
 from echo.worker.cuda_graphs import CudaGraphRunner
@@ -63,11 +64,12 @@ class _HeadSteps(nn.Module):
 
 
 class Eagle3Drafter(Drafter):
-    def __init__(self, config: EngineConfig, target: nn.Module, device: torch.device):
-        self.target = target
+    def __init__(self, config: EngineConfig, target: nn.Module, tp: TPGroup,
+                 device: torch.device):
+        self.target, self.tp = target, tp
         dtype = getattr(torch, config.model.dtype)
         self.head = build_eagle3_head(config.draft_model.path, dtype, device,
-                                      max_position=config.model.max_model_len)
+                                      max_position=config.model.max_model_len, tp=tp)
         target.model.aux_layers = eagle3_target_layers(config.model.arch.num_layers)
         super().__init__(config, device, 1, self.head.midlayer.self_attn, dtype)
         self.steps: _HeadSteps | None = None
@@ -91,7 +93,7 @@ class Eagle3Drafter(Drafter):
             self.steps, self.backend, self.kv_caches, buffers, self.graphs,
             self.config.cache.block_size, sched.max_num_seqs, max(1, self.num_tokens - 1),
             self.device, max_position=sched.max_model_len)
-        if self.graphs is not None:
+        if self.graphs is not None and self.tp.size == 1:  # as the draft model's
             self.decoder.capture()
 
     def follow(self, *args, graph=None) -> None:

@@ -126,13 +126,15 @@ def build_model(config: ModelConfig, device: torch.device, tp: TPGroup = SINGLE)
 
 
 def build_eagle3_head(folder: Path, dtype: torch.dtype, device: torch.device,
-                      max_position: int | None = None) -> nn.Module:
-    """An EAGLE-3 head (echo/models/eagle3.py) from its folder: config.json and safetensors."""
+                      max_position: int | None = None, tp: TPGroup = SINGLE) -> nn.Module:
+    """An EAGLE-3 head (echo/models/eagle3.py) from its folder: config.json and safetensors;
+    under tensor parallelism its attention heads, MLP and LM head are split as a Llama
+    layer's are (fc is replicated)."""
     from echo.models.arch import eagle3_config, read_config_json
     from echo.models.eagle3 import Eagle3Head
 
     config = eagle3_config(read_config_json(folder / "config.json"),
                            source=f"{folder}/config.json")
-    head = _construct(lambda: Eagle3Head(config, max_position=max_position), dtype, device)
+    head = _construct(lambda: Eagle3Head(config, tp, max_position), dtype, device)
     load_weights(head, folder)
     return head.eval()

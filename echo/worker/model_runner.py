@@ -85,7 +85,7 @@ class ModelRunner:
         # target's (draft_model.py, eagle3_drafter.py)
         self.drafter: DraftModel | Eagle3Drafter | None = None
         if config.draft_model is not None and config.speculative.method == "eagle3":
-            self.drafter = Eagle3Drafter(config, self.model, self.device)
+            self.drafter = Eagle3Drafter(config, self.model, tp, self.device)
         elif config.draft_model is not None:
             self.drafter = DraftModel(config, tp, self.device)
         # step id -> the requests the drafter proposes for once the step's tokens land

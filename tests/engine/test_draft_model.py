@@ -127,6 +127,37 @@ def test_an_eagle3_head_drafts_from_the_targets_hidden_states(family, tmp_path):
     assert stats.spec_num_drafts > 0 and stats.spec_num_draft_tokens > stats.spec_num_drafts
 
 
+def test_an_eagle3_head_split_over_two_ranks_drafts_as_on_one(tmp_path):
+    """TP=2 (gloo): the head's attention heads, MLP and LM head split as a Llama layer's; its
+    drafts are those of TP=1 (numerics aside) and the tokens those without speculation."""
+    from tests.models.test_eagle3 import write_head
+
+    target = write_tiny_model(tmp_path / "target", "llama", tie=False, num_layers=6)
+    write_head(tmp_path / "head")
+    prompts = [[1, 5, 9, 5, 9, 5, 9, 5], list(range(10, 40))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 14)]
+    spec = {"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
+    expected, _ = generate(target, prompts, params, num_gpu_blocks_override=64)
+
+    def drafted(tp: int):
+        llm = LLM(str(target), device="cpu", max_model_len=512, max_num_seqs=8,
+                  num_gpu_blocks_override=64, tensor_parallel_size=tp, speculative_config=spec)
+        scheduler, drafts = llm.engine.scheduler, []
+        take = scheduler.take_model_drafts
+        scheduler.take_model_drafts = lambda d: drafts.append(sorted(d.items())) or take(d)
+        try:
+            return llm.generate(prompts, params, use_tqdm=False), drafts
+        finally:
+            llm.shutdown()
+
+    one, one_drafts = drafted(1)
+    two, two_drafts = drafted(2)
+    assert completions(one) == completions(two) == completions(expected)
+    flat = lambda steps: [t for step in steps for _, d in step for t in d]  # noqa: E731
+    pairs = list(zip(flat(one_drafts), flat(two_drafts), strict=True))
+    assert len(pairs) > 30 and sum(a == b for a, b in pairs) >= 0.95 * len(pairs)
+
+
 def test_bad_eagle3_heads_are_named(tiny_llama, tmp_path):
     from echo.config import EngineConfig
     from tests.models.test_eagle3 import write_head

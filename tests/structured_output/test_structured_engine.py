@@ -255,3 +255,20 @@ def test_gpu_masks_with_the_kernel_and_graphs_and_async_equals_sync(tiny_chat_mo
         finally:
             gpu.shutdown()
     assert texts[0] == texts[1] and len(set(texts[0])) > 8
+
+
+@pytest.mark.gpu
+def test_gpu_drafts_verified_with_masks_per_position(tiny_chat_model):
+    """On the GPU, n-gram drafts of structured requests: the kernel masks each draft's row,
+    verification batches replay their graphs; outputs stay valid."""
+    prompt = ('Like {"name": "ann", "age": 7, "color": "red", "tags": ["a", "b"]}, '
+              'describe a person as JSON:')
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+    gpu = make_llm(tiny_chat_model, device="cuda", speculative_config=spec)
+    try:
+        assert_valid(gpu.generate([prompt] * 8, [json_params(seed) for seed in range(8)],
+                                  use_tqdm=False))
+        assert gpu.stats().spec_num_accepted_tokens > 0
+    finally:
+        gpu.shutdown()
