@@ -269,9 +269,9 @@ class ModelRunner:
             at = torch.minimum(firsts[:, None] + torch.arange(width, device=cu.device),
                                cu[1:, None] - 1)
             own = raw[at, emitted.clamp(min=0)].tolist()
-            top = raw[at].topk(t.max_logprobs, dim=-1) if t.max_logprobs > 0 else None
-            top_ids = top.indices.tolist() if top is not None else None
-            top_lps = top.values.tolist() if top is not None else None
+            top = raw.topk(t.max_logprobs, dim=-1) if t.max_logprobs > 0 else None
+            top_ids = top.indices[at].tolist() if top is not None else None
+            top_lps = top.values[at].tolist() if top is not None else None
         emitted = emitted.tolist()
         sampled_ids: list[list[int]] = [[] for _ in inp.req_ids]
         logprobs: list[list[LogprobsEntry] | None] = [None] * len(inp.req_ids)

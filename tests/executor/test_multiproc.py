@@ -59,9 +59,9 @@ def assert_same_output(got: ModelRunnerOutput, expected: ModelRunnerOutput, exac
     assert (got.step_id, got.req_ids, got.sampled_token_ids) == \
         (expected.step_id, expected.req_ids, expected.sampled_token_ids)
     assert len(got.logprobs) == len(expected.logprobs)
-    for a, b in zip(got.logprobs, expected.logprobs):
-        assert (a is None) == (b is None)
-        if a is not None:
+    for entries_a, entries_b in zip(got.logprobs, expected.logprobs):
+        assert (entries_a is None) == (entries_b is None)
+        for a, b in zip(entries_a or [], entries_b or [], strict=True):
             assert a.top_token_ids == b.top_token_ids
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
             assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=1e-4)
@@ -118,7 +118,7 @@ def test_handcrafted_steps_match_uniproc_with_two_in_flight(executor, uniproc_ou
         assert_same_output(got, expected, exact=executor.tp_size == 1)
     # the steps exercised what they meant to: an unfinished chunk, a sampled request's logprobs
     assert outputs[0].sampled_token_ids[1] == [] and len(outputs[1].sampled_token_ids[1]) == 1
-    assert outputs[3].req_ids == ["r0", "r2"] and len(outputs[3].logprobs[1].top_token_ids) == 2
+    assert outputs[3].req_ids == ["r0", "r2"] and len(outputs[3].logprobs[1][0].top_token_ids) == 2
     with pytest.raises(RuntimeError, match="without a step in flight"):
         executor.get_output()
 
