@@ -98,6 +98,19 @@ def test_a_prefix_reused_after_rejections_hits_the_cache_and_gives_the_same_outp
         llm.shutdown()
 
 
+def test_int8_kv_and_chunked_prefill_beside_verifications(smollm2):
+    """An int8 KV cache, and prompts prefilled in chunks of 24 tokens in the steps where the
+    other requests verify drafts: the greedy tokens are those without speculation on the same
+    cache and budget."""
+    prompts = [REPEATS[1], REPEATS[0] * 2, REPEATS[2]]
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    kwargs = {"kv_cache_dtype": "int8", "max_num_batched_tokens": 24}
+    expected, _, _, _ = run(smollm2, prompts, greedy, speculative=False, **kwargs)
+    outputs, drafted, accepted, _ = run(smollm2, prompts, greedy, speculative=True, **kwargs)
+    assert completions(outputs) == completions(expected)
+    assert accepted > 0 and drafted > accepted
+
+
 def test_every_sampling_option_is_verified_as_plain_decoding_samples(smollm2):
     """Drafts for requests with penalties, logit_bias, bad words, min_tokens and logprobs are
     verified at the distribution plain decoding samples from after the drafts before them:
