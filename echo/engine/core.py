@@ -135,30 +135,13 @@ class EngineCore:
         """Schedule and launch the next step before waiting for the oldest one in flight, so
         scheduling on the CPU overlaps the workers' GPU work. Returns None when nothing came
         back this call (the pipeline is filling)."""
-        scheduled = False
         structured = self.structured
         failed = self._fail(structured.poll()) if structured.compiling else []
         kv = self.scheduler.kv
+        scheduled = False
         if len(self.in_flight) < self._pipeline_depth() and (
                 self.scheduler.has_unfinished_requests() or kv.transfers_pending):
-            with step_range("schedule", self.scheduler._step_id):
-                scheduler_output = self.scheduler.schedule()
-            # a step with nothing to compute still carries forgotten requests and KV copies,
-            # and polls the copies in flight (the workers report them done with an output)
-            if (not scheduler_output.is_empty or scheduler_output.finished_req_ids
-                    or scheduler_output.has_kv_transfers or kv.transfers_pending):
-                polling = not (scheduler_output.finished_req_ids
-                               or scheduler_output.has_kv_transfers)
-                if scheduler_output.is_empty and polling:
-                    time.sleep(_TRANSFER_POLL_S)  # only waiting on copies: do not spin
-                self.executor.execute_model_async(scheduler_output)
-                if scheduler_output.structured_req_ids:
-                    if self.in_flight:  # the step before it still owes tokens
-                        self._bitmask_due = scheduler_output
-                    else:
-                        self._send_bitmask(scheduler_output)
-                self.in_flight.append(scheduler_output)
-                scheduled = not scheduler_output.is_empty
+            scheduled = self._launch_next()
         # wait for the oldest step once the pipeline is full, or when nothing new could start
         if not self.in_flight or (scheduled and len(self.in_flight) < self._pipeline_depth()):
             if not self.in_flight and structured.compiling and not failed:
@@ -177,12 +160,39 @@ class EngineCore:
                 self._bitmask_due = None
             if self.proposer is not None:
                 self.scheduler.propose_drafts(self.proposer.propose)
+        if (self.max_in_flight > 1 and not self.in_flight and self._pipeline_depth() == 1
+                and self.scheduler.has_unfinished_requests()):
+            # drafting holds one step in flight: launch the next (its drafts are in) before
+            # the outputs go back, so their return and processing overlap it
+            self._launch_next()
         if (not (failed or outputs) and scheduler_output.is_empty
                 and (scheduler_output.has_kv_transfers or self.scheduler.kv.transfers_pending)):
             return None  # a step that only carried or polled copies: nothing to tell
         return EngineCoreOutputs(outputs=failed + outputs,
                                  scheduler_stats=self.scheduler.make_stats(),
                                  timestamp=time.time())
+
+    def _launch_next(self) -> bool:
+        """Schedule a step and send it to the workers; whether it computes anything."""
+        kv = self.scheduler.kv
+        with step_range("schedule", self.scheduler._step_id):
+            scheduler_output = self.scheduler.schedule()
+        # a step with nothing to compute still carries forgotten requests and KV copies, and
+        # polls the copies in flight (the workers report them done with an output)
+        if (scheduler_output.is_empty and not scheduler_output.finished_req_ids
+                and not scheduler_output.has_kv_transfers and not kv.transfers_pending):
+            return False
+        polling = not (scheduler_output.finished_req_ids or scheduler_output.has_kv_transfers)
+        if scheduler_output.is_empty and polling:
+            time.sleep(_TRANSFER_POLL_S)  # only waiting on copies: do not spin
+        self.executor.execute_model_async(scheduler_output)
+        if scheduler_output.structured_req_ids:
+            if self.in_flight:  # the step before it still owes tokens
+                self._bitmask_due = scheduler_output
+            else:
+                self._send_bitmask(scheduler_output)
+        self.in_flight.append(scheduler_output)
+        return not scheduler_output.is_empty
 
     def _pipeline_depth(self) -> int:
         """How many steps may be in flight. With speculative decoding a step's drafts come from
