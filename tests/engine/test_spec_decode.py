@@ -229,3 +229,27 @@ def test_above_the_batch_size_cutoff_two_steps_overlap_and_drafts_resume_below(t
     assert not any(spec and r > 2 for _, r, spec in depths)  # no drafts above it
     assert all(d == 1 for d, _, spec in depths if spec)  # a step with drafts runs alone
     assert stats.spec_num_accepted_tokens > 0  # the two left drafted, all accepted
+
+
+def test_while_drafting_the_next_step_is_launched_before_the_outputs_return(tiny_llama,
+                                                                             tmp_path):
+    """One step in flight while requests draft, but launched as soon as the drafts are in:
+    when a step's outputs come back to the caller, the next step is already on its way."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 30, 30)]
+    expected, llm = oracle_engine(tiny_llama, tmp_path, params, oracle_acceptance=0.5)
+    engine, in_flight_at_return = llm.engine, []
+    step = llm._next_outputs  # the in-process engine's step_overlapped
+
+    def recording():
+        outputs = step()
+        if outputs is not None and outputs.outputs and engine.scheduler.has_unfinished_requests():
+            in_flight_at_return.append(len(engine.in_flight))
+        return outputs
+
+    llm._next_outputs = recording
+    try:
+        outputs = llm.generate(ORACLE_PROMPTS, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert completions(outputs) == completions(expected)
+    assert len(in_flight_at_return) > 5 and set(in_flight_at_return) == {1}
