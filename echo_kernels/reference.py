@@ -168,25 +168,30 @@ def rejection_sample_ref(logits, draft_ids, cu_rows, temperature, seeds, steps, 
     request = torch.repeat_interleave(torch.arange(len(counts), device=logits.device), counts)
     temperature = temperature.float()[request]
     greedy = temperature == 0
-    position = torch.arange(rows, device=logits.device) - cu_rows[:-1].long()[request]
-    noise = uniform_noise_ref(seeds[request], steps[request] + position, vocab + 1)
-    accept_u, gumbel = noise[:, vocab], -torch.log(-torch.log(noise[:, :vocab]))
     x = logits.float()
-    probs = torch.softmax(x / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
     has_draft = draft_ids >= 0
-    draft = draft_ids.clamp(min=0)[:, None]
-    if draft_probs is None:
-        q = torch.zeros_like(probs).scatter_(-1, draft, 1.0)
+    if bool(greedy.all()):  # no noise to draw (what the kernel computes for greedy rows)
+        token = x.argmax(-1)
+        accepted = (token == draft_ids) & has_draft
     else:
-        q = draft_probs.float()
-    q = torch.where(has_draft[:, None], q, 0.0)
-    accepted = torch.where(greedy, x.argmax(-1) == draft_ids,
-                           accept_u * q.gather(-1, draft)[:, 0] <= probs.gather(-1, draft)[:, 0])
-    accepted &= has_draft
-    residual = (probs - q).clamp(min=0)
-    sampled = torch.where(residual.sum(-1) > 0, (residual.log() + gumbel).argmax(-1),
-                          (probs.log() + gumbel).argmax(-1))
-    token = torch.where(greedy, x.argmax(-1), sampled)
+        position = torch.arange(rows, device=logits.device) - cu_rows[:-1].long()[request]
+        noise = uniform_noise_ref(seeds[request], steps[request] + position, vocab + 1)
+        accept_u, gumbel = noise[:, vocab], -torch.log(-torch.log(noise[:, :vocab]))
+        probs = torch.softmax(x / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
+        draft = draft_ids.clamp(min=0)[:, None]
+        if draft_probs is None:
+            q = torch.zeros_like(probs).scatter_(-1, draft, 1.0)
+        else:
+            q = draft_probs.float()
+        q = torch.where(has_draft[:, None], q, 0.0)
+        p_draft = probs.gather(-1, draft)[:, 0]
+        accepted = torch.where(greedy, x.argmax(-1) == draft_ids,
+                               accept_u * q.gather(-1, draft)[:, 0] <= p_draft)
+        accepted &= has_draft
+        residual = (probs - q).clamp(min=0)
+        sampled = torch.where(residual.sum(-1) > 0, (residual.log() + gumbel).argmax(-1),
+                              (probs.log() + gumbel).argmax(-1))
+        token = torch.where(greedy, x.argmax(-1), sampled)
     out = torch.full((len(counts), width), -1, dtype=torch.int64, device=logits.device)
     for r in range(len(counts)):
         first, last = int(cu_rows[r]), int(cu_rows[r + 1]) - 1
