@@ -31,7 +31,7 @@ generate: install
 	$(BIN)/python -m echo generate --prompt "$(PROMPT)"
 
 test: install
-	$(BIN)/python -m pytest -m "not gpu and not slow" -q
+	$(BIN)/python -m pytest -m "not gpu and not slow" -q --durations=15
 
 # end-to-end load checks that would push `make test` past its budget; .ci/run runs them after it
 test-slow: install

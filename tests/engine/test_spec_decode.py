@@ -103,7 +103,7 @@ def test_int8_kv_and_chunked_prefill_beside_verifications(smollm2):
     other requests verify drafts: the greedy tokens are those without speculation on the same
     cache and budget."""
     prompts = [REPEATS[1], REPEATS[0] * 2, REPEATS[2]]
-    greedy = SamplingParams(temperature=0, max_tokens=32)
+    greedy = SamplingParams(temperature=0, max_tokens=20)
     kwargs = {"kv_cache_dtype": "int8", "max_num_batched_tokens": 24}
     expected, _, _, _ = run(smollm2, prompts, greedy, speculative=False, **kwargs)
     outputs, drafted, accepted, _ = run(smollm2, prompts, greedy, speculative=True, **kwargs)
@@ -117,20 +117,20 @@ def test_every_sampling_option_is_verified_as_plain_decoding_samples(smollm2):
     greedy tokens and their logprobs equal those without speculation (penalties that count
     the drafts as outputs flip argmaxes on this repeated text when miscounted); top_k=1 at
     temperature 1 is greedy; top-k/top-p/min-p draws stay inside their filter."""
-    greedy = dict(temperature=0, max_tokens=40)
+    greedy = dict(temperature=0, max_tokens=24)
     fox = REPEATS[0]
     cases = [(fox, SamplingParams(repetition_penalty=1.3, logprobs=3, **greedy)),
              (REPEATS[1], SamplingParams(presence_penalty=0.6, frequency_penalty=0.3,
                                          **greedy)),
              (fox, SamplingParams(bad_words=["lazy"], logit_bias={578: 2.0}, **greedy)),
-             (fox, SamplingParams(min_tokens=30, logprobs=0, **greedy)),
-             (REPEATS[1], SamplingParams(temperature=1.0, top_k=1, max_tokens=40)),
+             (fox, SamplingParams(min_tokens=20, logprobs=0, **greedy)),
+             (REPEATS[1], SamplingParams(temperature=1.0, top_k=1, max_tokens=24)),
              (fox, SamplingParams(temperature=1.0, top_k=3, seed=1, logprobs=3,
-                                  max_tokens=40)),
+                                  max_tokens=24)),
              (fox, SamplingParams(temperature=1.0, top_p=0.3, seed=2, logprobs=20,
-                                  max_tokens=40)),
+                                  max_tokens=24)),
              (fox, SamplingParams(temperature=1.5, min_p=0.2, seed=3, logprobs=1,
-                                  max_tokens=40))]
+                                  max_tokens=24))]
     prompts, params = [p for p, _ in cases], [q for _, q in cases]
     expected, _, _, _ = run(smollm2, prompts, params, speculative=False)
     outputs, drafted, accepted, _ = run(smollm2, prompts, params, speculative=True)
