@@ -108,6 +108,7 @@ def test_errors_have_status_and_message_then_next_request_works(client, kwargs, 
     assert ok.usage.completion_tokens == 2
 
 
+@pytest.mark.slow  # a load test (56 s on 2 cores): .ci/run runs it after make test
 def test_200_streams_with_50_disconnects_leave_the_server_clean(smol_server):
     _, base = smol_server
     rng = random.Random(0)
