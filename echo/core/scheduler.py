@@ -56,9 +56,8 @@ from echo.core.stop_checker import check_stop
 def plain_sampling(params) -> bool:
     """Temperature (or greedy) sampling of the raw distribution, nothing the host must see
     between two tokens: what several decode steps per launch sample. Requests with
-    top-k/top-p/min-p, penalties, token rules, grammars or logprobs decode one token a
-    launch (or verify drafts: the rejection sampler verifies every sampling option, each row at
-    the distribution plain decoding would sample from, grammars with a mask per row)."""
+    top-k/top-p/min-p, penalties, token rules, grammars or logprobs decode one token a launch
+    (speculative decoding verifies drafts for any request)."""
     return (params.top_k in (-1, 0) and params.top_p == 1 and params.min_p == 0
             and not params.has_penalties and not params.has_token_rules
             and params.structured_outputs is None and params.logprobs is None

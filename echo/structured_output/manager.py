@@ -111,8 +111,7 @@ class StructuredOutputManager:
             for i, matcher in enumerate(matchers):
                 matcher.fill_next_token_bitmask(self._rows, i)
         for i, (_, g) in enumerate(rows):
-            if g.may_open:  # a reasoning model's first token may open its reasoning
-                self._rows.view(np.uint32)[i, g.start_id // 32] |= np.uint32(1 << g.start_id % 32)
+            g.allow_opening_tag(self._rows[i])
         return GrammarBitmask(step_id, [rid for rid, _ in rows], self.num_words,
                               self._rows[:count].tobytes())
 

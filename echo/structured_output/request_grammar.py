@@ -84,6 +84,12 @@ class RequestGrammar:
             self.num_accepted += 1
         return True
 
+    def allow_opening_tag(self, row: np.ndarray) -> None:
+        """Set the reasoning tag's bit in a filled mask row while the request's first token may
+        still open its reasoning."""
+        if self.may_open:
+            row.view(np.uint32)[self.start_id // 32] |= np.uint32(1 << self.start_id % 32)
+
     def fill_rows(self, rows: np.ndarray, drafts: list[int]) -> bool:
         """Fill rows[0 .. len(drafts)] with the tokens allowed at the request's next token and
         after each of its drafts (speculative decoding: row j as if drafts[:j] were accepted;
@@ -97,9 +103,7 @@ class RequestGrammar:
             if self.constrains:
                 self.matcher.fill_next_token_bitmask(rows, j)
                 constrained = True
-                if self.may_open:  # a reasoning model's first token may open its reasoning
-                    rows.view(np.uint32)[j, self.start_id // 32] |= np.uint32(
-                        1 << self.start_id % 32)
+                self.allow_opening_tag(rows[j])
             if j == len(drafts) or not self.accept(drafts[j:j + 1]):
                 break
         self.rollback(self.num_accepted - state[2])
