@@ -109,7 +109,8 @@ class Eagle3Drafter(Drafter):
         buffers = self.buffers
         buffers.flip()
         input_ids, positions, meta = buffers.load(first)
-        aux = [h[torch.from_numpy(flat).to(self.device)] for h in self.target.model.aux_hidden]
+        index = torch.from_numpy(flat).to(self.device)  # one upload for the three layers
+        aux = [h[index] for h in self.target.model.aux_hidden]
         out = self.head(self.target.model.embed_tokens(input_ids), self.head.fuse(aux),
                         positions, ForwardContext(self.backend, meta, self.kv_caches))
         last = torch.from_numpy(first.logits_indices[drafting].astype(np.int64)).to(self.device)
