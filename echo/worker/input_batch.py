@@ -204,11 +204,11 @@ class InputBatch:
             placeholders = np.zeros(0, dtype=np.int64)
             num_drafts = np.array([len(spec.get(req_ids[i], ())) for i in samples],
                                   dtype=np.int64)
-            per_request = num_drafts + 1  # the last token's logits and each draft's
-            firsts = np.repeat(logits_indices - num_drafts, per_request)
-            logits_indices = firsts + (np.arange(per_request.sum())
-                                       - np.repeat(np.cumsum(per_request) - per_request,
-                                                   per_request))
+            # the last token's logits and each draft's: request j's rows end at its last
+            # token, and the i-th of all rows is request j's row i - (rows before j's end)
+            per_request = num_drafts + 1
+            logits_indices = (np.repeat(logits_indices + 1 - np.cumsum(per_request), per_request)
+                              + np.arange(per_request.sum()))
         return StepInputs(
             req_ids=req_ids,
             rows=rows,

@@ -192,7 +192,7 @@ class ModelRunner:
             buffers.put("temperature", np.pad(batch.temperature[rows], pad))
             buffers.put("seeds", np.pad(batch.seeds[rows], pad))
             buffers.put("sample_steps", np.pad(batch.num_output_tokens(rows), pad))
-            self._fill_placeholders(inp)
+            self._fill_placeholders(inp, input_ids)
             tokens = self.multi_step.run(num_steps, num_seqs, input_ids, positions, meta,
                                          replay=size is not None)
         batch.num_pending[rows] += num_steps
@@ -272,7 +272,7 @@ class ModelRunner:
             top = raw.topk(t.max_logprobs, dim=-1) if t.max_logprobs > 0 else None
             top_ids = top.indices[at].tolist() if top is not None else None
             top_lps = top.values[at].tolist() if top is not None else None
-        emitted = emitted.tolist()
+        emitted = _landed(emitted).tolist()
         sampled_ids: list[list[int]] = [[] for _ in inp.req_ids]
         logprobs: list[list[LogprobsEntry] | None] = [None] * len(inp.req_ids)
         for i, (seq, n) in enumerate(zip(seqs.tolist(), batch.logprobs[rows].tolist())):
@@ -400,21 +400,23 @@ class ModelRunner:
                 and (query_len == 1 or (np.diff(inp.cu_seqlens_q) == query_len).all())):
             size = self.graphs.padded_size(num_seqs, query_len)
             if size is not None:
-                self.buffers.load(inp, pad_seqs_to=size)
-                self._fill_placeholders(inp)
+                input_ids, _, _ = self.buffers.load(inp, pad_seqs_to=size)
+                self._fill_placeholders(inp, input_ids)
                 hidden = self.graphs.replay(size, query_len)[:num_tokens]
                 if self.drafter is not None:
                     self.drafter.follow(None, None, None, graph=(size, query_len))
                 return hidden
         input_ids, positions, meta = self.buffers.load(inp)
-        self._fill_placeholders(inp)
+        self._fill_placeholders(inp, input_ids)
         hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta,
                                                                  self.kv_caches))
         if self.drafter is not None:
             self.drafter.follow(input_ids, positions, meta, graph=None)
         return hidden
 
-    def _fill_placeholders(self, inp: StepInputs) -> None:
+    def _fill_placeholders(self, inp: StepInputs, input_ids: torch.Tensor) -> None:
+        """Write the tokens the previous step is still sampling into this step's input_ids
+        (StepBuffers.load's view), on the device."""
         if not len(inp.placeholder_idx):
             return
         # only the latest launched step can still owe tokens
@@ -423,7 +425,7 @@ class ModelRunner:
         source = np.array([index_of_row[r] for r in inp.placeholder_rows.tolist()])
         target = self.buffers.put("placeholder_idx", inp.placeholder_idx)
         source = self.buffers.put("placeholder_src", source)
-        self.buffers.tensor("input_ids")[target] = previous.sampled.token_ids[source]
+        input_ids[target] = previous.sampled.token_ids[source]
 
     @staticmethod
     def _runner_output(step: "_StepInFlight", token_ids: list[list[int]]) -> ModelRunnerOutput:
@@ -446,6 +448,16 @@ class ModelRunner:
                                  sampled_token_ids=sampled_ids,
                                  logprobs=logprobs if host is not None else [],
                                  prompt_logprobs=step.prompt.to_host() if step.prompt else {})
+
+
+def _landed(tensor: torch.Tensor) -> torch.Tensor:
+    """A device tensor on the host once the work before it is done: copied to pinned memory
+    behind it and waited for, which ends as the copy does (a .tolist() of the device tensor
+    starts its own copy after the wait)."""
+    host = _to_host_async(tensor)
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+    return host
 
 
 def _to_host_async(tensor: torch.Tensor | None) -> torch.Tensor | None:

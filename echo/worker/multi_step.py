@@ -27,21 +27,25 @@ from echo.worker.sampler import gumbel_sample
 from echo.worker.step_buffers import StepBuffers
 
 
-def advance_decode_inputs(buffers: StepBuffers, tokens: torch.Tensor, block_table: torch.Tensor,
-                          block_size: int, max_position: int | None = None) -> None:
-    """Turn a decode batch's inputs into the next step's, on the device: the sampled token is
-    each sequence's next input, one position and one context token further, stored at the slot
-    the block table gives that position. Padding rows (slot -1: they store nothing) stay as
-    they are, so the same captured graph serves any batch up to its size. A row reaching
-    max_position (a draft model's steps past max_model_len) stores nothing from then on."""
+def advance_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor,
+                          meta: AttentionMetadata, sample_steps: torch.Tensor,
+                          tokens: torch.Tensor, block_size: int,
+                          max_position: int | None = None) -> None:
+    """Turn a decode batch's inputs (StepBuffers.load's views) into the next step's, on the
+    device: the sampled token is each sequence's next input, one position and one context
+    token further, stored at the slot the block table gives that position. Padding rows (slot
+    -1: they store nothing) stay as they are, so the same captured graph serves any batch up to
+    its size. A row reaching max_position (a draft model's steps past max_model_len) stores
+    nothing from then on."""
     rows = tokens.shape[0]
-    input_ids, positions = buffers.tensor("input_ids")[:rows], buffers.tensor("positions")[:rows]
-    slots, seq_lens = buffers.tensor("slot_mapping")[:rows], buffers.tensor("seq_lens")[:rows]
+    input_ids, positions = input_ids[:rows], positions[:rows]
+    slots, seq_lens = meta.slot_mapping[:rows], meta.seq_lens[:rows]
+    block_table = meta.block_table
     real = slots >= 0
     input_ids.copy_(torch.where(real, tokens, input_ids))
     positions.add_(real)
     seq_lens.add_(real)
-    buffers.tensor("sample_steps")[:rows].add_(real)  # the output index the seeds' noise uses
+    sample_steps[:rows].add_(real)  # the output index the seeds' noise uses
     # after a launch's last step the position may be past the blocks allocated: that slot is
     # never used (the next launch loads its own inputs), but the gather must stay in the table
     index = torch.div(positions, block_size, rounding_mode="floor").clamp_(
@@ -84,14 +88,16 @@ class MultiStepDecoder:
         # graph of that size
         self.sample_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def sample_and_advance(self, hidden: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        rows = block_table.shape[0]
+    def sample_and_advance(self, hidden: torch.Tensor, input_ids: torch.Tensor,
+                           positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        rows = meta.num_seqs
         buffers = self.buffers
         logits = self.model.compute_logits(hidden[:rows])
+        sample_steps = buffers.tensor("sample_steps")
         tokens = gumbel_sample(logits, buffers.tensor("temperature")[:rows],
-                               buffers.tensor("seeds")[:rows],
-                               buffers.tensor("sample_steps")[:rows])
-        advance_decode_inputs(buffers, tokens, block_table, self.block_size, self.max_position)
+                               buffers.tensor("seeds")[:rows], sample_steps[:rows])
+        advance_decode_inputs(input_ids, positions, meta, sample_steps, tokens, self.block_size,
+                              self.max_position)
         return tokens
 
     @torch.inference_mode()
@@ -99,13 +105,13 @@ class MultiStepDecoder:
         """A sampling graph per captured forward size, largest first into one pool."""
         pool = None
         for size in sorted(self.graphs.sizes, reverse=True):
-            _, _, meta = self.buffers.load_padding(size, self.graphs.max_model_len)
+            ids, positions, meta = self.buffers.load_padding(size, self.graphs.max_model_len)
             hidden = self.graphs.outputs(size)
-            self.sample_and_advance(hidden, meta.block_table)  # compile outside the capture
+            self.sample_and_advance(hidden, ids, positions, meta)  # compile outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                tokens = self.sample_and_advance(hidden, meta.block_table)
+                tokens = self.sample_and_advance(hidden, ids, positions, meta)
             pool = pool or graph.pool()
             self.sample_graphs[size] = (graph, tokens)
         torch.cuda.synchronize()
@@ -126,7 +132,7 @@ class MultiStepDecoder:
                 sample_graph[0].replay()
                 tokens = sample_graph[1]
             else:
-                tokens = self.sample_and_advance(hidden, meta.block_table)
+                tokens = self.sample_and_advance(hidden, input_ids, positions, meta)
             self.tokens[step, :rows].copy_(tokens)
         tokens = self.tokens[:num_steps, :num_seqs]
         # on the CPU nothing copies them out before the next launch overwrites them

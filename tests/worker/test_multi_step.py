@@ -21,19 +21,19 @@ def test_advance_by_hand():
         cu_seqlens_q=np.array([0, 1, 2], dtype=np.int32), seq_lens=np.array([8, 2], np.int32),
         sample_seq_idx=np.array([0, 1]), logits_indices=np.array([0, 1]),
         placeholder_idx=np.zeros(0, np.int64), placeholder_rows=np.zeros(0, np.int64))
-    _, _, meta = buffers.load(inp, pad_seqs_to=3)
-    buffers.put("sample_steps", np.array([4, 0, 0]))
-    advance_decode_inputs(buffers, torch.tensor([101, 102, 103]), meta.block_table, 4)
-    assert buffers.tensor("input_ids")[:3].tolist() == [101, 102, 0]
-    assert buffers.tensor("positions")[:3].tolist() == [8, 2, 0]
-    assert buffers.tensor("seq_lens")[:3].tolist() == [9, 3, 1]
-    assert buffers.tensor("slot_mapping")[:3].tolist() == [8, 22, -1]
-    assert buffers.tensor("sample_steps")[:3].tolist() == [5, 1, 0]
+    ids, positions, meta = buffers.load(inp, pad_seqs_to=3)
+    steps = buffers.put("sample_steps", np.array([4, 0, 0]))
+    advance_decode_inputs(ids, positions, meta, steps, torch.tensor([101, 102, 103]), 4)
+    assert ids.tolist() == [101, 102, 0]
+    assert positions.tolist() == [8, 2, 0]
+    assert meta.seq_lens.tolist() == [9, 3, 1]
+    assert meta.slot_mapping.tolist() == [8, 22, -1]
+    assert steps.tolist() == [5, 1, 0]
     # past the last allocated block (position 12 of a 3-block table): the slot is clamped to
     # the table, never out of it
     for _ in range(4):
-        advance_decode_inputs(buffers, torch.tensor([1, 1, 1]), meta.block_table, 4)
-    assert buffers.tensor("positions")[0] == 12
+        advance_decode_inputs(ids, positions, meta, steps, torch.tensor([1, 1, 1]), 4)
+    assert positions[0] == 12
     later = advanced_metadata(meta, 4)
     assert later.max_seqlen_k == meta.max_seqlen_k + 4 == 12
     assert later.seq_lens_cpu == (12, 6) and not later.no_cached_prefix
