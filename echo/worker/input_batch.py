@@ -180,35 +180,40 @@ class InputBatch:
             self.token_ids[row, self.num_tokens[row]:self.num_tokens[row] + len(drafts)] = drafts
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
-        req_ids = list(out.num_scheduled_tokens)
-        rows = np.fromiter((self.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        counts = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int64,
-                             count=len(req_ids))
+        # NOTE: array methods and ufuncs rather than numpy's module functions (np.cumsum,
+        # np.repeat, np.nonzero): those dispatch through Python first, and with one step in
+        # flight the device waits for every call, each a few µs with the caches cold
+        # (docs/benchmarks.md, Speculative decoding)
+        scheduled = out.num_scheduled_tokens
+        req_ids = list(scheduled)
+        row_of = self.row_of
+        rows = np.array([row_of[r] for r in req_ids], dtype=np.int64)
+        counts = np.fromiter(scheduled.values(), dtype=np.int64, count=len(req_ids))
         starts = self.num_computed[rows]
         cu = np.zeros(len(req_ids) + 1, dtype=np.int32)
-        np.cumsum(counts, out=cu[1:])
-        token_rows = np.repeat(rows, counts)
-        positions = np.repeat(starts - cu[:-1], counts) + np.arange(cu[-1])
+        np.add.accumulate(counts, out=cu[1:])
+        token_rows = rows.repeat(counts)
+        positions = (starts - cu[:-1]).repeat(counts) + np.arange(cu[-1], dtype=np.int64)
         seq_lens = (starts + counts).astype(np.int32)
         max_blocks = int(self.num_blocks[rows].max()) if len(rows) else 0
         known = self.num_tokens[rows]
-        samples = np.nonzero(seq_lens >= known + self.num_pending[rows])[0]
+        samples = (seq_lens >= known + self.num_pending[rows]).nonzero()[0]
         logits_indices, num_drafts = cu[1:][samples] - 1, None
         spec = out.scheduled_spec_decode_tokens
         if not spec:
             # positions at or past the host's tokens hold values still on the device
-            placeholders = np.nonzero(positions >= np.repeat(known, counts))[0]
+            placeholders = (positions >= known.repeat(counts)).nonzero()[0]
         else:
             # with drafts one step is in flight: nothing is pending, and the positions past
             # the host's tokens are the drafts written in update()
             placeholders = np.zeros(0, dtype=np.int64)
-            num_drafts = np.array([len(spec.get(req_ids[i], ())) for i in samples],
+            num_drafts = np.array([len(spec.get(req_ids[i], ())) for i in samples.tolist()],
                                   dtype=np.int64)
-            # the last token's logits and each draft's: request j's rows end at its last
-            # token, and the i-th of all rows is request j's row i - (rows before j's end)
+            # each request's rows: its drafts' and its last token's, the run ending at its
+            # last token; row i of them all is (its request's last + 1 - rows through it) + i
             per_request = num_drafts + 1
-            logits_indices = (np.repeat(logits_indices + 1 - np.cumsum(per_request), per_request)
-                              + np.arange(per_request.sum()))
+            logits_indices = ((logits_indices + 1 - np.add.accumulate(per_request))
+                              .repeat(per_request) + np.arange(per_request.sum()))
         return StepInputs(
             req_ids=req_ids,
             rows=rows,
@@ -227,8 +232,9 @@ class InputBatch:
 
     def slots(self, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """The KV slot of each (row, position), from the rows' block tables."""
-        blocks = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
-        return blocks * self.block_size + positions % self.block_size
+        block, offset = np.divmod(positions, self.block_size)
+        # an int64 scalar: the int32 block ids times it are int64 slots
+        return self.block_table[token_rows, block] * np.int64(self.block_size) + offset
 
     def runs_inputs(self, req_ids: list[str], rows: np.ndarray, positions: np.ndarray,
                     counts: np.ndarray, input_ids: np.ndarray) -> StepInputs:

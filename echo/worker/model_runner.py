@@ -396,8 +396,9 @@ class ModelRunner:
         num_seqs, num_tokens = len(inp.seq_lens), len(inp.input_ids)
         query_len = num_tokens // max(num_seqs, 1)
         # decodes, or decodes verifying the same number of drafts each
+        cu = inp.cu_seqlens_q
         if (self.graphs is not None and num_tokens == query_len * num_seqs
-                and (query_len == 1 or (np.diff(inp.cu_seqlens_q) == query_len).all())):
+                and (query_len == 1 or (cu[1:] - cu[:-1] == query_len).all())):
             size = self.graphs.padded_size(num_seqs, query_len)
             if size is not None:
                 input_ids, _, _ = self.buffers.load(inp, pad_seqs_to=size)

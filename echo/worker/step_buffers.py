@@ -31,7 +31,7 @@ VIEWS_KEPT = 1024
 
 def longest_first(seq_lens: np.ndarray) -> np.ndarray:
     """Sequence indices by descending context length (AttentionMetadata.seq_order)."""
-    return np.argsort(-seq_lens, kind="stable").astype(np.int32)
+    return (-seq_lens).argsort(kind="stable").astype(np.int32)
 
 
 def packed_layout(num_tokens: int, num_seqs: int, width: int) -> tuple[list[int], int]:
@@ -102,7 +102,8 @@ class StepBuffers:
         run the same number of query tokens: decodes, or decodes verifying k drafts each) the
         batch is padded with dummy sequences of as many tokens that store nothing, and the
         block table keeps its full static width."""
-        query_lens = np.diff(inp.cu_seqlens_q)
+        cu = inp.cu_seqlens_q
+        query_lens = cu[1:] - cu[:-1]
         return self._upload(
             inp.input_ids, inp.positions, inp.slot_mapping, inp.seq_lens, inp.cu_seqlens_q,
             inp.block_table, pad_seqs_to, max_seqlen_q=int(query_lens.max()),
