@@ -272,10 +272,12 @@ class ModelRunner:
             top = raw.topk(t.max_logprobs, dim=-1) if t.max_logprobs > 0 else None
             top_ids = top.indices[at].tolist() if top is not None else None
             top_lps = top.values[at].tolist() if top is not None else None
-        emitted = _landed(emitted).tolist()
+        # host work before the wait: the device idles through what follows it
         sampled_ids: list[list[int]] = [[] for _ in inp.req_ids]
         logprobs: list[list[LogprobsEntry] | None] = [None] * len(inp.req_ids)
-        for i, (seq, n) in enumerate(zip(seqs.tolist(), batch.logprobs[rows].tolist())):
+        asked = list(zip(seqs.tolist(), batch.logprobs[rows].tolist()))
+        emitted = _landed(emitted).tolist()
+        for i, (seq, n) in enumerate(asked):
             tokens = [token for token in emitted[i] if token >= 0]
             sampled_ids[seq] = tokens
             batch.append_tokens(inp.req_ids[seq], tokens)

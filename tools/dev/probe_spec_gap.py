@@ -7,10 +7,10 @@ through all of it (docs/benchmarks.md, Speculative decoding).
 
 Records the target's greedy continuations (no speculation, token-determined weights as
 tools/bench_spec.py sets them), then decodes the same prompt with the oracle. Timestamps: the
-rejection sampler's result synchronized ("landed"), entry and exit of the engine's and the
-runner's phases, and the model's forward call (graph replay or eager). Prints the median
-offset of each mark from "landed" over the steady steps, and the median gap. On the CPU (a
-tiny random Llama, --model ignored) the same marks time the same Python.
+verification's tokens on the host ("landed": model_runner._landed returns), entry and exit of
+the engine's and the runner's phases, and the model's forward call (graph replay or eager).
+Prints the median offset of each mark from "landed" over the steady steps, and the median gap.
+On the CPU (a tiny random Llama, --model ignored) the same marks time the same Python.
 """
 
 import argparse
@@ -21,7 +21,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -81,17 +80,14 @@ def main() -> None:
             llm.generate([prompt], params, use_tqdm=False)  # warm-up
             marks: list[tuple[str, float]] = []
             runner = llm.engine.executor.runner
-            cuda = torch.cuda.is_available() and args.device != "cpu"
-            rejection_sample = model_runner.rejection_sample
+            land = model_runner._landed
 
-            def landed(*a, **kw):
-                emitted = rejection_sample(*a, **kw)
-                if cuda:
-                    torch.cuda.synchronize()  # what the .tolist() right after it waits for
+            def landed(tensor):
+                host = land(tensor)
                 marks.append(("landed", time.perf_counter()))
-                return emitted
+                return host
 
-            model_runner.rejection_sample = landed
+            model_runner._landed = landed
             graphs = runner.graphs
             if graphs is not None:
                 mark_calls(graphs, "replay", marks)
