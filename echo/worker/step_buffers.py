@@ -25,7 +25,8 @@ from echo.worker.input_batch import StepInputs
 # 16-byte-aligned pointers, and a field's alignment must not vary with the step's shape (a new
 # specialization would compile in the middle of serving)
 FIELD_ALIGN = 64
-# device views kept per step shape: making them costs a step about as much as the copy
+# step shapes whose views are kept: slicing a shape's fifteen views anew costs a step tens of
+# µs, as much as its copy; the cap bounds them when prefill shapes keep changing
 VIEWS_KEPT = 1024
 
 
@@ -58,8 +59,8 @@ class StepBuffers:
                              for _ in range(2)]
         self.packed_host_arrays = [host.numpy() for host in self.packed_hosts]
         self.packed = torch.zeros(packed_bytes, dtype=torch.uint8, device=device)
-        # shape (tokens, seqs, width) -> its device views (cleared past VIEWS_KEPT shapes)
-        self._views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+        # shape (tokens, seqs, width) -> _views_of's views of it (cleared past VIEWS_KEPT)
+        self._views: dict[tuple[int, int, int], tuple] = {}
         # the other fields: name -> (host arrays, host tensors, device tensor)
         self.fields: dict[str, tuple[list[np.ndarray], list[torch.Tensor], torch.Tensor]] = {}
         self.current = 0
