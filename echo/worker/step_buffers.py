@@ -35,16 +35,21 @@ def longest_first(seq_lens: np.ndarray) -> np.ndarray:
     return (-seq_lens).argsort(kind="stable").astype(np.int32)
 
 
+def packed_fields(num_tokens: int, num_seqs: int, width: int) -> list[tuple[torch.dtype, int]]:
+    """The packed upload's fields in order, as (dtype, elements): input_ids, positions,
+    slot_mapping (int64, one per token), cu_seqlens_q (int32, seqs + 1), seq_lens, seq_order
+    (int32, one per sequence) and the block table (int32, seqs x width)."""
+    return [(torch.int64, num_tokens)] * 3 + [
+        (torch.int32, num_seqs + 1), (torch.int32, num_seqs), (torch.int32, num_seqs),
+        (torch.int32, num_seqs * width)]
+
+
 def packed_layout(num_tokens: int, num_seqs: int, width: int) -> tuple[list[int], int]:
-    """Byte offsets of input_ids, positions, slot_mapping (int64, one per token), cu_seqlens_q
-    (int32, seqs + 1), seq_lens, seq_order (int32, one per sequence) and the block table (int32,
-    seqs x width) in the packed upload, and its total bytes."""
-    sizes = (8 * num_tokens, 8 * num_tokens, 8 * num_tokens, 4 * (num_seqs + 1), 4 * num_seqs,
-             4 * num_seqs, 4 * num_seqs * width)
+    """Byte offsets of packed_fields in the upload, and its total bytes."""
     offsets, at = [], 0
-    for size in sizes:
+    for dtype, count in packed_fields(num_tokens, num_seqs, width):
         offsets.append(at)
-        at += -(-size // FIELD_ALIGN) * FIELD_ALIGN
+        at += -(-count * dtype.itemsize // FIELD_ALIGN) * FIELD_ALIGN
     return offsets, at
 
 
@@ -57,7 +62,6 @@ class StepBuffers:
         _, packed_bytes = packed_layout(max_num_tokens, max_num_seqs, max_blocks_per_seq)
         self.packed_hosts = [torch.zeros(packed_bytes, dtype=torch.uint8, pin_memory=pin)
                              for _ in range(2)]
-        self.packed_host_arrays = [host.numpy() for host in self.packed_hosts]
         self.packed = torch.zeros(packed_bytes, dtype=torch.uint8, device=device)
         # shape (tokens, seqs, width) -> _views_of's views of it (cleared past VIEWS_KEPT)
         self._views: dict[tuple[int, int, int], tuple] = {}
@@ -160,18 +164,14 @@ class StepBuffers:
         (input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, seq_order, block_table),
         and the bytes to copy, in each host set and on the device."""
         offsets, total = packed_layout(tokens, rows, width)
-        fields = ((np.int64, torch.int64, tokens),) * 3 + (
-            (np.int32, torch.int32, rows + 1), (np.int32, torch.int32, rows),
-            (np.int32, torch.int32, rows), (np.int32, torch.int32, rows * width))
-        spans = [(at, at + count * np.dtype(np_type).itemsize)
-                 for at, (np_type, _, count) in zip(offsets, fields)]
+        fields = packed_fields(tokens, rows, width)
+        spans = [(at, at + count * dtype.itemsize) for at, (dtype, count) in zip(offsets, fields)]
         host_views = []
-        for host in self.packed_host_arrays:
-            views = [host[a:b].view(np_type) for (a, b), (np_type, _, _) in zip(spans, fields)]
+        for host in self.packed_hosts:  # numpy arrays over the pinned memory
+            views = [host[a:b].view(dtype).numpy() for (a, b), (dtype, _) in zip(spans, fields)]
             views[-1] = views[-1].reshape(rows, width)
             host_views.append(views)
-        device_views = [self.packed[a:b].view(torch_type)
-                        for (a, b), (_, torch_type, _) in zip(spans, fields)]
+        device_views = [self.packed[a:b].view(dtype) for (a, b), (dtype, _) in zip(spans, fields)]
         device_views[-1] = device_views[-1].view(rows, width)
         return (host_views, [host[:total] for host in self.packed_hosts], tuple(device_views),
                 self.packed[:total])
