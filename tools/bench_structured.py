@@ -3,6 +3,11 @@ ones, and offline throughput with half the requests JSON-schema constrained agai
 Dummy weights of real shapes (validity means nothing on random weights; cost does).
 
     python tools/bench_structured.py [--model qwen3-8b] [--tokenizer FOLDER] [--json F]
+    ECHO_NVTX=1 python tools/bench_structured.py --skip-offline --profile DIR
+
+--profile (in-process only) runs each variant of the decode measurement once more under the
+PyTorch profiler and writes DIR/{free,constrained}.json.gz, for
+`tools/overlap_report.py DIR/constrained.json.gz --steps-with bitmask`.
 
 The grammar is compiled against --tokenizer (default: the embedded SmolLM2's, the one
 tokenizer the machine is sure to have) with the model's vocabulary size, so the mask has the
@@ -15,8 +20,9 @@ import argparse
 import json
 import random
 import time
+from pathlib import Path
 
-from echo import LLM, SamplingParams, StructuredOutputsParams
+from echo import LLM, SamplingParams, StructuredOutputsParams, envs
 
 SCHEMA = {"type": "array", "minItems": 200, "items": {
     "type": "object",
@@ -41,9 +47,9 @@ class FillTimer:
             return
         fill = manager.bitmask
 
-        def timed(step_id, request_ids):
+        def timed(*args):
             start = time.perf_counter()
-            mask = fill(step_id, request_ids)
+            mask = fill(*args)
             self.total += time.perf_counter() - start
             self.calls += 1
             self.rows += len(mask.req_ids)
@@ -86,6 +92,26 @@ def decode_step(llm: LLM, fill: FillTimer, vocab: int, args) -> dict:
     return best
 
 
+def profile_decode(llm: LLM, vocab: int, args) -> None:
+    """Each variant's 64-request decode again, shorter, under the PyTorch profiler (kernels
+    and echo's ranges: where the constrained step's extra time goes)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(64)]
+    free = [SamplingParams(temperature=0.6, seed=i, ignore_eos=True,
+                           max_tokens=args.profile_tokens) for i in range(64)]
+    args.profile.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if torch.cuda.is_available() else [])
+    for name, params in (("free", free), ("constrained", [constrained(p) for p in free])):
+        with profile(activities=activities) as prof:
+            llm.generate(prompts, params, use_tqdm=False)
+        prof.export_chrome_trace(str(args.profile / f"{name}.json.gz"))
+        print(f"profiled {name}: {args.profile / f'{name}.json.gz'}", flush=True)
+
+
 def offline(llm: LLM, fill: FillTimer, vocab: int, args) -> dict:
     """nano-vllm's workload (lengths uniform in [100, 1024]); half the requests constrained."""
     rng = random.Random(args.seed)
@@ -123,7 +149,11 @@ def main() -> None:
                              "timed separately")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR")
+    parser.add_argument("--profile-tokens", type=int, default=48)
     args = parser.parse_args()
+    if args.profile is not None and (args.engine_process or not envs.nvtx_enabled()):
+        parser.error("--profile needs the core in this process and ECHO_NVTX=1")
     if args.tokenizer is None:
         from echo.models.default_model import ensure_default_model
 
@@ -141,6 +171,8 @@ def main() -> None:
     print(f"decode, 64 requests: free {d['free']['step_ms']:.2f} ms/step, constrained "
           f"{d['constrained']['step_ms']:.2f} ms/step ({100 * d['step_increase']:+.1f}%), "
           f"fill {d['constrained']['fill_ms_per_step']:.2f} ms/step in the core", flush=True)
+    if args.profile is not None:
+        profile_decode(llm, vocab, args)
     if not args.skip_offline:
         report["offline"] = o = offline(llm, fill, vocab, args)
         print(f"offline, {args.num_seqs} requests: free {o['free']['tokens_per_s']:.0f} tok/s, "

@@ -1,6 +1,7 @@
 """How much of the engine's CPU work hides behind GPU work, from an nsys or PyTorch trace.
 
     python tools/overlap_report.py TRACE [--out DIR] [--device N] [--timeline-steps 4]
+        [--steps-with RANGE | --steps-without RANGE]
 
 TRACE: an nsys SQLite export or a PyTorch-profiler Chrome trace (.json / .json.gz), recorded
 with ECHO_NVTX=1 (tools/nsys_profile.sh does all of it). Prints a table; writes DIR/overlap.json,
@@ -69,7 +70,15 @@ def _phase_key(name: str) -> tuple[int, str]:
     return (PHASE_ORDER.index(name) if name in PHASE_ORDER else len(PHASE_ORDER), name)
 
 
-def compute_metrics(trace: Trace, device: int | None = None, top: int = TOP_KERNELS) -> dict:
+def steps_marked(trace: Trace, name: str) -> set[int]:
+    """The steps with a range called name (e.g. "bitmask": the steps with constrained rows)."""
+    return {r.step for r in trace.ranges if r.name == name and r.step is not None}
+
+
+def compute_metrics(trace: Trace, device: int | None = None, top: int = TOP_KERNELS,
+                    only_steps: set[int] | None = None) -> dict:
+    """only_steps: count those steps alone (the window then runs from the first to the last
+    of them; gaps only between two of them that follow each other)."""
     devices = sorted({k.device for k in trace.kernels})
     if not devices:
         return cpu_only_metrics(trace)
@@ -84,6 +93,12 @@ def compute_metrics(trace: Trace, device: int | None = None, top: int = TOP_KERN
             s = span.setdefault(step, [k.start, k.end])
             s[0], s[1] = min(s[0], k.start), max(s[1], k.end)
     steps = sorted(span)
+    if only_steps is not None:
+        following = {a: b for a, b in zip(steps, steps[1:])}
+        steps = [s for s in steps if s in only_steps]
+        pairs = [(a, following[a]) for a in steps if following.get(a) in only_steps]
+    else:
+        pairs = list(zip(steps, steps[1:]))
     if steps:
         t0, t1 = span[steps[0]][0], span[steps[-1]][1]
     else:  # no launch could be tied to a step: the whole kernel span
@@ -92,8 +107,8 @@ def compute_metrics(trace: Trace, device: int | None = None, top: int = TOP_KERN
     busy = Intervals([(k.start, k.end) for k in kernels])
     busy_ns = busy.covered(t0, t1)
 
-    gaps = [busy_idle(busy, span[a][1], span[b][0]) for a, b in zip(steps, steps[1:])]
-    periods = [span[b][0] - span[a][0] for a, b in zip(steps, steps[1:])]
+    gaps = [busy_idle(busy, span[a][1], span[b][0]) for a, b in pairs]
+    periods = [span[b][0] - span[a][0] for a, b in pairs]
 
     return {
         "source": trace.source,
@@ -228,9 +243,19 @@ def main(argv: list[str] | None = None) -> int:
                                       "trace's folder)")
     parser.add_argument("--device", type=int, help="GPU id (default: the lowest with kernels)")
     parser.add_argument("--timeline-steps", type=int, default=4)
+    marked = parser.add_mutually_exclusive_group()
+    marked.add_argument("--steps-with", metavar="RANGE",
+                        help="count only the steps with an echo range of that name (e.g. "
+                             "bitmask: the steps with structured outputs)")
+    marked.add_argument("--steps-without", metavar="RANGE", help="only the steps without one")
     args = parser.parse_args(argv)
     trace = load_trace(args.trace)
-    metrics = compute_metrics(trace, args.device)
+    only = None
+    if args.steps_with or args.steps_without:
+        with_it = steps_marked(trace, args.steps_with or args.steps_without)
+        only = with_it if args.steps_with else {
+            r.step for r in trace.ranges if r.step is not None} - with_it
+    metrics = compute_metrics(trace, args.device, only_steps=only)
     print(format_report(metrics))
     out = Path(args.out) if args.out else Path(args.trace).resolve().parent
     out.mkdir(parents=True, exist_ok=True)

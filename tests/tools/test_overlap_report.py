@@ -202,6 +202,24 @@ def test_the_device_can_be_chosen(synthetic_trace):
     assert metrics["gpu_busy_fraction"] == 1.0 and metrics["steps"]["count"] == 0
 
 
+def test_steps_can_be_chosen_by_their_ranges(synthetic_trace, tmp_path, capsys):
+    trace = load_trace(synthetic_trace)
+    assert overlap_report.steps_marked(trace, "output") == {10, 11}
+    # steps 10 and 11: window 25..92 = 67, busy [25,65] + [70,92] = 62, one gap [65,70] = 5
+    # over one period 70 - 25 = 45
+    kept = overlap_report.compute_metrics(trace, only_steps={10, 11})
+    assert_matches(kept, {"window_ms": 67e-3, "gpu_busy_ms": 62e-3,
+                          "steps": {"count": 2, "first": 10, "last": 11,
+                                    "gpu_period_mean_us": 45.0},
+                          "gaps": {"count": 1, "values_us": [5.0], "fraction_of_step": 5 / 45}})
+    # steps 10 and 12 do not follow each other: no gap between them is counted
+    apart = overlap_report.compute_metrics(trace, only_steps={10, 12})
+    assert apart["steps"]["count"] == 2 and apart["gaps"]["count"] == 0
+    assert overlap_report.main([str(synthetic_trace), "--out", str(tmp_path),
+                                "--steps-without", "output"]) == 0
+    assert "1 steps (12..12)" in capsys.readouterr().out
+
+
 def test_range_names():
     assert parse_range_name("echo.schedule[step=12]") == ("schedule", 12)
     assert parse_range_name("echo.output-processing") == ("output-processing", None)
