@@ -4,6 +4,7 @@ tokens, and fill the token bitmask of a step once the tokens before it are in.
 """
 
 import concurrent.futures
+import os
 import time
 from collections.abc import Callable
 
@@ -22,17 +23,32 @@ COMPILE_TIMEOUT_S = 10.0
 MAX_COMPILING = 32
 # rows per batch fill above which xgrammar's threads help more than they cost
 _THREADED_FILL_ROWS = 16
+# requests per step above which their accepts run on threads: xgrammar releases the GIL inside
+# accept_token, the costly part (tens of µs a token for a JSON schema), so K threads advance K
+# matchers at once (tools/dev/probe_grammar_step.py; docs/benchmarks.md, Structured outputs)
+_THREADED_ACCEPT_ROWS = 16
+
+
+def default_accept_threads() -> int:
+    """Half the CPUs this process may run on, at most 8 (the workers and xgrammar's fill
+    threads need the rest); 1, no threads, on a small machine."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
 class StructuredOutputManager:
     def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int,
-                 stop_token_ids: tuple[int, ...], max_num_seqs: int):
+                 stop_token_ids: tuple[int, ...], max_num_seqs: int,
+                 accept_threads: int | None = None):
         self.compiler = GrammarCompilerPool(load_tokenizer, vocab_size, stop_token_ids)
         self.num_words = -(-vocab_size // 32)
         self.grammars: dict[str, RequestGrammar] = {}  # every unfinished structured request
         self.compiling: dict[str, RequestGrammar] = {}  # those whose grammar is not resolved
         self._rows = np.zeros((max_num_seqs, self.num_words), dtype=np.int32)
         self._batch = xgrammar.BatchGrammarMatcher()
+        self._accept_threads = accept_threads or default_accept_threads()
+        self._accept_pool = (concurrent.futures.ThreadPoolExecutor(
+            self._accept_threads, thread_name_prefix="echo-grammar-accept")
+            if self._accept_threads > 1 else None)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -77,18 +93,30 @@ class StructuredOutputManager:
     def accept(self, outputs: list[EngineCoreOutput]) -> list[tuple[str, str]]:
         """Advance matchers past the step's tokens and forget finished requests; (request id,
         error) for each whose token the grammar refused."""
-        refused = []
         grammars = self.grammars
-        for output in outputs:
-            grammar = grammars.get(output.request_id)
-            if grammar is None:
-                continue
-            if output.new_token_ids and not grammar.accept(output.new_token_ids):
+        work = [(output, grammar) for output in outputs
+                if (grammar := grammars.get(output.request_id)) is not None]
+        refused = []
+        for (output, _), accepted in zip(work, self._advance(work)):
+            if not accepted:
                 refused.append((output.request_id, "structured_outputs: the grammar refused "
                                 f"sampled token {output.new_token_ids}"))
             if output.finish_reason is not None:
                 del grammars[output.request_id]
         return refused
+
+    def _advance(self, work: list[tuple[EngineCoreOutput, RequestGrammar]]) -> list[bool]:
+        """Each grammar past its output's tokens, on the accept threads when there are many
+        (each grammar is touched by one thread only)."""
+        def advance(part):
+            return [not output.new_token_ids or grammar.accept(output.new_token_ids)
+                    for output, grammar in part]
+
+        if self._accept_pool is None or len(work) < _THREADED_ACCEPT_ROWS:
+            return advance(work)
+        size = -(-len(work) // self._accept_threads)
+        parts = [work[i:i + size] for i in range(0, len(work), size)]
+        return [ok for done in self._accept_pool.map(advance, parts) for ok in done]
 
     def bitmask(self, step_id: int, request_ids: list[str],
                 drafts: dict[str, list[int]] | None = None) -> GrammarBitmask:
@@ -129,3 +157,5 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self.compiler.shutdown()
+        if self._accept_pool is not None:
+            self._accept_pool.shutdown(wait=False)

@@ -1,0 +1,69 @@
+"""StructuredOutputManager.accept with many requests a step, on its accept threads: every
+matcher ends where a fresh xgrammar matcher fed the same tokens does (its next mask equal), a
+refused token is reported for its own request, and finished requests are forgotten."""
+
+import numpy as np
+import pytest
+import xgrammar
+from transformers import AutoTokenizer
+
+from echo import SamplingParams, StructuredOutputsParams
+from echo.core.request import Request
+from echo.core.step_results import EngineCoreOutput
+from echo.structured_output import manager as manager_module
+from echo.structured_output.manager import StructuredOutputManager
+
+REGEX = r"[a-z]{1,40}"
+NUM_REQUESTS = 2 * manager_module._THREADED_ACCEPT_ROWS
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from echo.models.default_model import ensure_default_model
+
+    return AutoTokenizer.from_pretrained(str(ensure_default_model()))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_many_requests_advance_as_fresh_matchers_do(tokenizer, threads):
+    vocab = len(tokenizer)
+    manager = StructuredOutputManager(lambda: tokenizer, vocab, (tokenizer.eos_token_id,),
+                                      max_num_seqs=NUM_REQUESTS, accept_threads=threads)
+    try:
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=REGEX))
+        ids = [f"r{i}" for i in range(NUM_REQUESTS)]
+        for rid in ids:
+            manager.add(Request(rid, [1, 2, 3], params))
+        manager.wait_for_compiles(30)
+        assert manager.poll() == []
+        compiled = manager.grammars[ids[0]].future.result()
+        # each request its own lowercase text, one token a step (the regex allows them all)
+        words = ["abc", "hello", "zebra", "quiet", "lamp", "river", "stone", "maple"]
+        texts = [tokenizer.encode(words[i % len(words)] * (1 + i % 3), add_special_tokens=False)
+                 for i in range(NUM_REQUESTS)]
+        steps = min(len(t) for t in texts)
+        refused_at = NUM_REQUESTS // 2
+        for step in range(steps):
+            outputs = [EngineCoreOutput(rid, [text[step]]) for rid, text in zip(ids, texts)]
+            if step == steps - 1:
+                outputs[refused_at].new_token_ids = tokenizer.encode(
+                    " 7", add_special_tokens=False)  # a space and a digit: never allowed
+                outputs[0].finish_reason = "length"
+            refused = manager.accept(outputs)
+        assert [rid for rid, _ in refused] == [ids[refused_at]]
+        assert ids[0] not in manager.grammars and len(manager.grammars) == NUM_REQUESTS - 1
+        num_words = -(-vocab // 32)
+        for i, rid in enumerate(ids[1:], start=1):
+            if i == refused_at:
+                continue
+            fresh = xgrammar.GrammarMatcher(compiled)
+            for token in texts[i][:steps]:
+                assert fresh.accept_token(token)
+            expected = np.zeros((1, num_words), dtype=np.int32)
+            fresh.fill_next_token_bitmask(expected, 0)
+            got = np.zeros((1, num_words), dtype=np.int32)
+            manager.grammars[rid].matcher.fill_next_token_bitmask(got, 0)
+            np.testing.assert_array_equal(got, expected, err_msg=rid)
+            assert manager.grammars[rid].num_accepted == steps
+    finally:
+        manager.shutdown()

@@ -1,0 +1,122 @@
+"""What the core's grammar work costs per decode step on this host, by strategy: advancing N
+matchers by one sampled token each (accept) and filling their next bitmask rows (fill).
+
+    python tools/dev/probe_grammar_step.py [--rows 64] [--vocab 151936] [--threads 1 2 4 8]
+
+The grammar and widths are tools/bench_structured.py's (its JSON schema, compiled against the
+embedded SmolLM2 tokenizer at --vocab); each step samples a random allowed token per row, as
+dummy weights do. Every strategy replays the same token sequences on fresh matchers:
+- accept loop: accept_token per matcher in one thread (what StructuredOutputManager.accept does)
+- accept on K threads: the matchers split into K slices, a thread each (xgrammar releases the
+  GIL inside accept_token)
+- fill loop / fill batch: fill_next_token_bitmask per matcher, or BatchGrammarMatcher's fill
+- accept + fill on K threads: each thread advances its slice and fills its rows
+"""
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import xgrammar
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_structured import SCHEMA  # noqa: E402
+
+
+def allowed_tokens(row: np.ndarray, vocab: int) -> np.ndarray:
+    bits = (row.view(np.uint32)[:, None] >> np.arange(32, dtype=np.uint32)) & 1
+    return np.nonzero(bits.ravel()[:vocab])[0]
+
+
+def sample_sequences(grammar, rows: int, steps: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    matchers = [xgrammar.GrammarMatcher(grammar) for _ in range(rows)]
+    mask = np.zeros((rows, -(-vocab // 32)), dtype=np.int32)
+    sequences = [[] for _ in range(rows)]
+    for _ in range(steps):
+        for i, m in enumerate(matchers):
+            m.fill_next_token_bitmask(mask, i)
+            token = int(rng.choice(allowed_tokens(mask[i], vocab)))
+            sequences[i].append(token)
+            assert m.accept_token(token)
+    return sequences
+
+
+def timed_steps(grammar, sequences, vocab: int, step, untimed=None) -> float:
+    """Mean ms per step of step(matchers, tokens, mask) over the sequences, fresh matchers;
+    untimed(matchers, tokens, mask) runs before it each step (the fills' own accepts)."""
+    rows, steps = len(sequences), len(sequences[0])
+    matchers = [xgrammar.GrammarMatcher(grammar) for _ in range(rows)]
+    mask = np.zeros((rows, -(-vocab // 32)), dtype=np.int32)
+    total = 0.0
+    for s in range(steps):
+        tokens = [seq[s] for seq in sequences]
+        if untimed is not None:
+            untimed(matchers, tokens, mask)
+        start = time.perf_counter()
+        step(matchers, tokens, mask)
+        total += time.perf_counter() - start
+    return 1e3 * total / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    from echo.models.default_model import ensure_default_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_default_model()))
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=args.vocab,
+                                                   stop_token_ids=[tokenizer.eos_token_id])
+    grammar = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False) \
+        .compile_json_schema(json.dumps(SCHEMA))
+    sequences = sample_sequences(grammar, args.rows, args.steps, args.vocab, args.seed)
+    batch = xgrammar.BatchGrammarMatcher()
+
+    def accept(matchers, tokens, _mask, indices=None):
+        for i in indices if indices is not None else range(len(matchers)):
+            matchers[i].accept_token(tokens[i])
+
+    def fill_loop(matchers, _tokens, mask, indices=None):
+        for i in indices if indices is not None else range(len(matchers)):
+            matchers[i].fill_next_token_bitmask(mask, i)
+
+    def both(matchers, tokens, mask, indices=None):
+        accept(matchers, tokens, mask, indices)
+        fill_loop(matchers, tokens, mask, indices)
+
+    results = {"rows": args.rows, "vocab": args.vocab,
+               "accept_loop_ms": timed_steps(grammar, sequences, args.vocab, accept),
+               "fill_loop_ms": timed_steps(grammar, sequences, args.vocab, fill_loop, accept),
+               "fill_batch_ms": timed_steps(
+                   grammar, sequences, args.vocab,
+                   lambda m, _t, mask: batch.batch_fill_next_token_bitmask(m, mask), accept)}
+    for threads in args.threads:
+        with ThreadPoolExecutor(threads) as pool:
+            def split(work):
+                def step(matchers, tokens, mask):
+                    slices = [range(k, len(matchers), threads) for k in range(threads)]
+                    list(pool.map(lambda idx: work(matchers, tokens, mask, idx), slices))
+                return step
+
+            results[f"accept_threads{threads}_ms"] = timed_steps(grammar, sequences,
+                                                                 args.vocab, split(accept))
+            results[f"accept_fill_threads{threads}_ms"] = timed_steps(grammar, sequences,
+                                                                      args.vocab, split(both))
+    for key, value in results.items():
+        print(f"{key:<28} {value:.3f}" if isinstance(value, float) else f"{key:<28} {value}")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
