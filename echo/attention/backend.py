@@ -60,14 +60,15 @@ SCALE_DTYPE = torch.float32  # int8 caches' dequant scales
 
 
 def cache_scales(num_blocks: int, block_size: int, num_kv_heads: int, device: torch.device,
-                 fill: float = 0.0) -> torch.Tensor:
+                 fill: float = 0.0, leading: tuple[int, ...] = ()) -> torch.Tensor:
     """One int8 cache's per-token, per-KV-head scales, indexed [num_blocks, block_size,
     num_kv_heads] but stored [num_blocks, num_kv_heads, block_size]. A decode program reads one
     KV head: stored that way, a block's 16 scales of its head are one 64-byte piece rather than
     16 floats 32 bytes apart, which made int8 decode faster (docs/benchmarks.md, History
-    4d4a42e). Kernels take the strides, so the layout is this function's alone."""
-    return torch.full((num_blocks, num_kv_heads, block_size), fill, dtype=SCALE_DTYPE,
-                      device=device).transpose(1, 2)
+    4d4a42e). Kernels take the strides, so the layout is this function's alone. leading: dims
+    in front (several caches' scales in one tensor)."""
+    return torch.full((*leading, num_blocks, num_kv_heads, block_size), fill, dtype=SCALE_DTYPE,
+                      device=device).transpose(-2, -1)
 
 
 class AttentionBackend(ABC):

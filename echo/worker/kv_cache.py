@@ -6,6 +6,10 @@ KV head, `k_scale/v_scale [num_blocks, block_size, num_kv_heads]` (symmetric abs
 echo_kernels.cache.store_kv_cache writes them; stored head-major, see cache_scales), so a token
 costs head_dim + 4 bytes per head instead of 2 * head_dim in bf16: 1.94x the blocks at head_dim
 128.
+
+Every layer's K and V are views of one tensor `[num_layers, 2, num_blocks, ...]` (and the
+scales of another), so one block of every layer is one index along dim 2: the KV host tier
+moves a chunk of blocks with a kernel or two, not several per layer (worker/kv_transfer.py).
 """
 
 from dataclasses import dataclass
@@ -61,17 +65,18 @@ class KVCacheSpec:
 
     def allocate(self, num_blocks: int, device: torch.device) -> list[KVCache]:
         """One zeroed KVCache per layer."""
+        return self.allocate_stacked(num_blocks, device).layers
+
+    def allocate_stacked(self, num_blocks: int, device: torch.device) -> "StackedKVCache":
+        """One zeroed KVCache per layer, as views of two tensors (see StackedKVCache)."""
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-
-        def zeros(shape, dtype):
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        if not self.is_int8:
-            return [KVCache(zeros(shape, self.dtype), zeros(shape, self.dtype))
-                    for _ in range(self.num_layers)]
-        return [KVCache(zeros(shape, torch.int8), zeros(shape, torch.int8),
-                        *(cache_scales(*shape[:3], device) for _ in range(2)))
-                for _ in range(self.num_layers)]
+        kv = torch.zeros((self.num_layers, 2, *shape), dtype=self.dtype, device=device)
+        scales = (cache_scales(*shape[:3], device, leading=(self.num_layers, 2))
+                  if self.is_int8 else None)
+        layers = [KVCache(kv[layer, 0], kv[layer, 1],
+                          *((scales[layer, 0], scales[layer, 1]) if scales is not None else ()))
+                  for layer in range(self.num_layers)]
+        return StackedKVCache(kv, scales, layers)
 
     def describe(self, num_blocks: int, num_ranks: int = 1) -> str:
         """e.g. 'KV cache: int8, 12345 blocks of 16 tokens (197,520 tokens, 10.2 GiB)'; under
@@ -80,3 +85,21 @@ class KVCacheSpec:
         where = f" on each of {num_ranks} GPUs" if num_ranks > 1 else ""
         return (f"KV cache: {self.dtype_name}, {num_blocks} blocks of {self.block_size} tokens "
                 f"({num_blocks * self.block_size:,} tokens, {gib:.1f} GiB{where})")
+
+
+@dataclass(frozen=True)
+class StackedKVCache:
+    """A worker's cache: `kv [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads,
+    head_dim]`, int8 caches' `scales` (cache_scales' layout with [num_layers, 2] in front), and
+    `layers`, the per-layer KVCache views of them that the model reads and writes."""
+
+    kv: torch.Tensor
+    scales: torch.Tensor | None
+    layers: list[KVCache]
+
+    def planes(self) -> list[torch.Tensor]:
+        """The cache as uint8 `[num_blocks, 2 * num_layers, bytes]` views, one per tensor (the
+        scales in their stored order): indexing dim 0 takes a block of every layer."""
+        tensors = [self.kv] + ([self.scales.transpose(-2, -1)] if self.scales is not None
+                               else [])
+        return [t.flatten(3).view(torch.uint8).flatten(0, 1).transpose(0, 1) for t in tensors]

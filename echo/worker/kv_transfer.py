@@ -2,8 +2,11 @@
 
 A host block holds one device block's K and V (and an int8 cache's scales) of every layer as one
 run of bytes, so storing or loading a block is one host copy, not one per layer and tensor. The
-per-layer tensors are gathered into (and scattered from) a device staging buffer of whole blocks
-first; between staging and host, each run of consecutive host block ids is one copy.
+blocks are gathered into (and scattered from) a device staging buffer of whole blocks first,
+with one index_select (index_copy_) per cache tensor: every layer's K and V are views of one
+tensor (worker/kv_cache.py, StackedKVCache), so a chunk costs the host a few launches, not a
+few per layer (a step that starts a load or a store waits for them). Between staging and host,
+each run of consecutive host block ids is one copy.
 
 On CUDA the copies go on a side stream of their own, so a step's kernels on the main stream run
 while blocks move. Two orderings make that safe: a transfer starts after the main stream's work
@@ -18,8 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from echo.attention.backend import KVCache
-from echo.worker.kv_cache import KVCacheSpec
+from echo.worker.kv_cache import KVCacheSpec, StackedKVCache
 
 
 def host_tier_blocks(kv_offloading_size_gib: float, bytes_per_block: int, tp_size: int) -> int:
@@ -95,33 +97,27 @@ def _check_ids(name: str, ids: list[int], limit: int, unique: bool = False) -> N
 
 
 class KVTransfers:
-    """Copies between the device KV cache (one KVCache per layer, as KVCacheSpec.allocate makes
-    it) and a HostKVCache. Transfers are identified by the caller's ids; one is pending from
+    """Copies between the device KV cache (as KVCacheSpec.allocate_stacked makes it) and a
+    HostKVCache. Transfers are identified by the caller's ids; one is pending from
     `start` until `release`. Memory: one staging buffer of max_blocks_per_chunk blocks (on CUDA
     it counts against the GPU beside the KV cache), chunk-sized temporaries, and one pair of
     events per pending transfer."""
 
-    def __init__(self, device_caches: list[KVCache], host: HostKVCache, device: torch.device,
+    def __init__(self, device_cache: StackedKVCache, host: HostKVCache, device: torch.device,
                  max_blocks_per_chunk: int = 64):
         if max_blocks_per_chunk < 1:
             raise ValueError(f"max_blocks_per_chunk: must be >= 1, got {max_blocks_per_chunk}")
-        if not device_caches:
-            raise ValueError("device_caches: no layers")
         self.host, self.device = host, torch.device(device)
         self.max_blocks_per_chunk = max_blocks_per_chunk
-        self.num_device_blocks = device_caches[0].k.shape[0]
-        # every tensor of every layer with its byte range inside a host block
+        self.num_device_blocks = device_cache.kv.shape[2]
+        # each cache tensor as [num_blocks, 2 * num_layers, bytes] with its byte range inside a
+        # host block: K and V of every layer, then (int8) every layer's scales
         self._parts: list[tuple[torch.Tensor, int, int]] = []
         offset = 0
-        for cache in device_caches:
-            for part in (cache.k, cache.v, cache.k_scale, cache.v_scale):
-                if part is None:
-                    continue
-                if part.shape[0] != self.num_device_blocks:
-                    raise ValueError("device_caches: layers differ in their number of blocks")
-                size = part[0].numel() * part.element_size()
-                self._parts.append((part, offset, offset + size))
-                offset += size
+        for plane in device_cache.planes():
+            size = plane[0].numel()
+            self._parts.append((plane, offset, offset + size))
+            offset += size
         if offset != host.bytes_per_block:
             raise ValueError(f"host: its blocks are {host.bytes_per_block} bytes, the device "
                              f"cache's {offset}")
@@ -241,10 +237,8 @@ class KVTransfers:
 
     def _store_chunk(self, device_ids: list[int], host_ids: list[int]) -> None:
         n, staging, index = len(device_ids), self._staging, self._index(device_ids)
-        for part, a, b in self._parts:
-            # index_select gives a contiguous copy in logical order, also of the strided int8
-            # scales; _load_chunk scatters in the same order
-            staging[:n, a:b].copy_(part.index_select(0, index).view(torch.uint8).reshape(n, -1))
+        for plane, a, b in self._parts:
+            staging[:n, a:b].copy_(plane.index_select(0, index).view(n, -1))
         for pos, first, length in _runs(host_ids):
             self.host.data[first:first + length].copy_(staging[pos:pos + length],
                                                        non_blocking=True)
@@ -254,6 +248,5 @@ class KVTransfers:
         for pos, first, length in _runs(host_ids):
             staging[pos:pos + length].copy_(self.host.data[first:first + length],
                                             non_blocking=True)
-        for part, a, b in self._parts:
-            values = staging[:n, a:b].contiguous().view(part.dtype).view(n, *part.shape[1:])
-            part.index_copy_(0, index, values)
+        for plane, a, b in self._parts:
+            plane.index_copy_(0, index, staging[:n, a:b].view(n, *plane.shape[1:]))

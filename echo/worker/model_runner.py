@@ -114,7 +114,8 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache and the step state, then tune, capture and warm up (startup.py)."""
-        self.kv_caches = self.kv_cache_spec.allocate(num_blocks, self.device)
+        stacked = self.kv_cache_spec.allocate_stacked(num_blocks, self.device)
+        self.kv_caches = stacked.layers
         if self.tp.rank == 0:  # every rank holds the same number of blocks
             print(f"echo: {self.kv_cache_spec.describe(num_blocks, self.tp.size)}",
                   file=sys.stderr, flush=True)
@@ -122,7 +123,7 @@ class ModelRunner:
         if offload is not None:  # the host tier: this rank's share of every host block
             num_host = host_tier_blocks(offload, self.kv_bytes_per_block(), self.tp.size)
             host = HostKVCache(self.kv_cache_spec, num_host, pin=self.device.type == "cuda")
-            self.kv_transfers = KVTransfers(self.kv_caches, host, self.device)
+            self.kv_transfers = KVTransfers(stacked, host, self.device)
         sched = self.config.scheduler
         max_blocks = -(-sched.max_model_len // self.config.cache.block_size) + 1
         # +1 token column: a request finishing at max_model_len may still be handed a token

@@ -51,6 +51,29 @@ def test_allocation_dtypes_shapes_and_bytes(kv_cache_dtype):
     assert sum(t.numel() * t.element_size() for t in tensors) == 5 * spec.bytes_per_block()
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "int8"])
+def test_every_layer_is_a_view_of_the_stacked_tensors(kv_cache_dtype):
+    spec = dataclasses.replace(SMALL, kv_cache_dtype=kv_cache_dtype)
+    stacked = spec.allocate_stacked(5, torch.device("cpu"))
+    assert stacked.kv.shape == (2, 2, 5, 16, 2, 8)
+    for layer, cache in enumerate(stacked.layers):
+        assert cache.k.is_contiguous() and cache.v.is_contiguous()  # as the kernels expect
+        cache.k[3, 1, 0, 2] = 1 + layer
+        cache.v[4, 0, 1, 7] = 5 + layer
+        assert stacked.kv[layer, 0, 3, 1, 0, 2] == 1 + layer
+        assert stacked.kv[layer, 1, 4, 0, 1, 7] == 5 + layer
+        if kv_cache_dtype == "int8":
+            cache.v_scale[2, 5, 1] = 9 + layer
+            assert stacked.scales[layer, 1, 2, 5, 1] == 9 + layer
+    assert int(stacked.kv.count_nonzero()) == 4
+    # a block of every layer is one index of each plane: block 3 holds layer 0's K value 1
+    planes = stacked.planes()
+    assert [p.shape[:2] for p in planes] == [(5, 4)] * len(planes)
+    assert sum(p[0].numel() for p in planes) == spec.bytes_per_block()
+    assert planes[0][3].view(torch.bfloat16 if kv_cache_dtype == "bf16" else torch.int8)[
+        0].reshape(16, 2, 8)[1, 0, 2] == 1
+
+
 def test_describe_names_dtype_blocks_tokens_and_gib():
     spec = KVCacheSpec(32, 16, 8, 128, torch.bfloat16, "int8")
     num_blocks = 12345

@@ -24,20 +24,21 @@ def parts(caches) -> list[torch.Tensor]:
 
 def random_cache(kv_spec: KVCacheSpec, device=CPU, num_blocks=NUM_BLOCKS):
     """A cache of random values (scales too, so a block or head mixed up in the strided scale
-    layout shows), and a copy of every tensor."""
-    caches = kv_spec.allocate(num_blocks, device)
+    layout shows), its per-layer views, and a copy of every tensor."""
+    stacked = kv_spec.allocate_stacked(num_blocks, device)
+    caches = stacked.layers
     for p in parts(caches):
         if p.dtype == torch.int8:
             p.copy_(torch.randint(-128, 128, p.shape, dtype=torch.int8, device=device))
         else:
             p.copy_(torch.randn(p.shape, device=device))
-    return caches, [p.clone() for p in parts(caches)]
+    return stacked, caches, [p.clone() for p in parts(caches)]
 
 
 def setup(kv_spec, num_host_blocks=6, chunk=64):
-    caches, originals = random_cache(kv_spec)
+    stacked, caches, originals = random_cache(kv_spec)
     host = HostKVCache(kv_spec, num_host_blocks, pin=False)
-    return caches, originals, host, KVTransfers(caches, host, CPU, chunk)
+    return caches, originals, host, KVTransfers(stacked, host, CPU, chunk)
 
 
 def round_trip(xfer, caches, stored, host_ids, loaded_into):
@@ -79,8 +80,12 @@ def test_a_host_block_is_the_device_blocks_bytes_layer_by_layer():
     kv_spec = spec(torch.bfloat16, "int8")
     caches, originals, host, xfer = setup(kv_spec)
     xfer.start(1, [3], [4], [], [])
-    # layer 0's K, V, then its scales in logical [block_size, heads] order, then layer 1 ...
-    expected = torch.cat([p[3].contiguous().view(torch.uint8).reshape(-1) for p in originals])
+    # layer 0's K, V, layer 1's K, V ..., then layer 0's K and V scales ... in their stored
+    # [heads, block_size] order
+    kv = [p[3] for layer in range(3) for p in originals[4 * layer:4 * layer + 2]]
+    scales = [p[3].transpose(0, 1) for layer in range(3)
+              for p in originals[4 * layer + 2:4 * layer + 4]]
+    expected = torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in kv + scales])
     assert torch.equal(host.data[4], expected)
 
 
@@ -155,7 +160,7 @@ def test_bad_arguments_name_the_argument_and_move_nothing(args, name):
 
 def test_bad_construction_names_the_argument():
     kv_spec = spec()
-    caches = kv_spec.allocate(4, CPU)
+    caches = kv_spec.allocate_stacked(4, CPU)
     other = HostKVCache(spec(num_layers=2), 2, pin=False)
     with pytest.raises(ValueError, match="host"):
         KVTransfers(caches, other, CPU)
@@ -210,10 +215,10 @@ def test_gpu_stores_wait_for_the_main_stream_and_release_orders_reuse(kv_cache_d
     device = torch.device("cuda")
     kv_spec = spec(torch.bfloat16, kv_cache_dtype, num_layers=4, block_size=16, num_kv_heads=8,
                    head_dim=128)
-    caches, _ = random_cache(kv_spec, device, num_blocks=64)
+    stacked, caches, _ = random_cache(kv_spec, device, num_blocks=64)
     host = HostKVCache(kv_spec, 16, pin=True)
     assert host.pinned and host.data.is_pinned()
-    xfer = KVTransfers(caches, host, device, max_blocks_per_chunk=2)
+    xfer = KVTransfers(stacked, host, device, max_blocks_per_chunk=2)
     torch.cuda.synchronize()
 
     # 1. blocks written on the main stream behind a long spin: a store that did not wait for
