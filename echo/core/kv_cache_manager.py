@@ -302,6 +302,11 @@ class KVCacheManager:
         return request.request_id in self._loading
 
     @property
+    def loads_in_flight(self) -> bool:
+        """Some request's blocks are on their way from the host tier."""
+        return bool(self._loading)
+
+    @property
     def num_loading_requests(self) -> int:
         """Requests whose loads are in flight or done and held: each will want a seat."""
         return len(self._loading) + len(self._loaded)

@@ -103,7 +103,7 @@ def main() -> None:
                    lambda m, _t, mask: batch.batch_fill_next_token_bitmask(m, mask), accept)}
     for threads in args.threads:
         with ThreadPoolExecutor(threads) as pool:
-            def split(work):
+            def split(work, pool=pool, threads=threads):
                 def step(matchers, tokens, mask):
                     slices = [range(k, len(matchers), threads) for k in range(threads)]
                     list(pool.map(lambda idx: work(matchers, tokens, mask, idx), slices))
