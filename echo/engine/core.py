@@ -28,19 +28,6 @@ _COMPILE_WAIT_S = 0.005
 _TRANSFER_POLL_S = 0.0005
 
 
-def num_host_blocks(config: EngineConfig) -> int:
-    """The KV host tier's blocks (kv_offloading_size over every rank's share of a block), as
-    each worker sizes its own memory (echo/worker/kv_transfer.py)."""
-    size = config.cache.kv_offloading_size
-    if size is None:
-        return 0
-    from echo.worker.kv_cache import kv_cache_spec
-    from echo.worker.kv_transfer import host_tier_blocks
-
-    spec = kv_cache_spec(config)
-    return host_tier_blocks(size, spec.bytes_per_block(), config.parallel.tensor_parallel_size)
-
-
 def make_proposer(spec: SpeculativeConfig, seed: int) -> NgramProposer | OracleProposer | None:
     """The core's drafter of speculative_config's method (the oracle's continuations read
     here); None for a draft model, which the workers run."""
@@ -72,7 +59,12 @@ class EngineCore:
         except BaseException:
             executor.shutdown()
             raise
-        self.num_host_blocks = num_host_blocks(config)
+        self.num_host_blocks = 0
+        if config.cache.kv_offloading_size is not None:
+            # here, not at the top: the core process imports torch only for a host tier
+            from echo.worker.kv_transfer import num_host_blocks
+
+            self.num_host_blocks = num_host_blocks(config)
         drafter = config.draft_model is not None  # the workers' drafter proposes
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
                                    num_host_blocks=self.num_host_blocks,

@@ -21,7 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from echo.worker.kv_cache import KVCacheSpec, StackedKVCache
+from echo.worker.kv_cache import KVCacheSpec, StackedKVCache, kv_cache_spec
+
+# blocks a host-tier chunk moves through the device staging buffer (counted in the KV budget)
+STAGING_BLOCKS = 64
 
 
 def host_tier_blocks(kv_offloading_size_gib: float, bytes_per_block: int, tp_size: int) -> int:
@@ -36,6 +39,16 @@ def host_tier_blocks(kv_offloading_size_gib: float, bytes_per_block: int, tp_siz
         raise ValueError(f"tp_size: must be >= 1, got {tp_size!r}")
     # floor(floor(x) / n) == floor(x / n) for a whole n: exact without float division
     return int(kv_offloading_size_gib * 2**30) // (bytes_per_block * tp_size)
+
+
+def num_host_blocks(config) -> int:
+    """The KV host tier's blocks under an engine config (0 without kv_offloading_size): what
+    the core's scheduler counts and every worker allocates."""
+    size = config.cache.kv_offloading_size
+    if size is None:
+        return 0
+    return host_tier_blocks(size, kv_cache_spec(config).bytes_per_block(),
+                            config.parallel.tensor_parallel_size)
 
 
 def _unregister(data: torch.Tensor) -> None:
@@ -104,7 +117,7 @@ class KVTransfers:
     events per pending transfer."""
 
     def __init__(self, device_cache: StackedKVCache, host: HostKVCache, device: torch.device,
-                 max_blocks_per_chunk: int = 64):
+                 max_blocks_per_chunk: int = STAGING_BLOCKS):
         if max_blocks_per_chunk < 1:
             raise ValueError(f"max_blocks_per_chunk: must be >= 1, got {max_blocks_per_chunk}")
         self.host, self.device = host, torch.device(device)

@@ -41,7 +41,7 @@ from echo.worker.eagle3_drafter import Eagle3Drafter
 from echo.worker.grammar_bitmask import apply_grammar_bitmask
 from echo.worker.input_batch import InputBatch, StepInputs
 from echo.worker.kv_cache import KVCacheSpec
-from echo.worker.kv_transfer import HostKVCache, KVTransfers, host_tier_blocks
+from echo.worker.kv_transfer import HostKVCache, KVTransfers, num_host_blocks
 from echo.worker.model_loader import build_model
 from echo.worker.multi_step import MultiStepDecoder
 from echo.worker.rejection_sampler import flat_drafts, rejection_sample
@@ -119,10 +119,10 @@ class ModelRunner:
         if self.tp.rank == 0:  # every rank holds the same number of blocks
             print(f"echo: {self.kv_cache_spec.describe(num_blocks, self.tp.size)}",
                   file=sys.stderr, flush=True)
-        offload = self.config.cache.kv_offloading_size
-        if offload is not None:  # the host tier: this rank's share of every host block
-            num_host = host_tier_blocks(offload, self.kv_bytes_per_block(), self.tp.size)
-            host = HostKVCache(self.kv_cache_spec, num_host, pin=self.device.type == "cuda")
+        if self.config.cache.kv_offloading_size is not None:
+            # the host tier: this rank's share of every host block
+            host = HostKVCache(self.kv_cache_spec, num_host_blocks(self.config),
+                               pin=self.device.type == "cuda")
             self.kv_transfers = KVTransfers(stacked, host, self.device)
         sched = self.config.scheduler
         max_blocks = -(-sched.max_model_len // self.config.cache.block_size) + 1

@@ -108,3 +108,19 @@ def test_runner_sizes_allocates_and_reports_an_int8_cache(tiny_llama, monkeypatc
     assert len(int8.kv_caches) == 2
     assert all(c.k.dtype == torch.int8 and c.k_scale.shape == (409, 16, 2)
                for c in int8.kv_caches)
+
+
+def test_a_host_tier_takes_its_staging_buffer_from_the_budget(tiny_llama, monkeypatch):
+    from echo.worker.kv_transfer import STAGING_BLOCKS, num_host_blocks
+
+    monkeypatch.setenv("ECHO_CPU_KV_CACHE_GIB", str(2**-10))  # 1 MiB: 128 float32 blocks
+    config = EngineConfig.create(str(tiny_llama), device="cpu", dtype="float32",
+                                 max_model_len=128, max_num_seqs=2, kv_offloading_size=0.001)
+    runner = ModelRunner(config)
+    bpb = 2 * 16 * 2 * 2 * 16 * 4  # 2 layers x 16 tokens x (K, V) x 2 heads x 16 dims x 4 bytes
+    assert STAGING_BLOCKS == 64
+    assert runner.determine_num_blocks() == 128 - 64
+    runner.init_kv_cache(64)
+    # the worker's host tier holds the blocks the core counts: 0.001 GiB over 8 KiB blocks
+    assert runner.kv_transfers.host.num_blocks == num_host_blocks(config) \
+        == int(0.001 * 2**30) // bpb == 131
