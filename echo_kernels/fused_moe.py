@@ -11,6 +11,10 @@ token's k rows. No atomics anywhere: the output is deterministic.
 Buffers are sized by bounds that do not depend on the routing (max_padded = M*k + E*(BLOCK_M-1)
 sorted slots, max_padded // BLOCK_M tiles), so a CUDA graph can capture a step; tiles past the
 routing's padded length carry expert -1 and their programs exit at once.
+
+With few pairs (a decode step of one or two tokens) sorting buys nothing: every pair lands in a
+tile of its own anyway. Then each pair is its own tile (PAIR_TILES: row 0 is the pair, the rest
+masked, the expert read from topk_ids), which drops moe_align_block_size's three launches.
 """
 
 import torch
@@ -27,6 +31,13 @@ _GEMM_CONFIGS = (
     (512, (32, 128, 64, 4)),
     (None, (64, 128, 64, 8)),
 )
+
+
+# at most this many (token, expert) pairs, each pair is its own tile (no sorting launches)
+PAIR_TILE_MAX_PAIRS = 16
+# (BLOCK_N, BLOCK_K, num_warps) of pair tiles: narrow N tiles, so that the few pairs still
+# spread over enough programs to keep the memory system busy
+_PAIR_TILE_CONFIG = (32, 128, 4)
 
 
 def _gemm_config(num_tokens: int) -> tuple[int, int, int, int]:
@@ -269,8 +280,13 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int,
 
 
 @triton.jit
-def _tile_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
-    """The pair index of each row of tile pid_m and whether it is a pair (not the sentinel)."""
+def _tile_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr,
+                PAIR_TILES: tl.constexpr):
+    """The pair index of each row of tile pid_m and whether it is a pair (not the sentinel);
+    with PAIR_TILES, tile pid_m is pair pid_m alone, in row 0."""
+    if PAIR_TILES:
+        first = tl.arange(0, BLOCK_M) == 0
+        return tl.where(first, pid_m, num_pairs), first
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     return pairs, pairs < num_pairs
 
@@ -280,8 +296,8 @@ def _moe_gate_up_kernel(
     hidden_ptr,  # [M, H]
     w13_ptr,  # [E, 2I, H]: gate rows 0..I-1, up rows I..2I-1
     act_ptr,  # [M*k, I] out: silu(gate) * up of each pair, in hidden's dtype
-    sorted_ids_ptr,  # [max_padded] int32
-    expert_ids_ptr,  # [max_padded // BLOCK_M] int32, -1 = skip
+    sorted_ids_ptr,  # [max_padded] int32 (unread with PAIR_TILES)
+    expert_ids_ptr,  # [max_padded // BLOCK_M] int32, -1 = skip (PAIR_TILES: topk_ids, [M*k])
     num_pairs,
     top_k,
     hidden_size,
@@ -293,6 +309,7 @@ def _moe_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,  # tl.dot's input_precision ("ieee" for float32 inputs)
+    PAIR_TILES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_inputs(USE_PDL)
@@ -303,7 +320,7 @@ def _moe_gate_up_kernel(
     expert = tl.load(expert_ids_ptr + pid_m)
     if expert < 0:
         return
-    pairs, is_pair = _tile_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M)
+    pairs, is_pair = _tile_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M, PAIR_TILES)
     tokens = tl.where(is_pair, pairs // top_k, 0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter_size
@@ -345,6 +362,7 @@ def _moe_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    PAIR_TILES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_inputs(USE_PDL)
@@ -354,7 +372,7 @@ def _moe_down_kernel(
     expert = tl.load(expert_ids_ptr + pid_m)
     if expert < 0:
         return
-    pairs, is_pair = _tile_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M)
+    pairs, is_pair = _tile_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M, PAIR_TILES)
     rows = tl.where(is_pair, pairs, 0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden_size
@@ -398,7 +416,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               block_m: int | None = None, block_n: int | None = None,
               block_k: int | None = None, num_warps: int | None = None,
-              num_stages: int | None = None) -> torch.Tensor:
+              num_stages: int | None = None, pair_tiles: bool | None = None) -> torch.Tensor:
     """hidden [M, H], w13 [E, 2I, H] (gate rows, then up: transformers' Qwen3-MoE
     experts.gate_up_proj), w2 [E, H, I], topk_weights [M, k] float32, topk_ids [M, k] int32
     -> out [M, H] in hidden's dtype: out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)
@@ -407,7 +425,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     Products accumulate in float32; silu(g) * u and each pair's weighted row are rounded to
     hidden's dtype (what the next tensor-core GEMM and the k-way sum read), the sum over k is
     float32. The GEMMs' tiles (block_m, also the sorted groups' padding) default to a config
-    chosen by M; the overrides are for bench_kernels' sweep and the tests.
+    chosen by M; pair_tiles (each pair its own tile, no sorting) defaults to at most
+    PAIR_TILE_MAX_PAIRS pairs; the overrides are for bench_kernels' sweep and the tests.
     """
     assert hidden.dim() == 2 and hidden.stride(1) == 1
     num_tokens, hidden_size = hidden.shape
@@ -422,18 +441,25 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     if not num_tokens:
         return out
-    tile_m, tile_n, tile_k, warps = _gemm_config(num_tokens)
-    block_m, block_n, block_k = block_m or tile_m, block_n or tile_n, block_k or tile_k
-    sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids.contiguous(), block_m,
-                                                     num_experts)
     num_pairs = topk_ids.numel()
+    if pair_tiles is None:
+        pair_tiles = num_pairs <= PAIR_TILE_MAX_PAIRS
+    tile_m, tile_n, tile_k, warps = _gemm_config(num_tokens)
+    if pair_tiles:
+        tile_m, (tile_n, tile_k, warps) = 16, _PAIR_TILE_CONFIG
+    block_m, block_n, block_k = block_m or tile_m, block_n or tile_n, block_k or tile_k
+    if pair_tiles:  # tile t is pair t, its expert topk_ids' entry t
+        sorted_ids = expert_ids = topk_ids.contiguous().view(-1)
+    else:
+        sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids.contiguous(), block_m,
+                                                         num_experts)
     num_m = expert_ids.shape[0]
     act = torch.empty(num_pairs, inter_size, dtype=hidden.dtype, device=hidden.device)
     rows = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
     pdl = pdl_options(hidden.device)
     gemm = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "PRECISION": precision,
-            "num_warps": num_warps or warps, **pdl}
+            "PAIR_TILES": pair_tiles, "num_warps": num_warps or warps, **pdl}
     if num_stages is not None:
         gemm["num_stages"] = num_stages
     _moe_gate_up_kernel[(num_m * triton.cdiv(inter_size, block_n),)](

@@ -176,25 +176,30 @@ TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (5e-3, 1e-2)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows", [1, 3, 17])
-def test_fused_moe_matches_reference(device, dtype, rows):
+@pytest.mark.parametrize("rows, pair_tiles", [(1, None), (3, None), (17, None), (1, False),
+                                              (17, True)])
+def test_fused_moe_matches_reference(device, dtype, rows, pair_tiles):
+    # None: by the pair count (1 and 3 rows of k=2 are pair tiles, 17 rows are sorted)
     inputs = moe_inputs(rows, 8, 2, 64, 32, dtype, device)
-    out = fused_moe(*inputs)
+    out = fused_moe(*inputs, pair_tiles=pair_tiles)
     assert out.shape == (rows, 64) and out.dtype == dtype
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(out, fused_moe_ref(*inputs), atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case, rows, hidden_size, inter, block_m", [
-    ("gaps", 17, 64, 32, None),
-    ("one_expert", 17, 64, 32, None),  # two tiles of one expert (34 pairs), the rest skipped
-    ("one_expert", 17, 64, 32, 32),
-    ("random", 5, 96, 48, 32),  # H and I not multiples of the tiles: masked K and N tails
+@pytest.mark.parametrize("case, rows, hidden_size, inter, block_m, pair_tiles", [
+    ("gaps", 17, 64, 32, None, False),
+    ("one_expert", 17, 64, 32, None, False),  # two tiles of one expert (34 pairs), rest skipped
+    ("one_expert", 17, 64, 32, 32, False),
+    ("random", 5, 96, 48, 32, False),  # H and I not multiples of the tiles: masked K, N tails
+    ("one_expert", 3, 64, 32, None, True),  # every pair tile reads the same expert
+    ("random", 5, 96, 48, None, True),
 ])
-def test_fused_moe_routing_cases(device, dtype, case, rows, hidden_size, inter, block_m):
+def test_fused_moe_routing_cases(device, dtype, case, rows, hidden_size, inter, block_m,
+                                 pair_tiles):
     inputs = moe_inputs(rows, 8, 2, hidden_size, inter, dtype, device, case, seed=1)
-    out = fused_moe(*inputs, block_m=block_m)
+    out = fused_moe(*inputs, block_m=block_m, pair_tiles=pair_tiles)
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(out, fused_moe_ref(*inputs), atol=atol, rtol=rtol)
 
