@@ -123,21 +123,28 @@ class KVTransfers:
         self.host, self.device = host, torch.device(device)
         self.max_blocks_per_chunk = max_blocks_per_chunk
         self.num_device_blocks = device_cache.kv.shape[2]
-        # each cache tensor as [num_blocks, 2 * num_layers, bytes] with its byte range inside a
-        # host block: K and V of every layer, then (int8) every layer's scales
+        # each cache tensor as [num_blocks, 2 * num_layers, words] with its word range inside a
+        # host block: K and V of every layer, then (int8) every layer's scales. Words are the
+        # widest integers the byte counts allow: the gather and scatter kernels then handle an
+        # eighth of the elements they would as bytes (they share the GPU with the steps)
+        planes = device_cache.planes()
+        bytes_per_block = sum(plane[0].numel() for plane in planes)
+        if bytes_per_block != host.bytes_per_block:
+            raise ValueError(f"host: its blocks are {host.bytes_per_block} bytes, the device "
+                             f"cache's {bytes_per_block}")
+        word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                    if all(plane.shape[-1] % w.itemsize == 0 for plane in planes))
         self._parts: list[tuple[torch.Tensor, int, int]] = []
         offset = 0
-        for plane in device_cache.planes():
+        for plane in planes:
+            plane = plane.view(word)
             size = plane[0].numel()
             self._parts.append((plane, offset, offset + size))
             offset += size
-        if offset != host.bytes_per_block:
-            raise ValueError(f"host: its blocks are {host.bytes_per_block} bytes, the device "
-                             f"cache's {offset}")
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
-        self._staging = torch.empty(max_blocks_per_chunk, offset, dtype=torch.uint8,
-                                    device=self.device)
+        self._staging = torch.empty(max_blocks_per_chunk, offset, dtype=word, device=self.device)
+        self._host_words = host.data.view(word)
         self._pending: dict[int, _Transfer] = {}  # by start order
         self._stored_bytes = self._loaded_bytes = 0
         self._seconds = 0.0
@@ -253,13 +260,13 @@ class KVTransfers:
         for plane, a, b in self._parts:
             staging[:n, a:b].copy_(plane.index_select(0, index).view(n, -1))
         for pos, first, length in _runs(host_ids):
-            self.host.data[first:first + length].copy_(staging[pos:pos + length],
-                                                       non_blocking=True)
+            self._host_words[first:first + length].copy_(staging[pos:pos + length],
+                                                         non_blocking=True)
 
     def _load_chunk(self, host_ids: list[int], device_ids: list[int]) -> None:
         n, staging, index = len(device_ids), self._staging, self._index(device_ids)
         for pos, first, length in _runs(host_ids):
-            staging[pos:pos + length].copy_(self.host.data[first:first + length],
+            staging[pos:pos + length].copy_(self._host_words[first:first + length],
                                             non_blocking=True)
         for plane, a, b in self._parts:
             plane.index_copy_(0, index, staging[:n, a:b].view(n, *plane.shape[1:]))
