@@ -32,9 +32,7 @@ def pair_probabilities(target) -> torch.Tensor:
     return (first[:, None] * second).flatten()
 
 
-# the draft model's run (its 20,000 requests take a minute on 2 cores) is make test-slow's
-@pytest.mark.parametrize("method", [pytest.param("draft_model", marks=pytest.mark.slow),
-                                    "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
 def test_emitted_pairs_follow_the_target(models, method):
     target, draft = models
     spec = ({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
