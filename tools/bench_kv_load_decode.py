@@ -83,6 +83,13 @@ class StepClock:
         return periods
 
 
+def spread(periods: list[float]) -> dict | None:
+    """p50 and max of step periods, in ms."""
+    if not periods:
+        return None
+    return {"p50": 1e3 * statistics.median(periods), "max": 1e3 * max(periods)}
+
+
 def run(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     block = 16
@@ -166,6 +173,10 @@ def run(args: argparse.Namespace) -> dict:
         "decode_tok_per_s_with_loads": rate[True],
         "decode_ratio_with_loads": (rate[True] / rate[False]
                                     if rate[True] and rate[False] else None),
+        # one long stall (the host issuing copies) and a slowdown of every step read the same
+        # in the means: the spread tells them apart
+        "step_ms_without_loads": spread(periods[False]),
+        "step_ms_with_loads": spread(periods[True]),
         "loaded_blocks": after.kv_loaded_blocks - before.kv_loaded_blocks,
         "loaded_bytes": after.kv_loaded_bytes - before.kv_loaded_bytes,
         "stored_bytes": after.kv_stored_bytes - before.kv_stored_bytes,

@@ -241,11 +241,14 @@ class KVTransfers:
 
     def _copy(self, store_device: list[int], store_host: list[int], load_host: list[int],
               load_device: list[int]) -> None:
-        step = self.max_blocks_per_chunk
-        for i in range(0, len(store_device), step):
-            self._store_chunk(store_device[i:i + step], store_host[i:i + step])
+        # the device ids of every chunk in one upload: a pinned allocation and a copy per chunk
+        # cost the host more than the chunk's own launches
+        index = self._index(store_device + load_device)
+        step, num_stores = self.max_blocks_per_chunk, len(store_device)
+        for i in range(0, num_stores, step):
+            self._store_chunk(index[i:i + step], store_host[i:i + step])
         for i in range(0, len(load_host), step):
-            self._load_chunk(load_host[i:i + step], load_device[i:i + step])
+            self._load_chunk(load_host[i:i + step], index[num_stores + i:num_stores + i + step])
 
     def _index(self, ids: list[int]) -> torch.Tensor:
         index = torch.tensor(ids, dtype=torch.int64)
@@ -255,16 +258,16 @@ class KVTransfers:
         # it (a pageable copy would block the host until the main stream's work is done)
         return index.pin_memory().to(self.device, non_blocking=True)
 
-    def _store_chunk(self, device_ids: list[int], host_ids: list[int]) -> None:
-        n, staging, index = len(device_ids), self._staging, self._index(device_ids)
+    def _store_chunk(self, index: torch.Tensor, host_ids: list[int]) -> None:
+        n, staging = len(index), self._staging
         for plane, a, b in self._parts:
             staging[:n, a:b].copy_(plane.index_select(0, index).view(n, -1))
         for pos, first, length in _runs(host_ids):
             self._host_words[first:first + length].copy_(staging[pos:pos + length],
                                                          non_blocking=True)
 
-    def _load_chunk(self, host_ids: list[int], device_ids: list[int]) -> None:
-        n, staging, index = len(device_ids), self._staging, self._index(device_ids)
+    def _load_chunk(self, host_ids: list[int], index: torch.Tensor) -> None:
+        n, staging = len(index), self._staging
         for pos, first, length in _runs(host_ids):
             staging[pos:pos + length].copy_(self._host_words[first:first + length],
                                             non_blocking=True)
