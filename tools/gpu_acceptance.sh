@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements behind the open acceptance points, staged so each fits one device call:
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
-# Stages: tests kernels latency offline profile profile-tail serving int8-pool, and tp and
-# profile-tp (two GPUs). Rough minutes on an H200: tests 4, kernels 2, latency 3, offline 5,
-# profile 5, profile-tail 2, serving 4, int8-pool 2, tp 6 (plus start-up):
+# Stages: tests kernels latency offline profile profile-tail serving int8-pool kv-offload
+# structured, and tp and profile-tp (two GPUs). Rough minutes on an H200: tests 11 (two calls:
+# tests/kernels, then the rest), kernels 2, latency 3, offline 5, profile 5, profile-tail 2,
+# serving 4, int8-pool 2, kv-offload 6, structured 4, tp 6 (plus start-up):
 # pick what fits the device budget. Logs and JSON go to a scratch folder that is packed into
 # $OUT/STAGE.tar.gz (the device tool returns few files), and the key lines are printed. Every
 # process started here is ended here, by PID. The probes' runs: tools/dev/gpu_probes.sh.
@@ -115,6 +116,25 @@ stage_commands() {
         2>&1 | tail -25
       kill -TERM $pid 2>/dev/null
       wait $pid ;;
+    kv-offload)  # #29: loads beside decoders and against pinned copies; later turns' TTFT
+      # with the GPU pool about a quarter of the conversations' final working set
+      $PY tools/bench_kv_load_decode.py --model qwen3-8b --json "$dir/kv_load_decode.json" \
+        2>&1 | tail -30
+      for offload in "" "--kv-offloading-size 16"; do
+        # shellcheck disable=SC2086
+        $PY tools/bench_multiturn.py --model qwen3-8b --num-gpu-blocks-override 1500 $offload \
+          --json "$dir/multiturn${offload// /_}.json" 2>&1 | tail -8
+      done ;;
+    structured)  # #25: the constrained decode step, the core's grammar work, and a profile
+      $PY tools/dev/probe_grammar_step.py 2>&1 | tail -1
+      $PY tools/bench_structured.py --skip-offline --engine-process \
+        --json "$dir/structured_core_process.json" 2>&1 | tail -1
+      ECHO_NVTX=1 $PY tools/bench_structured.py --skip-offline --profile "$dir/prof" 2>&1 | tail -3
+      $PY tools/overlap_report.py "$dir/prof/constrained.json.gz" --out "$dir/report_constrained" \
+        --steps-with bitmask 2>&1 | head -30
+      $PY tools/overlap_report.py "$dir/prof/free.json.gz" --out "$dir/report_free" 2>&1 \
+        | head -30
+      rm -rf "$dir/prof" ;;  # tens of MB: the reports keep what they found
     *)
       echo "unknown stage $stage" >&2; return 2 ;;
   esac
