@@ -444,9 +444,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_pairs = topk_ids.numel()
     if pair_tiles is None:
         pair_tiles = num_pairs <= PAIR_TILE_MAX_PAIRS
-    tile_m, tile_n, tile_k, warps = _gemm_config(num_tokens)
     if pair_tiles:
         tile_m, (tile_n, tile_k, warps) = 16, _PAIR_TILE_CONFIG
+    else:
+        tile_m, tile_n, tile_k, warps = _gemm_config(num_tokens)
     block_m, block_n, block_k = block_m or tile_m, block_n or tile_n, block_k or tile_k
     if pair_tiles:  # tile t is pair t, its expert topk_ids' entry t
         sorted_ids = expert_ids = topk_ids.contiguous().view(-1)

@@ -92,12 +92,17 @@ def spread(periods: list[float]) -> dict | None:
 
 def run(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
-    block = 16
-    history_blocks = args.histories * -(-(args.history_len + args.suffix_len + 1) // block)
+    block, spare = 16, 64
+
+    def blocks(num_tokens: int) -> int:
+        return -(-num_tokens // block)
+
+    history_blocks = args.histories * blocks(args.history_len + args.suffix_len + 1)
     decoder_len = args.decoder_prompt_len + args.settle_steps + args.max_decode_steps
-    decoder_blocks = args.decoders * -(-decoder_len // block)
-    gpu_blocks = args.num_gpu_blocks_override or history_blocks + decoder_blocks + 64
-    filler_count = -(-(gpu_blocks + 64) * block // args.history_len)
+    decoder_blocks = args.decoders * blocks(decoder_len)
+    gpu_blocks = args.num_gpu_blocks_override or history_blocks + decoder_blocks + spare
+    # fillers of a history's length, more tokens than the pool holds
+    filler_count = -(-(gpu_blocks + spare) * block // args.history_len)
     engine_args = dict(load_format=args.load_format, device=args.device, block_size=block,
                        max_model_len=max(args.history_len + args.suffix_len + 8,
                                          decoder_len + 8),
@@ -106,7 +111,7 @@ def run(args: argparse.Namespace) -> dict:
     offload = args.kv_offloading_size
     if offload is None:  # the histories and the fillers after them, with a tenth to spare
         spec = kv_cache_spec(EngineConfig.create(args.model, **engine_args))
-        host_blocks = history_blocks + filler_count * -(-(args.history_len + 1) // block)
+        host_blocks = history_blocks + filler_count * blocks(args.history_len + 1)
         offload = 1.1 * host_blocks * spec.bytes_per_block() / 2**30
     pinned = pinned_copy_gb_per_s() if args.device != "cpu" else None
     llm = LLM(args.model, kv_offloading_size=offload, **engine_args)

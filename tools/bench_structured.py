@@ -71,14 +71,19 @@ def timed_generate(llm: LLM, prompts, params) -> tuple[float, int]:
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
+def decode_variants(vocab: int, args, max_tokens: int) -> tuple[list, dict[str, list]]:
+    """64 random prompts, and their sampling params free and constrained."""
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(64)]
+    free = [SamplingParams(temperature=0.6, seed=i, ignore_eos=True, max_tokens=max_tokens)
+            for i in range(64)]
+    return prompts, {"free": free, "constrained": [constrained(p) for p in free]}
+
+
 def decode_step(llm: LLM, fill: FillTimer, vocab: int, args) -> dict:
     """64 requests decoding together: step time = wall time / output tokens per request
     (the one prefill step is the same in both variants)."""
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(64)]
-    free = [SamplingParams(temperature=0.6, seed=i, ignore_eos=True,
-                           max_tokens=args.decode_tokens) for i in range(64)]
-    variants = {"free": free, "constrained": [constrained(p) for p in free]}
+    prompts, variants = decode_variants(vocab, args, args.decode_tokens)
     result = {}
     for round_ in range(2):
         for name in (list(variants) if round_ == 0 else list(variants)[::-1]):
@@ -98,14 +103,11 @@ def profile_decode(llm: LLM, vocab: int, args) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(64)]
-    free = [SamplingParams(temperature=0.6, seed=i, ignore_eos=True,
-                           max_tokens=args.profile_tokens) for i in range(64)]
+    prompts, variants = decode_variants(vocab, args, args.profile_tokens)
     args.profile.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                            if torch.cuda.is_available() else [])
-    for name, params in (("free", free), ("constrained", [constrained(p) for p in free])):
+    for name, params in variants.items():
         with profile(activities=activities) as prof:
             llm.generate(prompts, params, use_tqdm=False)
         prof.export_chrome_trace(str(args.profile / f"{name}.json.gz"))
