@@ -9,22 +9,30 @@ few per layer (a step that starts a load or a store waits for them). Between sta
 each run of consecutive host block ids is one copy.
 
 On CUDA the copies go on a side stream of their own, so a step's kernels on the main stream run
-while blocks move. Two orderings make that safe: a transfer starts after the main stream's work
-so far (the KV it stores was written by earlier steps), and `release` makes the main stream wait
-for a transfer before later kernels reuse its device blocks. On CPU (tests, CI) the copies run
+while blocks move, a few chunks at a time (the runner issues more while it waits for a step); the
+block ids go up through a pinned ring allocated once (pinned_ring.py says why). Two orderings
+make that safe: a transfer's first chunk waits for the main stream's work queued before `start`
+(the KV it stores was written by earlier steps), and `release` makes the main stream wait for a
+transfer before later kernels reuse its device blocks. On CPU (tests, CI) the copies run
 synchronously inside `start`.
 """
 
 import time
 import weakref
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
 from echo.worker.kv_cache import KVCacheSpec, StackedKVCache, kv_cache_spec
+from echo.worker.pinned_ring import PinnedUploadRing
 
 # blocks a host-tier chunk moves through the device staging buffer (counted in the KV budget)
 STAGING_BLOCKS = 64
+# chunks queued on the side stream and not yet done: two keep the copy engine busy between the
+# host's pumps; a whole transfer queued at once (128 chunks of Qwen3-8B) filled the stream's
+# command queue, and the host blocked 190 ms issuing it (docs/benchmarks.md, KV offload)
+CHUNKS_IN_FLIGHT = 2
 
 
 def host_tier_blocks(kv_offloading_size_gib: float, bytes_per_block: int, tp_size: int) -> int:
@@ -84,10 +92,18 @@ class HostKVCache:
 class _Transfer:
     stored_bytes: int
     loaded_bytes: int
-    begin: torch.cuda.Event | None  # None on CPU, where the copies are done in start
-    end: torch.cuda.Event | None
-    wall_s: float = 0.0
+    device_ids: list[int]  # the stores' device blocks, then the loads'
+    chunks: deque  # (store?, first, end position in device_ids, host ids) not issued yet
+    ready: torch.cuda.Event | None = None  # the main stream's work at start (CUDA)
+    index: torch.Tensor | None = None  # device_ids on the device, uploaded with the first chunk
+    end: torch.cuda.Event | None = None  # after its last chunk (CUDA)
+    timings: list = field(default_factory=list)  # each chunk's (begin, end) events (CUDA)
+    wall_s: float = 0.0  # on CPU, where the copies are done in start
     reported: bool = False
+
+    @property
+    def issued(self) -> bool:
+        return not self.chunks and self.end is not None
 
 
 def _runs(ids: list[int]):
@@ -112,16 +128,22 @@ def _check_ids(name: str, ids: list[int], limit: int, unique: bool = False) -> N
 class KVTransfers:
     """Copies between the device KV cache (as KVCacheSpec.allocate_stacked makes it) and a
     HostKVCache. Transfers are identified by the caller's ids; one is pending from
-    `start` until `release`. Memory: one staging buffer of max_blocks_per_chunk blocks (on CUDA
-    it counts against the GPU beside the KV cache), chunk-sized temporaries, and one pair of
-    events per pending transfer."""
+    `start` until `release`. On CUDA a transfer's chunks are issued a few at a time (at most
+    chunks_in_flight queued on the side stream), by start and then by each poll_done and pump,
+    so a transfer of gigabytes never blocks the host. Memory: one staging buffer of
+    max_blocks_per_chunk blocks (on CUDA it counts against the GPU beside the KV cache),
+    chunk-sized temporaries, a pinned ring for the block ids, and a few events per pending
+    transfer's chunks."""
 
     def __init__(self, device_cache: StackedKVCache, host: HostKVCache, device: torch.device,
-                 max_blocks_per_chunk: int = STAGING_BLOCKS):
+                 max_blocks_per_chunk: int = STAGING_BLOCKS,
+                 chunks_in_flight: int = CHUNKS_IN_FLIGHT):
         if max_blocks_per_chunk < 1:
             raise ValueError(f"max_blocks_per_chunk: must be >= 1, got {max_blocks_per_chunk}")
+        if chunks_in_flight < 1:
+            raise ValueError(f"chunks_in_flight: must be >= 1, got {chunks_in_flight}")
         self.host, self.device = host, torch.device(device)
-        self.max_blocks_per_chunk = max_blocks_per_chunk
+        self.max_blocks_per_chunk, self.chunks_in_flight = max_blocks_per_chunk, chunks_in_flight
         self.num_device_blocks = device_cache.kv.shape[2]
         # each cache tensor as [num_blocks, 2 * num_layers, words] with its word range inside a
         # host block: K and V of every layer, then (int8) every layer's scales. Words are the
@@ -143,11 +165,22 @@ class KVTransfers:
             offset += size
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        # a transfer's device ids: a store and a load of every device block fit without growing
+        self._ids = (PinnedUploadRing(2 * self.num_device_blocks, self.device) if self._cuda
+                     else None)
         self._staging = torch.empty(max_blocks_per_chunk, offset, dtype=word, device=self.device)
         self._host_words = host.data.view(word)
         self._pending: dict[int, _Transfer] = {}  # by start order
+        self._in_flight: deque[torch.cuda.Event] = deque()  # the end of each queued chunk
         self._stored_bytes = self._loaded_bytes = 0
         self._seconds = 0.0
+        if self._cuda and host.num_blocks and self.num_device_blocks:
+            # the first gather and scatter load their kernels and the side stream's first
+            # temporaries, which wait for the whole device: here, not behind a running step.
+            # Device block 0 goes to the host and comes back unchanged; nothing is counted
+            self.start(-1, [0], [0], [0], [0])
+            self.wait_all()
+            del self._pending[-1]
 
     @property
     def bytes_moved(self) -> tuple[int, int]:
@@ -156,9 +189,15 @@ class KVTransfers:
 
     @property
     def seconds(self) -> float:
-        """Copy time of the transfers poll_done has reported: on CUDA between events on the side
-        stream (not counting its wait for the main stream), on CPU the wall time of start."""
+        """Copy time of the transfers poll_done has reported: on CUDA the sum of their chunks'
+        times on the side stream (not its waits for the main stream or for the next chunk to be
+        issued), on CPU the wall time of start."""
         return self._seconds
+
+    @property
+    def queued_chunks(self) -> int:
+        """Chunks issued to the side stream and not seen done at the last issue (CUDA)."""
+        return len(self._in_flight)
 
     def start(self, transfer_id: int, store_device_blocks: list[int],
               store_host_blocks: list[int], load_host_blocks: list[int],
@@ -178,40 +217,46 @@ class KVTransfers:
         _check_ids("store_host_blocks", store_host_blocks, self.host.num_blocks, unique=True)
         _check_ids("load_host_blocks", load_host_blocks, self.host.num_blocks)
         _check_ids("load_device_blocks", load_device_blocks, self.num_device_blocks, unique=True)
-        transfer = _Transfer(len(store_device_blocks) * self.host.bytes_per_block,
-                             len(load_device_blocks) * self.host.bytes_per_block, None, None)
+        step, num_stores = self.max_blocks_per_chunk, len(store_device_blocks)
+        num_loads = len(load_host_blocks)
+        chunks = deque((True, i, min(i + step, num_stores), store_host_blocks[i:i + step])
+                       for i in range(0, num_stores, step))
+        chunks.extend((False, num_stores + i, num_stores + min(i + step, num_loads),
+                       load_host_blocks[i:i + step]) for i in range(0, num_loads, step))
+        transfer = _Transfer(num_stores * self.host.bytes_per_block,
+                             len(load_device_blocks) * self.host.bytes_per_block,
+                             store_device_blocks + load_device_blocks, chunks)
+        self._pending[transfer_id] = transfer
         if not self._cuda:
             began = time.perf_counter()
-            self._copy(store_device_blocks, store_host_blocks, load_host_blocks,
-                       load_device_blocks)
+            transfer.index = torch.tensor(transfer.device_ids, dtype=torch.int64)
+            while transfer.chunks:
+                self._copy_chunk(transfer, *transfer.chunks.popleft())
             transfer.wall_s = time.perf_counter() - began
-        else:
-            transfer.begin = torch.cuda.Event(enable_timing=True)
-            transfer.end = torch.cuda.Event(enable_timing=True)
-            # the blocks stored were written, and those loaded into were last used, by kernels
-            # queued on the main stream so far
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                transfer.begin.record(self._stream)
-                self._copy(store_device_blocks, store_host_blocks, load_host_blocks,
-                           load_device_blocks)
-                transfer.end.record(self._stream)
-        self._pending[transfer_id] = transfer
+            return
+        # the blocks stored were written, and those loaded into were last used, by kernels
+        # queued on the main stream so far: the first chunk waits for them
+        transfer.ready = torch.cuda.Event()
+        transfer.ready.record(torch.cuda.current_stream(self.device))
+        self._issue()
 
     def poll_done(self) -> list[int]:
         """Ids of started transfers that have completed, oldest first, each reported once. Never
-        blocks: queries events (one stream, so they complete in start order)."""
+        blocks: issues more chunks where the side stream has room, then queries events (one
+        stream, so transfers complete in start order)."""
+        self._issue()
         done = []
         for transfer_id, transfer in self._pending.items():
             if transfer.reported:
                 continue
-            if transfer.end is not None and not transfer.end.query():
+            if self._cuda and not (transfer.issued and transfer.end.query()):
                 break
             transfer.reported = True
             self._stored_bytes += transfer.stored_bytes
             self._loaded_bytes += transfer.loaded_bytes
-            self._seconds += (transfer.wall_s if transfer.end is None
-                              else transfer.begin.elapsed_time(transfer.end) / 1e3)
+            self._seconds += (transfer.wall_s if not self._cuda else
+                              sum(b.elapsed_time(e) for b, e in transfer.timings) / 1e3)
+            transfer.timings.clear()
             done.append(transfer_id)
         return done
 
@@ -223,53 +268,77 @@ class KVTransfers:
         released ids are ignored, so releasing twice is harmless. A transfer released before
         poll_done reported it is left out of bytes_moved and seconds."""
         for transfer_id in transfer_ids:
-            transfer = self._pending.pop(transfer_id, None)
-            if transfer is not None and transfer.end is not None:
-                torch.cuda.current_stream(self.device).wait_event(transfer.end)
+            if transfer_id in self._pending:
+                self.wait_on_device(transfer_id)
+                del self._pending[transfer_id]
 
     def wait_on_device(self, transfer_id: int) -> None:
         """Make the current stream wait (on the GPU; the host goes on) for a started transfer,
-        which stays pending for poll_done: the step after a swap-out reuses its blocks."""
+        which stays pending for poll_done: the step after a swap-out reuses its blocks. Chunks
+        not issued yet are issued now, whatever the side stream holds."""
         transfer = self._pending[transfer_id]
-        if transfer.end is not None:
+        if self._cuda:
+            self._issue(through=transfer)
             torch.cuda.current_stream(self.device).wait_event(transfer.end)
 
     def wait_all(self) -> None:
         """Block until every started transfer is complete (shutdown, tests)."""
-        if self._stream is not None:
+        if self._cuda:
+            self._issue(through=next(reversed(self._pending.values()), None))
             self._stream.synchronize()
 
-    def _copy(self, store_device: list[int], store_host: list[int], load_host: list[int],
-              load_device: list[int]) -> None:
-        # the device ids of every chunk in one upload: a pinned allocation and a copy per chunk
-        # cost the host more than the chunk's own launches
-        index = self._index(store_device + load_device)
-        step, num_stores = self.max_blocks_per_chunk, len(store_device)
-        for i in range(0, num_stores, step):
-            self._store_chunk(index[i:i + step], store_host[i:i + step])
-        for i in range(0, len(load_host), step):
-            self._load_chunk(load_host[i:i + step], index[num_stores + i:num_stores + i + step])
+    @property
+    def unissued(self) -> bool:
+        """Whether a pending transfer has chunks not issued yet: pump() while waiting."""
+        return self._cuda and any(not t.issued for t in self._pending.values())
 
-    def _index(self, ids: list[int]) -> torch.Tensor:
-        index = torch.tensor(ids, dtype=torch.int64)
+    def pump(self) -> None:
+        """Issue more chunks where the side stream has room (a host that waits for a step calls
+        this in its wait, so the copy engine is fed between polls). Never blocks."""
+        self._issue()
+
+    def _issue(self, through: _Transfer | None = None) -> None:
+        """Issue chunks in start order while fewer than chunks_in_flight are queued, and every
+        chunk up to and including `through`'s last. (On CPU, start has done the copies.)"""
         if not self._cuda:
-            return index
-        # through pinned memory, so the upload queues on the side stream instead of waiting for
-        # it (a pageable copy would block the host until the main stream's work is done)
-        return index.pin_memory().to(self.device, non_blocking=True)
+            return
+        while self._in_flight and self._in_flight[0].query():
+            self._in_flight.popleft()
+        for transfer in self._pending.values():
+            while not transfer.issued:
+                if through is None and len(self._in_flight) >= self.chunks_in_flight:
+                    return
+                with torch.cuda.stream(self._stream):
+                    if transfer.index is None:
+                        self._stream.wait_event(transfer.ready)
+                        transfer.index = self._ids.upload(transfer.device_ids)
+                    begin = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    begin.record(self._stream)
+                    if transfer.chunks:
+                        self._copy_chunk(transfer, *transfer.chunks.popleft())
+                    end.record(self._stream)
+                transfer.timings.append((begin, end))
+                self._in_flight.append(end)
+                if not transfer.chunks:
+                    transfer.end = end
+            if transfer is through:
+                return
 
-    def _store_chunk(self, index: torch.Tensor, host_ids: list[int]) -> None:
-        n, staging = len(index), self._staging
-        for plane, a, b in self._parts:
-            staging[:n, a:b].copy_(plane.index_select(0, index).view(n, -1))
-        for pos, first, length in _runs(host_ids):
-            self._host_words[first:first + length].copy_(staging[pos:pos + length],
-                                                         non_blocking=True)
-
-    def _load_chunk(self, host_ids: list[int], index: torch.Tensor) -> None:
-        n, staging = len(index), self._staging
-        for pos, first, length in _runs(host_ids):
-            staging[pos:pos + length].copy_(self._host_words[first:first + length],
-                                            non_blocking=True)
-        for plane, a, b in self._parts:
-            plane.index_copy_(0, index, staging[:n, a:b].view(n, *plane.shape[1:]))
+    def _copy_chunk(self, transfer: _Transfer, store: bool, first: int, end: int,
+                    host_ids: list[int]) -> None:
+        # device ids are slices of the transfer's one upload: an upload per chunk costs the host
+        # more than the chunk's own launches
+        index, n, staging = transfer.index[first:end], end - first, self._staging
+        if store:
+            for plane, a, b in self._parts:
+                staging[:n, a:b].copy_(plane.index_select(0, index).view(n, -1))
+            for pos, first_id, length in _runs(host_ids):
+                self._host_words[first_id:first_id + length].copy_(staging[pos:pos + length],
+                                                                   non_blocking=True)
+        else:
+            for pos, first_id, length in _runs(host_ids):
+                staging[pos:pos + length].copy_(self._host_words[first_id:first_id + length],
+                                                non_blocking=True)
+            for plane, a, b in self._parts:
+                plane.index_copy_(0, index, staging[:n, a:b].view(n, *plane.shape[1:]))

@@ -259,3 +259,41 @@ def test_gpu_stores_wait_for_the_main_stream_and_release_orders_reuse(kv_cache_d
         assert not p[[3, 7, 1, 5]].any()
     bpb = kv_spec.bytes_per_block()
     assert xfer.bytes_moved == (3 * bpb, 4 * bpb) and xfer.seconds > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_a_large_transfer_is_issued_a_few_chunks_at_a_time():
+    device = torch.device("cuda")
+    kv_spec = spec(torch.bfloat16, "auto", num_layers=4, block_size=16, num_kv_heads=8,
+                   head_dim=128)
+    stacked, caches, expected = random_cache(kv_spec, device, num_blocks=64)
+    host = HostKVCache(kv_spec, 48, pin=True)
+    xfer = KVTransfers(stacked, host, device, max_blocks_per_chunk=2, chunks_in_flight=3)
+    torch.cuda.synchronize()
+
+    # 20 chunks behind a spinning main stream: three queued, the rest issued by later polls
+    torch.cuda._sleep(_SPIN)
+    xfer.start(1, list(range(40)), list(range(40)), [], [])
+    assert xfer.queued_chunks == 3
+    assert xfer.poll_done() == [] and xfer.queued_chunks == 3
+    torch.cuda.synchronize()
+    polls = 1
+    while (done := xfer.poll_done()) == []:
+        polls += 1
+        torch.cuda.synchronize()
+        assert polls < 20, "the transfer's chunks were not issued by poll_done"
+    assert done == [1] and polls >= 6  # three chunks per poll: 20 take seven
+    xfer.release([1])
+
+    # a load waited on before it was issued: wait_on_device issues all of it, and the main
+    # stream's reads after the wait see the loaded values
+    torch.cuda._sleep(_SPIN)
+    xfer.start(2, [], [], list(range(40)), list(range(24, 64)))
+    xfer.wait_on_device(2)
+    loaded = [p[24:64].clone() for p in parts(caches)]
+    xfer.release([2])
+    torch.cuda.synchronize()
+    for got, e in zip(loaded, expected):
+        assert torch.equal(got, e[:40])
+    assert xfer.poll_done() == []  # released before it was reported

@@ -1,0 +1,59 @@
+"""Uploads of variable-length integer lists through one pinned buffer, allocated once.
+
+Allocating pinned memory synchronizes the whole device (page-locked allocation is one of CUDA's
+implicit synchronizations), and torch's caching host allocator (`pin_memory()`) makes such an
+allocation whenever no cached block of a list's size class is free: a block-id list of a new
+length would stall the host behind every kernel and copy queued on the GPU — for the KV host
+tier, behind hundreds of milliseconds of earlier loads. The ring hands out consecutive ranges of
+one buffer instead and reuses a range once the event recorded after its upload has completed;
+uploads run in order on their stream, so ranges free in the order they were taken.
+"""
+
+from collections import deque
+
+import numpy as np
+import torch
+
+
+class PinnedUploadRing:
+    """int64 lists copied to a CUDA device through a pinned ring of `capacity` elements (grown,
+    with the one synchronizing allocation, when a single list is longer)."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        if capacity < 1:
+            raise ValueError(f"capacity: must be >= 1, got {capacity}")
+        self.device = torch.device(device)
+        self._allocate(capacity)
+
+    @property
+    def capacity(self) -> int:
+        return len(self._view)
+
+    def _allocate(self, capacity: int) -> None:
+        # the old buffer, if any, stays alive while its uploads run: non_blocking copies from
+        # pinned memory record their stream's use with torch's host allocator
+        self._host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        self._view = self._host.numpy()
+        self._head = 0
+        self._in_flight: deque[tuple[int, int, torch.cuda.Event]] = deque()  # start, end, done
+
+    def upload(self, values: list[int]) -> torch.Tensor:
+        """`values` as an int64 tensor on the device, copied on the current stream; returns at
+        once. Blocks the host only when the ring is too small for the uploads still queued."""
+        n = len(values)
+        if n > self.capacity:
+            self._allocate(max(n, 2 * self.capacity))
+        start = self._head if self._head + n <= self.capacity else 0
+        end = start + n
+        while self._in_flight and self._in_flight[0][2].query():
+            self._in_flight.popleft()
+        # the oldest ranges are reused first: wait for every upload up to the last one overlapping
+        while any(s < end and start < e for s, e, _ in self._in_flight):
+            self._in_flight.popleft()[2].synchronize()
+        self._view[start:end] = np.asarray(values, dtype=np.int64)
+        on_device = self._host[start:end].to(self.device, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._in_flight.append((start, end, done))
+        self._head = end
+        return on_device

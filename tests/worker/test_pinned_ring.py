@@ -1,0 +1,48 @@
+import pytest
+import torch
+
+from echo.worker.pinned_ring import PinnedUploadRing
+
+_SPIN = 200_000_000  # GPU clock cycles torch.cuda._sleep spins: ~0.1 s
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+def test_uploads_queue_behind_the_stream_without_blocking_the_host():
+    ring = PinnedUploadRing(64, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_SPIN)
+    behind_spin = torch.cuda.Event()
+    behind_spin.record()
+    # lengths no pinned block has had yet: pin_memory() would allocate, and so synchronize
+    uploads = [(ring.upload(list(range(n, 2 * n))), n) for n in (3, 17, 30)]
+    assert not behind_spin.query(), "an upload waited for the spinning stream"
+    torch.cuda.synchronize()
+    for on_device, n in uploads:
+        assert on_device.device.type == "cuda" and on_device.dtype == torch.int64
+        assert on_device.tolist() == list(range(n, 2 * n))
+
+
+@pytest.mark.gpu
+@gpu
+def test_reused_ranges_wait_for_their_uploads_and_long_lists_grow_the_ring():
+    ring = PinnedUploadRing(16, "cuda")
+    torch.cuda._sleep(_SPIN)
+    # 10 uploads of 7 wrap the ring of 16 again and again while the stream is still spinning:
+    # a range rewritten before its copy ran would hand the copy the later list's values
+    uploads = [(ring.upload([i * 100 + j for j in range(7)]), i) for i in range(10)]
+    long = ring.upload(list(range(40)))
+    assert ring.capacity == 40
+    empty = ring.upload([])
+    torch.cuda.synchronize()
+    for on_device, i in uploads:
+        assert on_device.tolist() == [i * 100 + j for j in range(7)]
+    assert long.tolist() == list(range(40))
+    assert empty.numel() == 0
+
+
+def test_capacity_must_be_positive():
+    with pytest.raises(ValueError, match="capacity"):
+        PinnedUploadRing(0, "cpu")
