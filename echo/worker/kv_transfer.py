@@ -33,10 +33,6 @@ STAGING_BLOCKS = 64
 # host's pumps; a whole transfer queued at once (128 chunks of Qwen3-8B) filled the stream's
 # command queue, and the host blocked 190 ms issuing it (docs/benchmarks.md, KV offload)
 CHUNKS_IN_FLIGHT = 2
-# blocks one host copy moves at most: the copy engine serves the main stream's copies (a step's
-# inputs, its sampled tokens) between a transfer's copies, so their size bounds how long a step's
-# own copy waits behind the host tier's
-COPY_BLOCKS = 4
 
 
 def host_tier_blocks(kv_offloading_size_gib: float, bytes_per_block: int, tp_size: int) -> int:
@@ -110,13 +106,12 @@ class _Transfer:
         return not self.chunks and self.end is not None
 
 
-def _runs(ids: list[int], max_length: int):
-    """(position, first id, length) of each run of at most max_length consecutive ids."""
+def _runs(ids: list[int]):
+    """(position, first id, length) of each run of consecutive ids."""
     pos = 0
     while pos < len(ids):
         length = 1
-        while (pos + length < len(ids) and length < max_length
-               and ids[pos + length] == ids[pos] + length):
+        while pos + length < len(ids) and ids[pos + length] == ids[pos] + length:
             length += 1
         yield pos, ids[pos], length
         pos += length
@@ -338,11 +333,11 @@ class KVTransfers:
         if store:
             for plane, a, b in self._parts:
                 staging[:n, a:b].copy_(plane.index_select(0, index).view(n, -1))
-            for pos, first_id, length in _runs(host_ids, COPY_BLOCKS):
+            for pos, first_id, length in _runs(host_ids):
                 self._host_words[first_id:first_id + length].copy_(staging[pos:pos + length],
                                                                    non_blocking=True)
         else:
-            for pos, first_id, length in _runs(host_ids, COPY_BLOCKS):
+            for pos, first_id, length in _runs(host_ids):
                 staging[pos:pos + length].copy_(self._host_words[first_id:first_id + length],
                                                 non_blocking=True)
             for plane, a, b in self._parts:

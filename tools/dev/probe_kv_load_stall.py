@@ -1,14 +1,14 @@
 """Where does a decode step stall while host-tier loads are in flight?
 
     python tools/dev/probe_kv_load_stall.py [--chunk-blocks N] [--chunks-in-flight N] \\
-        [--copy-blocks N] [bench_kv_load_decode arguments]
+        [bench_kv_load_decode arguments]
 
 Runs tools/bench_kv_load_decode.py with the worker's host-side waits timed: KVTransfers.start
 (the host issuing a transfer's copies), ModelRunner.launch (a step's whole prepare and launch),
 and the runner's wait for each step's sampled tokens (_land). Prints the longest of each with
 the time since the first transfer started, so a stall can be told from a slow launch.
---chunk-blocks, --chunks-in-flight and --copy-blocks replace kv_transfer's STAGING_BLOCKS,
-CHUNKS_IN_FLIGHT and COPY_BLOCKS for the run.
+--chunk-blocks and --chunks-in-flight replace kv_transfer's STAGING_BLOCKS and
+CHUNKS_IN_FLIGHT for the run.
 """
 
 import argparse
@@ -47,12 +47,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--chunk-blocks", type=int, default=kv_transfer.STAGING_BLOCKS)
     parser.add_argument("--chunks-in-flight", type=int, default=kv_transfer.CHUNKS_IN_FLIGHT)
-    parser.add_argument("--copy-blocks", type=int, default=kv_transfer.COPY_BLOCKS)
     ours, rest = parser.parse_known_args()
     kv_transfer.KVTransfers.__init__.__defaults__ = (ours.chunk_blocks, ours.chunks_in_flight)
-    kv_transfer.COPY_BLOCKS = ours.copy_blocks
-    print(f"chunks of {ours.chunk_blocks} blocks, {ours.chunks_in_flight} in flight, copies of "
-          f"at most {ours.copy_blocks} blocks")
+    print(f"chunks of {ours.chunk_blocks} blocks, {ours.chunks_in_flight} in flight")
     bench_kv_load_decode.main(rest)
     first = records["start"][0][0] if records["start"] else 0.0
     for key, values in records.items():
