@@ -2,7 +2,8 @@
 # The GPU runs behind the probes in this folder (README.md: what each answered), staged like
 # tools/gpu_acceptance.sh so each fits one device call:
 #   source .gpu/prelude.sh; tools/dev/gpu_probes.sh STAGE...
-# Stages, rough minutes on an H200 (plus start-up): sweeps 5, int8-probe 2, l2-prefetch 2.
+# Stages, rough minutes on an H200 (plus start-up): sweeps 5, int8-probe 2, l2-prefetch 2,
+# kv-contention 4.
 # Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz, and the key lines
 # are printed.
 set -uo pipefail
@@ -31,6 +32,10 @@ stage_commands() {
         $PY tools/dev/bench_l2_prefetch.py --tp $tp --json "$dir/l2_prefetch_tp$tp.json" 2>&1 \
           | tee "$dir/l2_prefetch_tp$tp.log"
       done ;;
+    kv-contention)  # why decoders slow beside host-tier loads: the device side, then the host
+      $PY tools/dev/probe_copy_contention.py 2>&1 | tee "$dir/copy_contention.log"
+      $PY tools/dev/probe_kv_load_stall.py --model qwen3-8b 2>&1 \
+        | tee "$dir/kv_load_stall.log" | grep -E "chunks of|ratio|p50|gb_per|calls" ;;
     *)
       echo "unknown stage $stage" >&2; return 2 ;;
   esac
