@@ -379,11 +379,10 @@ class ModelRunner:
     def _land(self, step: "_StepInFlight") -> ModelRunnerOutput:
         start = time.perf_counter()
         transfers = self.kv_transfers
-        if transfers is not None and transfers.unissued:
-            # a transfer queues only a chunk or two at a time (KVTransfers): feed it the next
-            # while the step runs, so the copy engine does not idle until the next poll
-            while transfers.unissued and not step.ready.query():
-                transfers.pump()
+        # a transfer queues only a chunk or two at a time (KVTransfers): feed it the next while
+        # the step runs, so the copy engine does not idle until the next poll
+        while transfers is not None and transfers.unissued and not step.ready.query():
+            transfers.pump()
         step.ready.synchronize()
         self.device_wait_s += time.perf_counter() - start
         with step_range("output", step.step_id):  # after the wait: CPU work only

@@ -1,8 +1,10 @@
 """The torch attention backend on int8 caches: quantizes what it stores like the kernels do,
 and attends like echo_kernels' reference over the dequantized cache."""
 
+import pytest
 import torch
 
+from echo.attention import torch_backend
 from echo.attention.backend import AttentionMetadata, KVCache
 from echo.attention.torch_backend import TorchAttentionBackend
 from echo_kernels.reference import paged_attention_ref, quantize_int8, store_kv_cache_ref
@@ -13,12 +15,13 @@ SCALE = DIM**-0.5
 SEQS = [(36, 1), (32, 18), (0, 9)]
 
 
-def _mixed_step():
+def _mixed_step(seqs=SEQS):
     """Scattered block tables, earlier tokens stored, this step's q/k/v and metadata."""
     torch.manual_seed(0)
     blocks = torch.randperm(NUM_BLOCKS)
-    per_seq = [-(-(cached + new) // BLOCK) for cached, new in SEQS]
-    table = torch.zeros(len(SEQS), max(per_seq), dtype=torch.int32)
+    per_seq = [-(-(cached + new) // BLOCK) for cached, new in seqs]
+    # past a sequence's own blocks the table holds other sequences' blocks, as a reused row can
+    table = blocks[:max(per_seq)].repeat(len(seqs), 1).to(torch.int32)
     start = 0
     for i, n in enumerate(per_seq):
         table[i, :n] = blocks[start:start + n]
@@ -27,15 +30,15 @@ def _mixed_step():
     def slots(i, positions):
         return table[i].long()[positions // BLOCK] * BLOCK + positions % BLOCK
 
-    earlier = torch.cat([slots(i, torch.arange(c)) for i, (c, _) in enumerate(SEQS)])
-    now = torch.cat([slots(i, torch.arange(c, c + n)) for i, (c, n) in enumerate(SEQS)])
-    lens = [n for _, n in SEQS]
+    earlier = torch.cat([slots(i, torch.arange(c)) for i, (c, _) in enumerate(seqs)])
+    now = torch.cat([slots(i, torch.arange(c, c + n)) for i, (c, n) in enumerate(seqs)])
+    lens = [n for _, n in seqs]
     meta = AttentionMetadata(
         slot_mapping=now, block_table=table,
         cu_seqlens_q=torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32),
-        seq_lens=torch.tensor([c + n for c, n in SEQS], dtype=torch.int32),
-        max_seqlen_q=max(lens), max_seqlen_k=max(c + n for c, n in SEQS),
-        query_lens_cpu=tuple(lens), seq_lens_cpu=tuple(c + n for c, n in SEQS))
+        seq_lens=torch.tensor([c + n for c, n in seqs], dtype=torch.int32),
+        max_seqlen_q=max(lens), max_seqlen_k=max(c + n for c, n in seqs),
+        query_lens_cpu=tuple(lens), seq_lens_cpu=tuple(c + n for c, n in seqs))
     k_old, v_old = (torch.randn(len(earlier), KV_HEADS, DIM) for _ in range(2))
     q = torch.randn(sum(lens), HEADS, DIM)
     k, v = (torch.randn(sum(lens), KV_HEADS, DIM) for _ in range(2))
@@ -79,8 +82,13 @@ def test_int8_attention_equals_reference_on_the_dequantized_cache():
     torch.testing.assert_close(out, exact, atol=5e-2, rtol=0)
 
 
-def test_model_dtype_cache_equals_reference():
-    (k_old, v_old, earlier), (q, k, v), meta = _mixed_step()
+@pytest.mark.parametrize("max_elements", [1 << 25, 1])
+def test_model_dtype_cache_equals_reference(monkeypatch, max_elements):
+    # decodes and 3-token runs of different contexts attend as one batch per query length, or
+    # (max_elements 1) one sequence at a time
+    monkeypatch.setattr(torch_backend, "_MAX_ELEMENTS", max_elements)
+    seqs = [(36, 1), (5, 1), (20, 1), (0, 3), (13, 3), (32, 18)]
+    (k_old, v_old, earlier), (q, k, v), meta = _mixed_step(seqs)
     shape = (NUM_BLOCKS, BLOCK, KV_HEADS, DIM)
     cache = KVCache(torch.zeros(shape), torch.zeros(shape))
     store_kv_cache_ref(k_old, v_old, cache.k, cache.v, earlier)

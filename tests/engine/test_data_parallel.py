@@ -75,7 +75,9 @@ def ray_cluster():
 
 # the Ray backend's runs and the offline batch are end to end checks of make test-slow (.ci/run
 # runs it after make test, whose 25 minutes they would overrun); make test keeps mp's
-BACKENDS = ["mp", pytest.param("ray", marks=pytest.mark.slow)]
+# end to end with replica processes (1-2 minutes each on 2 cores): make test-slow runs them;
+# the router's choices are tested without processes in test_router.py
+BACKENDS = [pytest.param(backend, marks=pytest.mark.slow) for backend in ("mp", "ray")]
 OFFLINE_BACKENDS = [pytest.param(backend, marks=pytest.mark.slow) for backend in ("mp", "ray")]
 
 

@@ -38,8 +38,8 @@ def test_emitted_pairs_follow_the_target(models, method):
     spec = ({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
             if method == "draft_model" else
             {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1})
-    llm = LLM(str(target), device="cpu", max_model_len=64, max_num_seqs=256,
-              max_num_batched_tokens=2048, num_gpu_blocks_override=1024,
+    llm = LLM(str(target), device="cpu", max_model_len=64, max_num_seqs=1024,
+              max_num_batched_tokens=8192, num_gpu_blocks_override=4096,
               enable_prefix_caching=False, speculative_config=spec)
     params = [SamplingParams(temperature=TEMPERATURE, seed=i, max_tokens=3, ignore_eos=True)
               for i in range(DRAWS)]

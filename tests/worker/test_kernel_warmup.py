@@ -1,6 +1,7 @@
 """kernel_warmup: the start-up step shapes fit the limits, store nothing, and give the same
 logits through the Triton kernels (interpreter) as through the PyTorch reference backend."""
 
+import pytest
 import torch
 
 from echo.config import EngineConfig
@@ -35,6 +36,7 @@ def test_metadata_and_positions():
     assert warmup_metadata(WarmupBatch((2, 3), (2, 3)), 2, torch.device("cpu")).no_cached_prefix
 
 
+@pytest.mark.slow  # every start-up shape through the Triton interpreter: over a minute
 def test_triton_kernels_match_the_reference_and_store_nothing(tiny_qwen3):
     def run(backend: str):
         config = EngineConfig.create(str(tiny_qwen3), device="cpu", dtype="float32",

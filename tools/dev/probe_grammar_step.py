@@ -7,6 +7,7 @@ The grammar and widths are tools/bench_structured.py's (its JSON schema, compile
 embedded SmolLM2 tokenizer at --vocab); each step samples a random allowed token per row, as
 dummy weights do. Every strategy replays the same token sequences on fresh matchers:
 - accept loop: accept_token per matcher in one thread (what StructuredOutputManager.accept does)
+- accept batch: xgrammar's BatchGrammarMatcher.batch_accept_token, one call for every matcher
 - accept on K threads: the matchers split into K slices, a thread each (xgrammar releases the
   GIL inside accept_token)
 - fill loop / fill batch: fill_next_token_bitmask per matcher, or BatchGrammarMatcher's fill
@@ -97,6 +98,10 @@ def main() -> None:
 
     results = {"rows": args.rows, "vocab": args.vocab,
                "accept_loop_ms": timed_steps(grammar, sequences, args.vocab, accept),
+               "accept_batch_ms": timed_steps(
+                   grammar, sequences, args.vocab,
+                   lambda m, tokens, _mask: xgrammar.BatchGrammarMatcher.batch_accept_token(
+                       m, tokens)),
                "fill_loop_ms": timed_steps(grammar, sequences, args.vocab, fill_loop, accept),
                "fill_batch_ms": timed_steps(
                    grammar, sequences, args.vocab,
