@@ -175,6 +175,7 @@ def run(args: argparse.Namespace) -> dict:
     moved = (after.kv_loaded_bytes - before.kv_loaded_bytes
              + after.kv_stored_bytes - before.kv_stored_bytes)
     seconds = after.kv_transfer_seconds - before.kv_transfer_seconds
+    loading_s = clock.loading_seconds()
     return {
         "model": args.model, "decoders": args.decoders, "histories": args.histories,
         "history_len": args.history_len, "num_gpu_blocks": gpu_blocks,
@@ -193,10 +194,9 @@ def run(args: argparse.Namespace) -> dict:
         "stored_bytes": after.kv_stored_bytes - before.kv_stored_bytes,
         "transfer_seconds": seconds,
         "transfer_gb_per_s": moved / seconds / 1e9 if seconds > 0 else None,
-        "loads_in_flight_s": clock.loading_seconds(),
-        "loaded_gb_per_s_wall": ((after.kv_loaded_bytes - before.kv_loaded_bytes)
-                                 / clock.loading_seconds() / 1e9
-                                 if clock.loading_seconds() > 0 else None),
+        "loads_in_flight_s": loading_s,
+        "loaded_gb_per_s_wall": ((after.kv_loaded_bytes - before.kv_loaded_bytes) / loading_s
+                                 / 1e9 if loading_s > 0 else None),
         "pinned_copy_gb_per_s": pinned,
     }
 

@@ -20,7 +20,8 @@ _MAX_ELEMENTS = 1 << 25
 def gather_kv_batch(cache: torch.Tensor, scale: torch.Tensor | None, block_table: torch.Tensor,
                     kv_lens: torch.Tensor, max_len: int) -> torch.Tensor:
     """The first max_len tokens of each sequence's blocks, float32 [seqs, max_len, H, D],
-    dequantized if int8; positions at or past a sequence's own length are zero."""
+    dequantized if int8; positions at or past a sequence's own length are zero. (The kernels'
+    reference reads one sequence with its own gather_kv: kept apart, it checks this one.)"""
     num_blocks, block_size = cache.shape[:2]
     # past a sequence's own blocks the table may hold anything: read some block, then zero it
     blocks = block_table[:, :-(-max_len // block_size)].long().clamp(0, num_blocks - 1)
