@@ -164,6 +164,7 @@ def smollm2_server():
                             "--num-gpu-blocks-override", "256", "--max-model-len", "1100")
 
 
+@pytest.mark.slow  # a load check: the whole corpus against one server
 def test_hostile_corpus_gets_4xx_or_200_quickly_with_bounded_memory(smollm2_server):
     proc, base = smollm2_server
     assert len(CORPUS) >= 40

@@ -11,6 +11,9 @@ import time
 import httpx
 import pytest
 
+# each test starts its own server process (about 20 s apiece on 2 cores): make test-slow
+pytestmark = pytest.mark.slow
+
 
 def free_port() -> int:
     with socket.socket() as s:
