@@ -44,8 +44,15 @@ from echo.worker.kv_cache import KVCacheSpec
 from echo.worker.kv_transfer import HostKVCache, KVTransfers, num_host_blocks
 from echo.worker.model_loader import build_model
 from echo.worker.multi_step import MultiStepDecoder
+from echo.worker.pinned_ring import PinnedUploadRing
 from echo.worker.rejection_sampler import flat_drafts, rejection_sample
-from echo.worker.sampler import Sampler, SamplerOutput, raw_logprobs, target_distribution
+from echo.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingTensors,
+    raw_logprobs,
+    target_distribution,
+)
 from echo.worker.sampling_inputs import build_sampling_tensors, upload
 from echo.worker.step_buffers import StepBuffers
 
@@ -93,8 +100,9 @@ class ModelRunner:
         # launched steps, oldest first: outputs ready, or steps still on the device
         self.in_flight: deque[ModelRunnerOutput | _StepInFlight] = deque()
         # a launched step with structured requests, forwarded but not sampled until its
-        # GrammarBitmask arrives: (step id, inputs, hidden states, logits)
+        # GrammarBitmask arrives: (step id, inputs, hidden states, logits, sampling tensors)
         self.awaiting_bitmask: tuple | None = None
+        self._bitmask_ring: PinnedUploadRing | None = None  # made by the first bitmask
         # request id -> the top-N of prompt logprobs it asked for, while its prompt is scored
         self.prompt_logprobs: dict[str, int] = {}
         self.profile_window = profiler_window(f"rank{tp.rank}")  # ECHO_PROFILE_STEPS
@@ -174,7 +182,10 @@ class ModelRunner:
             logits = self.model.compute_logits(
                 hidden[self.buffers.put("logits_indices", inp.logits_indices)])
         if out.structured_req_ids:  # sampled by apply_grammar_bitmask, once the mask is here
-            self.awaiting_bitmask = (out.step_id, inp, hidden, logits)
+            # the sampling inputs go up now: the mask's arrival is on the step's critical
+            # path, so the host does as little as it can after it
+            tensors = None if inp.num_drafts is not None else self._sampling_tensors(inp)
+            self.awaiting_bitmask = (out.step_id, inp, hidden, logits, tensors)
             return
         self._sample(out.step_id, inp, hidden, logits)
 
@@ -203,21 +214,26 @@ class ModelRunner:
     @torch.inference_mode()
     def apply_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
         """Sample the launched step that waits for its bitmask (structured outputs)."""
-        step_id, inp, hidden, logits = self.awaiting_bitmask
+        step_id, inp, hidden, logits, tensors = self.awaiting_bitmask
         if bitmask.step_id != step_id:
             raise RuntimeError(f"bitmask of step {bitmask.step_id} for step {step_id}")
         self.awaiting_bitmask = None
         with step_range("bitmask", step_id):
             per_request = 1 if inp.num_drafts is None else inp.num_drafts + 1
             firsts = np.cumsum(np.broadcast_to(per_request, len(inp.sample_seq_idx))) - per_request
+            if self._bitmask_ring is None and logits.is_cuda:
+                # room for two steps of full masks, so one upload never waits for the last
+                rows = 2 * self.config.scheduler.max_num_seqs * per_request
+                self._bitmask_ring = PinnedUploadRing(rows * (bitmask.num_words + 1),
+                                                      self.device, torch.int32)
             logits = apply_grammar_bitmask(
                 logits, {inp.req_ids[i]: int(f) for i, f in zip(inp.sample_seq_idx, firsts)},
-                bitmask)
-        self._sample(step_id, inp, hidden, logits)
+                bitmask, self._bitmask_ring)
+        self._sample(step_id, inp, hidden, logits, tensors)
 
     def _sample(self, step_id: int, inp: StepInputs, hidden: torch.Tensor,
-                logits: torch.Tensor) -> None:
-        self._sample_step(step_id, inp, hidden, logits)
+                logits: torch.Tensor, tensors: SamplingTensors | None = None) -> None:
+        self._sample_step(step_id, inp, hidden, logits, tensors)
         draft_req_ids = self.draft_req_ids.pop(step_id, None)
         if draft_req_ids:  # the drafter needs the step's tokens: land them now
             step = self.in_flight.pop()
@@ -227,8 +243,14 @@ class ModelRunner:
                                                               inp, output)
             self.in_flight.append(output)
 
+    def _sampling_tensors(self, inp: StepInputs) -> SamplingTensors:
+        """The sampler's inputs for a step without drafts, on the device."""
+        return build_sampling_tensors(self.input_batch, inp.rows[inp.sample_seq_idx],
+                                      self.vocab_size, self.arch.eos_token_ids, self.device)
+
     def _sample_step(self, step_id: int, inp: StepInputs, hidden: torch.Tensor,
-                     logits: torch.Tensor) -> None:
+                     logits: torch.Tensor, tensors: SamplingTensors | None = None) -> None:
+        """tensors: the sampling inputs, if built already (a step that waited for its mask)."""
         if inp.num_drafts is not None:
             with step_range("verify", step_id):
                 self.in_flight.append(self._verify(step_id, inp, hidden, logits))
@@ -236,8 +258,7 @@ class ModelRunner:
         batch = self.input_batch
         with step_range("sample", step_id):
             sample_rows = inp.rows[inp.sample_seq_idx]
-            sampled = self.sampler(logits, build_sampling_tensors(
-                batch, sample_rows, self.vocab_size, self.arch.eos_token_ids, self.device))
+            sampled = self.sampler(logits, tensors or self._sampling_tensors(inp))
             batch.num_pending[sample_rows] += 1
             logprobs = [n if n >= 0 else None for n in batch.logprobs[sample_rows].tolist()]
             prompt = self._prompt_logprobs(inp, hidden) if self.prompt_logprobs else None

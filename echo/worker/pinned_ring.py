@@ -11,18 +11,18 @@ uploads run in order on their stream, so ranges free in the order they were take
 
 from collections import deque
 
-import numpy as np
 import torch
 
 
 class PinnedUploadRing:
-    """int64 lists copied to a CUDA device through a pinned ring of `capacity` elements (grown,
-    with the one synchronizing allocation, when a single list is longer)."""
+    """Integer lists copied to a CUDA device through a pinned ring of `capacity` elements of
+    `dtype` (grown, with the one synchronizing allocation, when a single list is longer)."""
 
-    def __init__(self, capacity: int, device: torch.device):
+    def __init__(self, capacity: int, device: torch.device, dtype: torch.dtype = torch.int64):
         if capacity < 1:
             raise ValueError(f"capacity: must be >= 1, got {capacity}")
         self.device = torch.device(device)
+        self.dtype = dtype
         self._allocate(capacity)
 
     @property
@@ -32,14 +32,15 @@ class PinnedUploadRing:
     def _allocate(self, capacity: int) -> None:
         # the old buffer, if any, stays alive while its uploads run: non_blocking copies from
         # pinned memory record their stream's use with torch's host allocator
-        self._host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        self._host = torch.empty(capacity, dtype=self.dtype, pin_memory=True)
         self._view = self._host.numpy()
         self._head = 0
         self._in_flight: deque[tuple[int, int, torch.cuda.Event]] = deque()  # start, end, done
 
-    def upload(self, values: list[int]) -> torch.Tensor:
-        """`values` as an int64 tensor on the device, copied on the current stream; returns at
-        once. Blocks the host only when the ring is too small for the uploads still queued."""
+    def upload(self, values) -> torch.Tensor:
+        """`values` (a list or a 1-D array) as a tensor of the ring's dtype on the device,
+        copied on the current stream; returns at once. Blocks the host only when the ring is
+        too small for the uploads still queued."""
         n = len(values)
         if n > self.capacity:
             self._allocate(max(n, 2 * self.capacity))
@@ -50,7 +51,7 @@ class PinnedUploadRing:
         # the oldest ranges are reused first: wait for every upload up to the last one overlapping
         while any(s < end and start < e for s, e, _ in self._in_flight):
             self._in_flight.popleft()[2].synchronize()
-        self._view[start:end] = np.asarray(values, dtype=np.int64)
+        self._view[start:end] = values
         on_device = self._host[start:end].to(self.device, non_blocking=True)
         done = torch.cuda.Event()
         done.record()

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -46,3 +47,15 @@ def test_reused_ranges_wait_for_their_uploads_and_long_lists_grow_the_ring():
 def test_capacity_must_be_positive():
     with pytest.raises(ValueError, match="capacity"):
         PinnedUploadRing(0, "cpu")
+
+
+@pytest.mark.gpu
+@gpu
+def test_an_int32_ring_uploads_arrays_as_int32():
+    ring = PinnedUploadRing(8, "cuda", torch.int32)
+    words = np.array([-1, 0, 2**31 - 1, -2**31, 7], dtype=np.int32)  # mask words: every bit
+    on_device = ring.upload(words)
+    again = ring.upload(words[::-1].copy())  # wraps the ring of 8
+    torch.cuda.synchronize()
+    assert on_device.dtype == torch.int32 and on_device.tolist() == words.tolist()
+    assert again.tolist() == words[::-1].tolist()
