@@ -126,10 +126,11 @@ stage_commands() {
           --json "$dir/multiturn${offload// /_}.json" 2>&1 | tail -8
       done ;;
     structured)  # #25: the constrained decode step, the core's grammar work, and a profile
-      $PY tools/dev/probe_grammar_step.py 2>&1 | tail -1
-      $PY tools/bench_structured.py --skip-offline --engine-process \
+      local tok=${TOKENIZER:+--tokenizer $TOKENIZER}  # a folder with SmolLM2's tokenizer files
+      $PY tools/dev/probe_grammar_step.py $tok 2>&1 | tail -1
+      $PY tools/bench_structured.py --skip-offline --engine-process $tok \
         --json "$dir/structured_core_process.json" 2>&1 | tail -1
-      ECHO_NVTX=1 $PY tools/bench_structured.py --skip-offline --profile "$dir/prof" 2>&1 | tail -3
+      ECHO_NVTX=1 $PY tools/bench_structured.py --skip-offline $tok --profile "$dir/prof" 2>&1 | tail -3
       $PY tools/overlap_report.py "$dir/prof/constrained.json.gz" --out "$dir/report_constrained" \
         --steps-with bitmask 2>&1 | head -30
       $PY tools/overlap_report.py "$dir/prof/free.json.gz" --out "$dir/report_free" 2>&1 \

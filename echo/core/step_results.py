@@ -72,6 +72,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     kv_stored_bytes: int = 0
     kv_loaded_bytes: int = 0
     kv_transfer_seconds: float = 0.0
+    # structured outputs, cumulative: the core's seconds advancing grammars past sampled tokens
+    # and filling token bitmasks (host work on the step's critical path), and the steps
+    # whose bitmask it filled
+    grammar_accept_seconds: float = 0.0
+    grammar_fill_seconds: float = 0.0
+    grammar_bitmask_steps: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -15,7 +15,7 @@ from echo.core.oracle_proposer import OracleProposer, load_continuations
 from echo.core.request import Request
 from echo.core.sched_output import SchedulerOutput
 from echo.core.scheduler import Scheduler
-from echo.core.step_results import EngineCoreOutput
+from echo.core.step_results import EngineCoreOutput, SchedulerStats
 from echo.engine.input_processor import load_tokenizer
 from echo.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from echo.executor.base import Executor, create_executor
@@ -161,7 +161,7 @@ class EngineCore:
                 and (scheduler_output.has_kv_transfers or self.scheduler.kv.transfers_pending)):
             return None  # a step that only carried or polled copies: nothing to tell
         return EngineCoreOutputs(outputs=failed + outputs,
-                                 scheduler_stats=self.scheduler.make_stats(),
+                                 scheduler_stats=self.make_stats(),
                                  timestamp=time.time())
 
     def _launch_next(self) -> bool:
@@ -214,6 +214,15 @@ class EngineCore:
             if error is not None and output.finish_reason is None:
                 self._abort(output.request_id, error)  # this output, with its token, ends it
                 output.finish_reason, output.error = "error", error
+
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's stats with the core's grammar work added."""
+        stats = self.scheduler.make_stats()
+        structured = self.structured
+        stats.grammar_accept_seconds = structured.accept_seconds
+        stats.grammar_fill_seconds = structured.fill_seconds
+        stats.grammar_bitmask_steps = structured.bitmask_steps
+        return stats
 
     def has_work(self) -> bool:
         return (bool(self.in_flight) or self.scheduler.has_unfinished_requests()

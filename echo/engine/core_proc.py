@@ -108,7 +108,7 @@ class EngineCoreProc:
             finished = core.abort_requests(payload)
             if finished:  # with fresh stats: the freed blocks show at once
                 self.output_queue.put(EngineCoreOutputs(
-                    outputs=finished, scheduler_stats=core.scheduler.make_stats()))
+                    outputs=finished, scheduler_stats=core.make_stats()))
         elif kind is RequestType.UTILITY:
             self.output_queue.put(EngineCoreOutputs(utility=self._utility(payload)))
         elif kind is RequestType.SHUTDOWN:
@@ -117,7 +117,7 @@ class EngineCoreProc:
     def _utility(self, call: UtilityRequest) -> UtilityResult:
         try:
             if call.method == "stats":
-                result = msgspec.to_builtins(self.core.scheduler.make_stats())
+                result = msgspec.to_builtins(self.core.make_stats())
             elif call.method == "reset_prefix_cache":
                 result = self.core.scheduler.reset_prefix_cache()
             elif call.method == "ping":

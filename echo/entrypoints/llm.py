@@ -155,5 +155,5 @@ class LLM:
 
     def stats(self) -> SchedulerStats:
         if self.engine is not None:
-            return self.engine.scheduler.make_stats()
+            return self.engine.make_stats()
         return msgspec.convert(self.client.utility("stats"), SchedulerStats)

@@ -11,7 +11,8 @@ there is one core; with data parallelism each core's stats get their own index).
   num_draft_tokens / num_accepted_tokens / num_accepted_tokens_per_pos{position}, and the KV
   host tier's echo:kv_host_tier_queries / kv_host_tier_hits (tokens) and
   echo:kv_offload_stored_blocks / loaded_blocks / stored_bytes / loaded_bytes /
-  transfer_seconds (vLLM has no names for these).
+  transfer_seconds, and structured outputs' echo:structured_output_accept_seconds /
+  fill_seconds, the core's host time on grammars (vLLM has no names for these).
 - Requests are observed in the frontend by a RequestTimer, one per prompt (one stream of
   RequestOutputs): vllm:prompt_tokens and vllm:generation_tokens count tokens (so they add up to
   the usage the responses report); vllm:request_success{finished_reason} counts each finished
@@ -92,6 +93,10 @@ ENGINE_SERIES = (
      "kv_loaded_bytes"),
     (_COUNTER, "echo:kv_offload_transfer_seconds",
      "Time the host tier's copies took on rank 0's device.", "kv_transfer_seconds"),
+    (_COUNTER, "echo:structured_output_accept_seconds",
+     "Core time advancing grammars past sampled tokens.", "grammar_accept_seconds"),
+    (_COUNTER, "echo:structured_output_fill_seconds",
+     "Core time filling token bitmasks.", "grammar_fill_seconds"),
 )
 
 

@@ -49,6 +49,10 @@ class StructuredOutputManager:
         self._accept_pool = (concurrent.futures.ThreadPoolExecutor(
             self._accept_threads, thread_name_prefix="echo-grammar-accept")
             if self._accept_threads > 1 else None)
+        # cumulative, for SchedulerStats: host seconds in accept and bitmask, bitmasks filled
+        self.accept_seconds = 0.0
+        self.fill_seconds = 0.0
+        self.bitmask_steps = 0
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -93,6 +97,7 @@ class StructuredOutputManager:
     def accept(self, outputs: list[EngineCoreOutput]) -> list[tuple[str, str]]:
         """Advance matchers past the step's tokens and forget finished requests; (request id,
         error) for each whose token the grammar refused."""
+        start = time.perf_counter()
         grammars = self.grammars
         work = [(output, grammar) for output in outputs
                 if (grammar := grammars.get(output.request_id)) is not None]
@@ -103,6 +108,7 @@ class StructuredOutputManager:
                                 f"sampled token {output.new_token_ids}"))
             if output.finish_reason is not None:
                 del grammars[output.request_id]
+        self.accept_seconds += time.perf_counter() - start
         return refused
 
     def _advance(self, work: list[tuple[EngineCoreOutput, RequestGrammar]]) -> list[bool]:
@@ -123,7 +129,14 @@ class StructuredOutputManager:
         """The step's bitmask for the requests that sample in it, filled from matchers that
         have accepted every token before the step: a row per request, or with drafts
         (speculative decoding) one per draft and one after (RequestGrammar.fill_rows)."""
-        drafts = drafts or {}
+        start = time.perf_counter()
+        mask = self._fill(step_id, request_ids, drafts or {})
+        self.fill_seconds += time.perf_counter() - start
+        self.bitmask_steps += 1
+        return mask
+
+    def _fill(self, step_id: int, request_ids: list[str],
+              drafts: dict[str, list[int]]) -> GrammarBitmask:
         grammars = [(rid, self.grammars.get(rid)) for rid in request_ids]
         rows = [(rid, g) for rid, g in grammars if g is not None and g.ready
                 and (g.constrains or rid in drafts)]

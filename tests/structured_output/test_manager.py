@@ -65,5 +65,11 @@ def test_many_requests_advance_as_fresh_matchers_do(tokenizer, threads):
             manager.grammars[rid].matcher.fill_next_token_bitmask(got, 0)
             np.testing.assert_array_equal(got, expected, err_msg=rid)
             assert manager.grammars[rid].num_accepted == steps
+        # the host time the engine's stats report: accepts so far, fills once a mask is made
+        assert manager.accept_seconds > 0
+        assert (manager.fill_seconds, manager.bitmask_steps) == (0.0, 0)
+        mask = manager.bitmask(7, ids[1:3])
+        assert mask.req_ids == ids[1:3] and manager.bitmask_steps == 1
+        assert manager.fill_seconds > 0
     finally:
         manager.shutdown()

@@ -55,8 +55,15 @@ def llm(tiny_chat_model):
 
 def test_json_schema_holds_over_seeds_and_async_equals_sync(llm, tiny_chat_model):
     params = [json_params(seed) for seed in range(10)]
-    texts = assert_valid(llm.generate([PROMPT] * 10, params, use_tqdm=False))
+    before = llm.stats()
+    outputs = llm.generate([PROMPT] * 10, params, use_tqdm=False)
+    texts = assert_valid(outputs)
     assert len(set(texts)) > 5  # the seeds sampled different objects
+    # each constrained token was sampled in a step whose bitmask the core filled
+    after = llm.stats()
+    longest = max(len(o.outputs[0].token_ids) for o in outputs)
+    assert after.grammar_bitmask_steps - before.grammar_bitmask_steps >= longest
+    assert after.grammar_accept_seconds > before.grammar_accept_seconds
     free = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=0, max_tokens=60),
                         use_tqdm=False)[0].outputs[0].text
     with pytest.raises(ValueError):  # the same model unconstrained writes no such object

@@ -71,12 +71,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default=None, help="default: the embedded SmolLM2's")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
     from echo.models.default_model import ensure_default_model
 
-    tokenizer = AutoTokenizer.from_pretrained(str(ensure_default_model()))
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or str(ensure_default_model()))
     info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=args.vocab,
                                                    stop_token_ids=[tokenizer.eos_token_id])
     grammar = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False) \
