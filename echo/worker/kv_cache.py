@@ -12,8 +12,10 @@ scales of another), so one block of every layer is one index along dim 2: the KV
 moves a chunk of blocks with a kernel or two, not several per layer (worker/kv_transfer.py).
 """
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from echo.attention.backend import SCALE_DTYPE, KVCache, cache_scales
@@ -70,7 +72,7 @@ class KVCacheSpec:
     def allocate_stacked(self, num_blocks: int, device: torch.device) -> "StackedKVCache":
         """One zeroed KVCache per layer, as views of two tensors (see StackedKVCache)."""
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        kv = torch.zeros((self.num_layers, 2, *shape), dtype=self.dtype, device=device)
+        kv = zeros((self.num_layers, 2, *shape), self.dtype, device)
         scales = (cache_scales(*shape[:3], device, leading=(self.num_layers, 2))
                   if self.is_int8 else None)
         layers = [KVCache(kv[layer, 0], kv[layer, 1],
@@ -85,6 +87,16 @@ class KVCacheSpec:
         where = f" on each of {num_ranks} GPUs" if num_ranks > 1 else ""
         return (f"KV cache: {self.dtype_name}, {num_blocks} blocks of {self.block_size} tokens "
                 f"({num_blocks * self.block_size:,} tokens, {gib:.1f} GiB{where})")
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, but on the CPU through calloc (numpy's zeros): a cache of a few GiB then
+    costs nothing until its pages are used, where torch.zeros writes every page first (seconds
+    per engine start on a small CPU machine, most of what starting one costs there)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 @dataclass(frozen=True)

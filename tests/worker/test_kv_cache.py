@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from echo.config import EngineConfig
-from echo.worker.kv_cache import KVCacheSpec
+from echo.worker.kv_cache import KVCacheSpec, zeros
 from echo.worker.model_runner import ModelRunner
 
 SMALL = KVCacheSpec(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8,
@@ -72,6 +72,22 @@ def test_every_layer_is_a_view_of_the_stacked_tensors(kv_cache_dtype):
     assert sum(p[0].numel() for p in planes) == spec.bytes_per_block()
     assert planes[0][3].view(torch.bfloat16 if kv_cache_dtype == "bf16" else torch.int8)[
         0].reshape(16, 2, 8)[1, 0, 2] == 1
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_a_cpu_cache_is_zero_and_costs_memory_only_where_it_is_used():
+    before = _resident_bytes()
+    cache = zeros((2, 2**27), torch.bfloat16, torch.device("cpu"))  # 512 MiB
+    assert cache.shape == (2, 2**27) and cache.dtype == torch.bfloat16
+    assert _resident_bytes() - before < 64 * 2**20  # torch.zeros would have written it all
+    probe = cache[:, ::2**20]  # a value from every MiB ...
+    assert probe.count_nonzero() == 0  # ... is zero
+    cache[1, -1] = 3.5
+    assert cache[1, -1].item() == 3.5 and cache[0, -1].item() == 0
 
 
 def test_describe_names_dtype_blocks_tokens_and_gib():
