@@ -16,6 +16,7 @@ import xgrammar
 
 from echo.sampling_params import StructuredOutputsParams
 from echo.structured_output.grammar_spec import build_grammar
+from echo.structured_output.whitespace import WhitespaceTokens
 
 COMPILE_THREADS = 2
 # compiled grammars kept for reuse; each holds per-state token masks, from kilobytes for a
@@ -32,6 +33,9 @@ class GrammarCompilerPool:
         self._vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
+        # the vocabulary's whitespace-only tokens: set with the compiler, so before any
+        # compile finishes
+        self.whitespace: WhitespaceTokens | None = None
         self._compiler_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="echo-grammar")
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
@@ -71,6 +75,8 @@ class GrammarCompilerPool:
                 # never allowed. The stop tokens are the engine's EOS ids
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids)
+                self.whitespace = WhitespaceTokens.from_vocab(info.decoded_vocab,
+                                                              self._vocab_size)
                 # our cache above replaces xgrammar's, which would hold each grammar twice
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1,
                                                           cache_enabled=False)

@@ -16,9 +16,11 @@ from echo.sampling_params import StructuredOutputsParams
 # a second, and bigger ones are where compile time and memory start to grow out of bounds
 MAX_GRAMMAR_CHARS = 100_000
 MAX_CHOICES = 1024
-# whitespace characters allowed between two JSON tokens: room for pretty-printing at any depth
-# a model uses, but a bound: unbounded, a model at temperature 1 can fill max_tokens with
-# blank lines and never close the object
+# whitespace characters in a row a JSON constraint lets a model write while it allows anything
+# else (RequestGrammar.limit_whitespace): room for pretty-printing at any depth a model uses,
+# but a bound: unbounded, a model at temperature 1 can fill max_tokens with blank lines and
+# never close the object. Enforced on the mask, not in the grammar: xgrammar's counted
+# whitespace (max_whitespace_cnt) made every fill 2-5x dearer (tools/dev/probe_grammar_step.py)
 MAX_JSON_WHITESPACE = 32
 # JSON schema nesting: xgrammar's grammar grows about with the cube of the depth (1 MB of
 # grammar at 200 levels, a hang at 2,000); real schemas nest a handful of levels
@@ -105,10 +107,13 @@ _BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
 _JSON_STRING_CHAR = '[^\\"\\\\\\0-\\x1f]'
 
 
+def limits_whitespace(params: StructuredOutputsParams) -> bool:
+    """Whether the request's grammar is JSON with free whitespace, which the mask bounds."""
+    return params.kind in ("json", "json_object") and not params.disable_any_whitespace
+
+
 def _json_grammar(schema: str, any_whitespace: bool) -> xgrammar.Grammar:
-    grammar = xgrammar.Grammar.from_json_schema(
-        schema, any_whitespace=any_whitespace,
-        max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None)
+    grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
     text = str(grammar)
     if _BOUNDED_STRING_CHAR not in text:
         return grammar

@@ -77,7 +77,7 @@ class StructuredOutputManager:
         failed = []
         now = time.monotonic()
         for rid, grammar in list(self.compiling.items()):
-            if grammar.resolve():
+            if grammar.resolve(self.compiler.whitespace):
                 del self.compiling[rid]
                 if grammar.error is not None:
                     failed.append((rid, f"structured_outputs: {grammar.error}"))
@@ -152,7 +152,7 @@ class StructuredOutputManager:
             for i, matcher in enumerate(matchers):
                 matcher.fill_next_token_bitmask(self._rows, i)
         for i, (_, g) in enumerate(rows):
-            g.allow_opening_tag(self._rows[i])
+            g.finish_row(self._rows[i])
         return GrammarBitmask(step_id, [rid for rid, _ in rows], self.num_words,
                               self._rows[:count].tobytes())
 

@@ -7,12 +7,19 @@ them; the grammar applies from the token after the closing one.
 """
 
 import time
+from collections import deque
 from concurrent.futures import Future
 
 import numpy as np
 import xgrammar
 
 from echo.sampling_params import StructuredOutputsParams
+from echo.structured_output.grammar_spec import limits_whitespace
+from echo.structured_output.whitespace import WhitespaceTokens
+
+# accepted tokens whose whitespace runs a rollback can restore (speculative decoding rolls back
+# at most a step's drafts; fill_rows, its drafts)
+_RUN_HISTORY = 64
 
 
 def prompt_reasoning(prompt_token_ids: list[int], start_id: int, end_id: int) -> str:
@@ -46,9 +53,14 @@ class RequestGrammar:
         # first token may be the opening tag as well as what the grammar allows
         self.may_open = state == "none"
         self.num_accepted = 0  # tokens the matcher holds: what rollback can undo
+        self._bounds_whitespace = limits_whitespace(params)
+        self._whitespace: WhitespaceTokens | None = None  # set by resolve, for JSON
+        self.whitespace_run = 0  # whitespace characters in a row through whitespace tokens
+        self._runs: deque[int] = deque(maxlen=_RUN_HISTORY)  # the run before each token
 
-    def resolve(self) -> bool:
-        """Take the compiled grammar if it is there (True once resolved, ready or not)."""
+    def resolve(self, whitespace: WhitespaceTokens | None = None) -> bool:
+        """Take the compiled grammar if it is there (True once resolved, ready or not);
+        whitespace: the vocabulary's whitespace tokens, for a JSON grammar's bound."""
         if self.ready or self.error is not None:
             return True
         if not self.future.done():
@@ -56,6 +68,8 @@ class RequestGrammar:
         try:
             self.matcher = xgrammar.GrammarMatcher(self.future.result())
             self.ready = True
+            if self._bounds_whitespace:
+                self._whitespace = whitespace
         except Exception as e:  # the compile's error, for the request that asked for it
             self.error = str(e) or type(e).__name__
         return True
@@ -82,7 +96,17 @@ class RequestGrammar:
             if not self.matcher.accept_token(token):
                 return False
             self.num_accepted += 1
+            if self._whitespace is not None:
+                self._runs.append(self.whitespace_run)
+                self.whitespace_run = self._whitespace.run_after(self.whitespace_run, token)
         return True
+
+    def finish_row(self, row: np.ndarray) -> None:
+        """What the request adds to its filled mask row: the reasoning tag while it may still
+        open, the bound on a JSON constraint's whitespace (whitespace.py)."""
+        self.allow_opening_tag(row)
+        if self._whitespace is not None:
+            self._whitespace.limit(row, self.whitespace_run)
 
     def allow_opening_tag(self, row: np.ndarray) -> None:
         """Set the reasoning tag's bit in a filled mask row while the request's first token may
@@ -103,7 +127,7 @@ class RequestGrammar:
             if self.constrains:
                 self.matcher.fill_next_token_bitmask(rows, j)
                 constrained = True
-                self.allow_opening_tag(rows[j])
+                self.finish_row(rows[j])
             if j == len(drafts) or not self.accept(drafts[j:j + 1]):
                 break
         self.rollback(self.num_accepted - state[2])
@@ -118,3 +142,6 @@ class RequestGrammar:
         if num_tokens:
             self.matcher.rollback(num_tokens)
             self.num_accepted -= num_tokens
+            if self._whitespace is not None:
+                for _ in range(num_tokens):  # history lost past _RUN_HISTORY: start over
+                    self.whitespace_run = self._runs.pop() if self._runs else 0

@@ -3,8 +3,10 @@ matchers by one sampled token each (accept) and filling their next bitmask rows 
 
     python tools/dev/probe_grammar_step.py [--rows 64] [--vocab 151936] [--threads 1 2 4 8]
 
-The grammar and widths are tools/bench_structured.py's (its JSON schema, compiled against the
-embedded SmolLM2 tokenizer at --vocab); each step samples a random allowed token per row, as
+The grammar and widths are tools/bench_structured.py's (its JSON schema, built as the engine
+builds it and compiled against the embedded SmolLM2 tokenizer at --vocab; --counted-whitespace:
+with the whitespace bound compiled into the grammar, as the engine had it until 2026-12-04,
+which this probe did not see then); each step samples a random allowed token per row, as
 dummy weights do. Every strategy replays the same token sequences on fresh matchers:
 - accept loop: accept_token per matcher in one thread (what StructuredOutputManager.accept does)
 - accept batch: xgrammar's BatchGrammarMatcher.batch_accept_token, one call for every matcher
@@ -26,6 +28,9 @@ import xgrammar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_structured import SCHEMA  # noqa: E402
+
+from echo import StructuredOutputsParams  # noqa: E402
+from echo.structured_output.grammar_spec import MAX_JSON_WHITESPACE, build_grammar  # noqa: E402
 
 
 def allowed_tokens(row: np.ndarray, vocab: int) -> np.ndarray:
@@ -72,6 +77,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="default: the embedded SmolLM2's")
+    parser.add_argument("--counted-whitespace", action="store_true",
+                        help="the JSON whitespace bounded in the grammar (xgrammar's "
+                             "max_whitespace_cnt), as the engine compiled it before 2026-12-04")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -80,8 +88,14 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or str(ensure_default_model()))
     info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=args.vocab,
                                                    stop_token_ids=[tokenizer.eos_token_id])
+    # the grammar the engine compiles for this schema, or the whitespace bound compiled in
+    if args.counted_whitespace:
+        grammar_spec = xgrammar.Grammar.from_json_schema(
+            json.dumps(SCHEMA), any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+    else:
+        grammar_spec = build_grammar(StructuredOutputsParams(json=SCHEMA))
     grammar = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False) \
-        .compile_json_schema(json.dumps(SCHEMA))
+        .compile_grammar(grammar_spec)
     sequences = sample_sequences(grammar, args.rows, args.steps, args.vocab, args.seed)
     batch = xgrammar.BatchGrammarMatcher()
 
