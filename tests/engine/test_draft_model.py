@@ -32,6 +32,7 @@ def generate(model, prompts, params, draft=None, k=4, **kwargs):
         llm.shutdown()
 
 
+@pytest.mark.slow  # SmolLM2 target and draft: ~20 s (make test's budget)
 def test_smollm2_as_its_own_draft_accepts_nearly_everything(smollm2):
     params = [SamplingParams(temperature=0, max_tokens=n) for n in (24, 30, 17)]
     expected, _ = generate(smollm2, PROMPTS, params)

@@ -111,6 +111,7 @@ def test_int8_kv_and_chunked_prefill_beside_verifications(smollm2):
     assert accepted > 0 and drafted > accepted
 
 
+@pytest.mark.slow  # every sampling option through SmolLM2, twice: ~18 s (make test's budget)
 def test_every_sampling_option_is_verified_as_plain_decoding_samples(smollm2):
     """Drafts for requests with penalties, logit_bias, bad words, min_tokens and logprobs are
     verified at the distribution plain decoding samples from after the drafts before them:

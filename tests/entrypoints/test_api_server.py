@@ -231,6 +231,7 @@ def test_return_token_ids_streams_every_token_of_a_model_without_tokenizer(tiny_
     assert "token_ids" not in plain.json()["choices"][0]
 
 
+@pytest.mark.slow  # a server of its own: ~27 s (make test's budget)
 def test_sampled_logprobs_report_the_sampled_token_and_n3_stream_finishes_once():
     # the real SmolLM2: at temperature 1 it often samples a top-5 token that is not the argmax
     # (a tiny random model is near uniform: its sampled token is almost never in the top-5)

@@ -93,6 +93,7 @@ def perplexity(kv_cache_dtype: str) -> float:
     return chunked_prefill_perplexity(runner, text_token_ids(config))
 
 
+@pytest.mark.slow  # SmolLM2's perplexity over a text, twice: ~23 s (make test's budget)
 def test_int8_perplexity_is_within_2_percent_of_the_model_dtype_cache():
     normal, int8 = perplexity("auto"), perplexity("int8")
     print(f"\nperplexity over {NUM_TOKENS} tokens: model-dtype cache {normal:.4f}, "
