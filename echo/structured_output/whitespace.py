@@ -6,6 +6,8 @@ max_tokens and never close its object. xgrammar can bound the whitespace in the 
 (docs/benchmarks.md, Structured outputs). So the grammar stays unbounded and the mask does it:
 once a request has written MAX_JSON_WHITESPACE whitespace characters in a row through
 whitespace-only tokens, its rows allow only other tokens, as long as the grammar allows any.
+The run does not know whether it is inside a string: a string value gets at most about that
+many spaces in a row too (a bound the grammar itself did not set; rare in real output).
 """
 
 from dataclasses import dataclass
