@@ -17,7 +17,7 @@ from echo.sampling_params import StructuredOutputsParams
 MAX_GRAMMAR_CHARS = 100_000
 MAX_CHOICES = 1024
 # whitespace characters in a row a JSON constraint lets a model write while it allows anything
-# else (RequestGrammar.limit_whitespace): room for pretty-printing at any depth a model uses,
+# else (structured_output/whitespace.py): room for pretty-printing at any depth a model uses,
 # but a bound: unbounded, a model at temperature 1 can fill max_tokens with blank lines and
 # never close the object. Enforced on the mask, not in the grammar: xgrammar's counted
 # whitespace (max_whitespace_cnt) made every fill 2-5x dearer (tools/dev/probe_grammar_step.py)

@@ -258,7 +258,9 @@ class ModelRunner:
         batch = self.input_batch
         with step_range("sample", step_id):
             sample_rows = inp.rows[inp.sample_seq_idx]
-            sampled = self.sampler(logits, tensors or self._sampling_tensors(inp))
+            if tensors is None:
+                tensors = self._sampling_tensors(inp)
+            sampled = self.sampler(logits, tensors)
             batch.num_pending[sample_rows] += 1
             logprobs = [n if n >= 0 else None for n in batch.logprobs[sample_rows].tolist()]
             prompt = self._prompt_logprobs(inp, hidden) if self.prompt_logprobs else None
