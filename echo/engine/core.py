@@ -143,13 +143,18 @@ class EngineCore:
         runner_output = self.executor.get_output()
         with step_range("update", scheduler_output.step_id):
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-            if structured.grammars:
+            refused = []
+            due, self._bitmask_due = self._bitmask_due, None
+            if due is not None:  # the launched step's mask, filled as its matchers advance
+                with step_range("bitmask", due.step_id):
+                    refused, mask = structured.accept_and_fill(
+                        outputs, due.step_id, due.structured_req_ids,
+                        due.scheduled_spec_decode_tokens)
+                    self.executor.apply_grammar_bitmask(mask)
+            elif structured.grammars:
                 refused = structured.accept(outputs)
-                if refused:
-                    self._refuse(outputs, refused)
-            if self._bitmask_due is not None:
-                self._send_bitmask(self._bitmask_due)
-                self._bitmask_due = None
+            if refused:
+                self._refuse(outputs, refused)
             if self.proposer is not None:
                 self.scheduler.propose_drafts(self.proposer.propose)
         if (self.max_in_flight > 1 and not self.in_flight and self._pipeline_depth() == 1

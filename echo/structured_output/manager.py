@@ -7,9 +7,9 @@ import concurrent.futures
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
-import xgrammar
 
 from echo.core.request import Request
 from echo.core.sched_output import GrammarBitmask
@@ -21,35 +21,59 @@ from echo.structured_output.request_grammar import RequestGrammar
 # interrupted), which is why distinct compiles at once are bounded too
 COMPILE_TIMEOUT_S = 10.0
 MAX_COMPILING = 32
-# rows per batch fill above which xgrammar's threads help more than they cost
-_THREADED_FILL_ROWS = 16
-# requests per step above which their accepts run on threads: xgrammar releases the GIL inside
-# accept_token, the costly part (tens of µs a token for a JSON schema), so K threads advance K
-# matchers at once (tools/dev/probe_grammar_step.py; docs/benchmarks.md, Structured outputs)
-_THREADED_ACCEPT_ROWS = 16
+# requests per step above which their grammar work runs on threads: xgrammar releases the GIL
+# inside accept_token (tens of µs a token for a JSON schema, about 7 µs a byte) and
+# fill_next_token_bitmask, so K threads advance and fill K requests at once
+# (tools/dev/probe_grammar_step.py; docs/benchmarks.md, Structured outputs)
+_THREADED_ROWS = 16
 
 
-def default_accept_threads() -> int:
-    """Half the CPUs this process may run on, at most 8 (the workers and xgrammar's fill
-    threads need the rest); 1, no threads, on a small machine."""
-    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+def default_grammar_threads() -> int:
+    """Half the CPUs this process may run on, at most 4 (past 4 the threads queue for the GIL
+    between calls: 64 JSON requests accepted and filled in 1.17 ms on 4 threads, 1.56 ms on 8,
+    on the H200 machine's 16 cores); 1, no threads, on a small machine."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) // 2))
+
+
+@dataclass(slots=True)
+class _RequestWork:
+    """One request's part of a step's grammar work: the tokens it sampled in the step that
+    landed (empty if none), then its row of the next step's mask (-1: it has none)."""
+    request_id: str
+    grammar: RequestGrammar
+    tokens: list[int]
+    row: int
+    accepted: bool = True
+    filled: bool = False
+
+    def run(self, rows: np.ndarray) -> tuple[float, float]:
+        """Accept, then fill the row if the request still constrains; seconds of each."""
+        start = time.perf_counter()
+        if self.tokens:
+            self.accepted = self.grammar.accept(self.tokens)
+        accepted = time.perf_counter()
+        if not (self.row >= 0 and self.accepted and self.grammar.constrains):
+            return accepted - start, 0.0
+        self.grammar.matcher.fill_next_token_bitmask(rows, self.row)
+        self.grammar.finish_row(rows[self.row])
+        self.filled = True
+        return accepted - start, time.perf_counter() - accepted
 
 
 class StructuredOutputManager:
     def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int,
                  stop_token_ids: tuple[int, ...], max_num_seqs: int,
-                 accept_threads: int | None = None):
+                 grammar_threads: int | None = None):
         self.compiler = GrammarCompilerPool(load_tokenizer, vocab_size, stop_token_ids)
         self.num_words = -(-vocab_size // 32)
         self.grammars: dict[str, RequestGrammar] = {}  # every unfinished structured request
         self.compiling: dict[str, RequestGrammar] = {}  # those whose grammar is not resolved
         self._rows = np.zeros((max_num_seqs, self.num_words), dtype=np.int32)
-        self._batch = xgrammar.BatchGrammarMatcher()
-        self._accept_threads = accept_threads or default_accept_threads()
-        self._accept_pool = (concurrent.futures.ThreadPoolExecutor(
-            self._accept_threads, thread_name_prefix="echo-grammar-accept")
-            if self._accept_threads > 1 else None)
-        # cumulative, for SchedulerStats: host seconds in accept and bitmask, bitmasks filled
+        self._threads = grammar_threads or default_grammar_threads()
+        self._pool = (concurrent.futures.ThreadPoolExecutor(
+            self._threads, thread_name_prefix="echo-grammar") if self._threads > 1 else None)
+        # cumulative, for SchedulerStats: host seconds advancing matchers and filling masks
+        # (their share of each pass's wall time), and bitmasks filled
         self.accept_seconds = 0.0
         self.fill_seconds = 0.0
         self.bitmask_steps = 0
@@ -97,67 +121,88 @@ class StructuredOutputManager:
     def accept(self, outputs: list[EngineCoreOutput]) -> list[tuple[str, str]]:
         """Advance matchers past the step's tokens and forget finished requests; (request id,
         error) for each whose token the grammar refused."""
-        start = time.perf_counter()
-        grammars = self.grammars
-        work = [(output, grammar) for output in outputs
-                if (grammar := grammars.get(output.request_id)) is not None]
-        refused = []
-        for (output, _), accepted in zip(work, self._advance(work)):
-            if not accepted:
-                refused.append((output.request_id, "structured_outputs: the grammar refused "
-                                f"sampled token {output.new_token_ids}"))
-            if output.finish_reason is not None:
-                del grammars[output.request_id]
-        self.accept_seconds += time.perf_counter() - start
-        return refused
-
-    def _advance(self, work: list[tuple[EngineCoreOutput, RequestGrammar]]) -> list[bool]:
-        """Each grammar past its output's tokens, on the accept threads when there are many
-        (each grammar is touched by one thread only)."""
-        def advance(part):
-            return [not output.new_token_ids or grammar.accept(output.new_token_ids)
-                    for output, grammar in part]
-
-        if self._accept_pool is None or len(work) < _THREADED_ACCEPT_ROWS:
-            return advance(work)
-        size = -(-len(work) // self._accept_threads)
-        parts = [work[i:i + size] for i in range(0, len(work), size)]
-        return [ok for done in self._accept_pool.map(advance, parts) for ok in done]
+        return self.accept_and_fill(outputs)[0]
 
     def bitmask(self, step_id: int, request_ids: list[str],
                 drafts: dict[str, list[int]] | None = None) -> GrammarBitmask:
         """The step's bitmask for the requests that sample in it, filled from matchers that
         have accepted every token before the step: a row per request, or with drafts
         (speculative decoding) one per draft and one after (RequestGrammar.fill_rows)."""
-        start = time.perf_counter()
-        mask = self._fill(step_id, request_ids, drafts or {})
-        self.fill_seconds += time.perf_counter() - start
-        self.bitmask_steps += 1
-        return mask
+        return self.accept_and_fill([], step_id, request_ids, drafts)[1]
 
-    def _fill(self, step_id: int, request_ids: list[str],
-              drafts: dict[str, list[int]]) -> GrammarBitmask:
+    def accept_and_fill(self, outputs: list[EngineCoreOutput], step_id: int | None = None,
+                        request_ids: list[str] = (), drafts: dict[str, list[int]] | None = None
+                        ) -> tuple[list[tuple[str, str]], GrammarBitmask | None]:
+        """accept(outputs), then bitmask(step_id, request_ids, drafts) if a step is given, in
+        one pass: each thread advances its share of the requests and fills their rows right
+        after, so the mask (on the step's critical path: docs/ARCHITECTURE.md, Structured
+        outputs) waits for no barrier between the two."""
+        start = time.perf_counter()
+        grammars = self.grammars
+        tokens = {o.request_id: o.new_token_ids for o in outputs if o.request_id in grammars}
+        finished = {o.request_id for o in outputs
+                    if o.finish_reason is not None and o.request_id in grammars}
+        drafted = step_id is not None and any(rid in (drafts or ()) for rid in request_ids)
+        # the rows of a step without drafts are filled in the same pass; a request that has
+        # just finished has none (async scheduling put it in the step before it knew)
+        rows = [] if step_id is None or drafted else [
+            rid for rid in request_ids if rid not in finished
+            and (g := grammars.get(rid)) is not None and g.ready]
+        work = [_RequestWork(rid, grammars[rid], tokens.get(rid, []), row)
+                for row, rid in enumerate(rows)]
+        in_rows = set(rows)
+        work += [_RequestWork(rid, grammars[rid], toks, -1)
+                 for rid, toks in tokens.items() if rid not in in_rows]
+        accept_s, fill_s = self._run(work)
+        refused = [(w.request_id, "structured_outputs: the grammar refused sampled token "
+                    f"{w.tokens}") for w in work if not w.accepted]
+        for rid in finished:
+            del grammars[rid]
+        mask = None
+        if step_id is not None:
+            mask = (self._draft_bitmask(step_id, request_ids, drafts) if drafted
+                    else self._pack(step_id, [w for w in work if w.filled]))
+            self.bitmask_steps += 1
+        wall = time.perf_counter() - start
+        share = accept_s / (accept_s + fill_s) if accept_s + fill_s > 0 else 1.0
+        self.accept_seconds += wall * share
+        self.fill_seconds += wall * (1 - share)
+        return refused, mask
+
+    def _run(self, work: list[_RequestWork]) -> tuple[float, float]:
+        """Every request's work, on the threads when there are many (a request's grammar is
+        touched by one thread only); summed seconds accepting and filling."""
+        if self._pool is None or len(work) < _THREADED_ROWS:
+            parts = [work]
+        else:  # interleaved, so the rows a thread fills are spread like the others'
+            parts = [work[k::self._threads] for k in range(self._threads)]
+        rows = self._rows
+
+        def run(part):
+            times = [w.run(rows) for w in part]
+            return sum(t[0] for t in times), sum(t[1] for t in times)
+
+        done = list(self._pool.map(run, parts)) if len(parts) > 1 else [run(work)]
+        return sum(d[0] for d in done), sum(d[1] for d in done)
+
+    def _pack(self, step_id: int, filled: list[_RequestWork]) -> GrammarBitmask:
+        """The filled rows in request order, as the message's bytes (one copy)."""
+        if not filled:
+            return GrammarBitmask(step_id, num_words=self.num_words)
+        count = len(filled)
+        if filled[-1].row == count - 1:  # every row filled: they are the first `count`
+            data = self._rows[:count].tobytes()
+        else:
+            data = self._rows[[w.row for w in filled]].tobytes()
+        return GrammarBitmask(step_id, [w.request_id for w in filled], self.num_words, data)
+
+    def _draft_bitmask(self, step_id: int, request_ids: list[str],
+                       drafts: dict[str, list[int]]) -> GrammarBitmask:
+        """Rows for each draft and one after, one request after another (a drafting engine
+        keeps one step in flight, so this mask is filled at launch, with no accept before)."""
         grammars = [(rid, self.grammars.get(rid)) for rid in request_ids]
         rows = [(rid, g) for rid, g in grammars if g is not None and g.ready
                 and (g.constrains or rid in drafts)]
-        if not rows:
-            return GrammarBitmask(step_id, num_words=self.num_words)
-        if any(rid in drafts for rid, _ in rows):
-            return self._draft_bitmask(step_id, rows, drafts)
-        count = len(rows)
-        matchers = [g.matcher for _, g in rows]
-        if count >= _THREADED_FILL_ROWS:
-            self._batch.batch_fill_next_token_bitmask(matchers, self._rows)
-        else:
-            for i, matcher in enumerate(matchers):
-                matcher.fill_next_token_bitmask(self._rows, i)
-        for i, (_, g) in enumerate(rows):
-            g.finish_row(self._rows[i])
-        return GrammarBitmask(step_id, [rid for rid, _ in rows], self.num_words,
-                              self._rows[:count].tobytes())
-
-    def _draft_bitmask(self, step_id: int, rows: list[tuple[str, RequestGrammar]],
-                       drafts: dict[str, list[int]]) -> GrammarBitmask:
         counts = [len(drafts.get(rid, ())) + 1 for rid, _ in rows]
         table = np.empty((sum(counts), self.num_words), dtype=np.int32)
         kept, kept_counts, at = [], [], 0
@@ -170,5 +215,5 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self.compiler.shutdown()
-        if self._accept_pool is not None:
-            self._accept_pool.shutdown(wait=False)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)

@@ -14,7 +14,7 @@ from echo.structured_output import manager as manager_module
 from echo.structured_output.manager import StructuredOutputManager
 
 REGEX = r"[a-z]{1,40}"
-NUM_REQUESTS = 2 * manager_module._THREADED_ACCEPT_ROWS
+NUM_REQUESTS = 2 * manager_module._THREADED_ROWS
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def tokenizer():
 def test_many_requests_advance_as_fresh_matchers_do(tokenizer, threads):
     vocab = len(tokenizer)
     manager = StructuredOutputManager(lambda: tokenizer, vocab, (tokenizer.eos_token_id,),
-                                      max_num_seqs=NUM_REQUESTS, accept_threads=threads)
+                                      max_num_seqs=NUM_REQUESTS, grammar_threads=threads)
     try:
         params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=REGEX))
         ids = [f"r{i}" for i in range(NUM_REQUESTS)]
@@ -71,5 +71,49 @@ def test_many_requests_advance_as_fresh_matchers_do(tokenizer, threads):
         mask = manager.bitmask(7, ids[1:3])
         assert mask.req_ids == ids[1:3] and manager.bitmask_steps == 1
         assert manager.fill_seconds > 0
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_accept_and_fill_masks_the_next_step_as_fresh_matchers_do(tokenizer, threads):
+    """One pass advances the landed step's requests and fills the next step's rows: a request
+    that finished or whose token was refused gets no row, one that sampled nothing is filled
+    as it stands, one not in the next step is only advanced; each row equals the mask of a
+    fresh xgrammar matcher fed the same tokens."""
+    vocab = len(tokenizer)
+    manager = StructuredOutputManager(lambda: tokenizer, vocab, (tokenizer.eos_token_id,),
+                                      max_num_seqs=NUM_REQUESTS, grammar_threads=threads)
+    try:
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=REGEX))
+        ids = [f"r{i}" for i in range(NUM_REQUESTS)]
+        for rid in ids:
+            manager.add(Request(rid, [1, 2, 3], params))
+        manager.wait_for_compiles(30)
+        assert manager.poll() == []
+        compiled = manager.grammars[ids[0]].future.result()
+        word = tokenizer.encode("maple", add_special_tokens=False)
+        finished, refused_id, idle, leaving = ids[0], ids[1], ids[2], ids[3]
+        outputs = [EngineCoreOutput(rid, word[:1 + i % len(word)])
+                   for i, rid in enumerate(ids) if rid != idle]
+        outputs[0].finish_reason = "stop"
+        outputs[1].new_token_ids = tokenizer.encode(" 7", add_special_tokens=False)
+        next_step = [rid for rid in ids if rid != leaving]
+        refused, mask = manager.accept_and_fill(outputs, 9, next_step)
+        assert [rid for rid, _ in refused] == [refused_id]
+        assert mask.step_id == 9
+        assert mask.req_ids == [rid for rid in next_step if rid not in (finished, refused_id)]
+        got = np.frombuffer(mask.rows, dtype=np.int32).reshape(len(mask.req_ids), -1)
+        sampled = {o.request_id: o.new_token_ids for o in outputs}
+        for row, rid in zip(got, mask.req_ids):
+            fresh = xgrammar.GrammarMatcher(compiled)
+            for token in sampled.get(rid, []):
+                assert fresh.accept_token(token)
+            expected = np.zeros((1, mask.num_words), dtype=np.int32)
+            fresh.fill_next_token_bitmask(expected, 0)
+            np.testing.assert_array_equal(row, expected[0], err_msg=rid)
+        assert manager.grammars[leaving].num_accepted == len(sampled[leaving])
+        assert finished not in manager.grammars
+        assert manager.bitmask_steps == 1 and manager.fill_seconds > 0
     finally:
         manager.shutdown()
