@@ -21,27 +21,29 @@ _WHITESPACE = frozenset(b" \t\n\r")
 
 @dataclass(frozen=True)
 class WhitespaceTokens:
-    """chars[t]: how many whitespace characters token t is, when it is nothing else (0 for
-    every other token); others: a bitmask row (xgrammar's layout) allowing every other token."""
-    chars: np.ndarray
-    others: np.ndarray
+    """chars: how many whitespace characters each whitespace-only token is (no other token is
+    in it); words, keep: the mask words (xgrammar's layout) that hold such tokens, and in each
+    the bits of every other token, so the bound touches a few dozen words, not the row."""
+    chars: dict[int, int]
+    words: np.ndarray
+    keep: np.ndarray
 
     @classmethod
     def from_vocab(cls, decoded_vocab: list[bytes], vocab_size: int) -> "WhitespaceTokens":
         """decoded_vocab: each token's bytes (xgrammar's TokenizerInfo.decoded_vocab); ids up
         to vocab_size past it (the LM head's padding) are no whitespace."""
-        chars = np.zeros(vocab_size, dtype=np.int32)
-        for token, text in enumerate(decoded_vocab[:vocab_size]):
-            if text and _WHITESPACE.issuperset(text):
-                chars[token] = len(text)
-        allowed = np.ones(-(-vocab_size // 32) * 32, dtype=bool)
-        allowed[:vocab_size] = chars == 0
-        others = np.packbits(allowed.reshape(-1, 32), axis=1, bitorder="little")
-        return cls(chars, others.view(np.int32).ravel())
+        chars = {token: len(text) for token, text in enumerate(decoded_vocab[:vocab_size])
+                 if text and _WHITESPACE.issuperset(text)}
+        clear: dict[int, int] = {}
+        for token in chars:
+            clear[token // 32] = clear.get(token // 32, 0) | 1 << token % 32
+        words = np.array(sorted(clear), dtype=np.int64)
+        keep = np.array([~clear[w] & 0xFFFFFFFF for w in sorted(clear)], dtype=np.uint32)
+        return cls(chars, words, keep.view(np.int32))
 
     def run_after(self, run: int, token: int) -> int:
         """The whitespace characters in a row once `token` follows a run of `run`."""
-        n = int(self.chars[token]) if token < len(self.chars) else 0
+        n = self.chars.get(token, 0)
         return run + n if n else 0
 
     def limit(self, row: np.ndarray, run: int) -> None:
@@ -49,6 +51,8 @@ class WhitespaceTokens:
         they are all it allows (a grammar that needs whitespace there keeps it)."""
         if run < MAX_JSON_WHITESPACE:
             return
-        kept = row & self.others
-        if kept.any():
-            row[:] = kept
+        filled = row[self.words]
+        kept = filled & self.keep
+        row[self.words] = kept
+        if not kept.any() and not row.any():  # (the first test mostly settles it)
+            row[self.words] = filled
