@@ -4,7 +4,6 @@ tokens, and fill the token bitmask of a step once the tokens before it are in.
 """
 
 import concurrent.futures
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,18 +20,11 @@ from echo.structured_output.request_grammar import RequestGrammar
 # interrupted), which is why distinct compiles at once are bounded too
 COMPILE_TIMEOUT_S = 10.0
 MAX_COMPILING = 32
-# requests per step above which their grammar work runs on threads: xgrammar releases the GIL
-# inside accept_token (tens of µs a token for a JSON schema, about 7 µs a byte) and
-# fill_next_token_bitmask, so K threads advance and fill K requests at once
-# (tools/dev/probe_grammar_step.py; docs/benchmarks.md, Structured outputs)
-_THREADED_ROWS = 16
-
-
-def default_grammar_threads() -> int:
-    """Half the CPUs this process may run on, at most 4 (past 4 the threads queue for the GIL
-    between calls: 64 JSON requests accepted and filled in 1.17 ms on 4 threads, 1.56 ms on 8,
-    on the H200 machine's 16 cores); 1, no threads, on a small machine."""
-    return max(1, min(4, len(os.sched_getaffinity(0)) // 2))
+# NOTE: the grammar work runs in the busy loop's thread, one request after another. xgrammar
+# releases the GIL inside accept_token and fill_next_token_bitmask, but threads did not pay: every
+# return from those calls queues for the GIL behind whatever Python the other threads run, and
+# on the H200 machine 4 threads filled 64 JSON rows in 1.2 ms a step where one did it in
+# 0.5 ms, for 0.1-0.2 ms saved on the accepts (docs/benchmarks.md, Structured outputs).
 
 
 @dataclass(slots=True)
@@ -62,18 +54,14 @@ class _RequestWork:
 
 class StructuredOutputManager:
     def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int,
-                 stop_token_ids: tuple[int, ...], max_num_seqs: int,
-                 grammar_threads: int | None = None):
+                 stop_token_ids: tuple[int, ...], max_num_seqs: int):
         self.compiler = GrammarCompilerPool(load_tokenizer, vocab_size, stop_token_ids)
         self.num_words = -(-vocab_size // 32)
         self.grammars: dict[str, RequestGrammar] = {}  # every unfinished structured request
         self.compiling: dict[str, RequestGrammar] = {}  # those whose grammar is not resolved
         self._rows = np.zeros((max_num_seqs, self.num_words), dtype=np.int32)
-        self._threads = grammar_threads or default_grammar_threads()
-        self._pool = (concurrent.futures.ThreadPoolExecutor(
-            self._threads, thread_name_prefix="echo-grammar") if self._threads > 1 else None)
-        # cumulative, for SchedulerStats: host seconds advancing matchers and filling masks
-        # (their share of each pass's wall time), and bitmasks filled
+        # cumulative, for SchedulerStats: host seconds advancing matchers and filling masks,
+        # and bitmasks filled
         self.accept_seconds = 0.0
         self.fill_seconds = 0.0
         self.bitmask_steps = 0
@@ -134,10 +122,7 @@ class StructuredOutputManager:
                         request_ids: list[str] = (), drafts: dict[str, list[int]] | None = None
                         ) -> tuple[list[tuple[str, str]], GrammarBitmask | None]:
         """accept(outputs), then bitmask(step_id, request_ids, drafts) if a step is given, in
-        one pass: each thread advances its share of the requests and fills their rows right
-        after, so the mask (on the step's critical path: docs/ARCHITECTURE.md, Structured
-        outputs) waits for no barrier between the two."""
-        start = time.perf_counter()
+        one pass over the requests: each advanced, then its row filled."""
         grammars = self.grammars
         tokens = {o.request_id: o.new_token_ids for o in outputs if o.request_id in grammars}
         finished = {o.request_id for o in outputs
@@ -153,37 +138,22 @@ class StructuredOutputManager:
         in_rows = set(rows)
         work += [_RequestWork(rid, grammars[rid], toks, -1)
                  for rid, toks in tokens.items() if rid not in in_rows]
-        accept_s, fill_s = self._run(work)
+        for w in work:
+            accept_s, fill_s = w.run(self._rows)
+            self.accept_seconds += accept_s
+            self.fill_seconds += fill_s
         refused = [(w.request_id, "structured_outputs: the grammar refused sampled token "
                     f"{w.tokens}") for w in work if not w.accepted]
         for rid in finished:
             del grammars[rid]
-        mask = None
-        if step_id is not None:
-            mask = (self._draft_bitmask(step_id, request_ids, drafts) if drafted
-                    else self._pack(step_id, [w for w in work if w.filled]))
-            self.bitmask_steps += 1
-        wall = time.perf_counter() - start
-        share = accept_s / (accept_s + fill_s) if accept_s + fill_s > 0 else 1.0
-        self.accept_seconds += wall * share
-        self.fill_seconds += wall * (1 - share)
+        if step_id is None:
+            return refused, None
+        packing = time.perf_counter()
+        mask = (self._draft_bitmask(step_id, request_ids, drafts) if drafted
+                else self._pack(step_id, [w for w in work if w.filled]))
+        self.bitmask_steps += 1
+        self.fill_seconds += time.perf_counter() - packing
         return refused, mask
-
-    def _run(self, work: list[_RequestWork]) -> tuple[float, float]:
-        """Every request's work, on the threads when there are many (a request's grammar is
-        touched by one thread only); summed seconds accepting and filling."""
-        if self._pool is None or len(work) < _THREADED_ROWS:
-            parts = [work]
-        else:  # interleaved, so the rows a thread fills are spread like the others'
-            parts = [work[k::self._threads] for k in range(self._threads)]
-        rows = self._rows
-
-        def run(part):
-            times = [w.run(rows) for w in part]
-            return sum(t[0] for t in times), sum(t[1] for t in times)
-
-        done = list(self._pool.map(run, parts)) if len(parts) > 1 else [run(work)]
-        return sum(d[0] for d in done), sum(d[1] for d in done)
 
     def _pack(self, step_id: int, filled: list[_RequestWork]) -> GrammarBitmask:
         """The filled rows in request order, as the message's bytes (one copy)."""
@@ -215,5 +185,3 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self.compiler.shutdown()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)

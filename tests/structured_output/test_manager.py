@@ -1,6 +1,6 @@
-"""StructuredOutputManager.accept with many requests a step, on its accept threads: every
-matcher ends where a fresh xgrammar matcher fed the same tokens does (its next mask equal), a
-refused token is reported for its own request, and finished requests are forgotten."""
+"""StructuredOutputManager with many requests a step: every matcher ends where a fresh
+xgrammar matcher fed the same tokens does (its next mask equal), a refused token is reported
+for its own request, and finished requests are forgotten."""
 
 import numpy as np
 import pytest
@@ -10,11 +10,10 @@ from transformers import AutoTokenizer
 from echo import SamplingParams, StructuredOutputsParams
 from echo.core.request import Request
 from echo.core.step_results import EngineCoreOutput
-from echo.structured_output import manager as manager_module
 from echo.structured_output.manager import StructuredOutputManager
 
 REGEX = r"[a-z]{1,40}"
-NUM_REQUESTS = 2 * manager_module._THREADED_ROWS
+NUM_REQUESTS = 32
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +23,10 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(str(ensure_default_model()))
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_many_requests_advance_as_fresh_matchers_do(tokenizer, threads):
+def test_many_requests_advance_as_fresh_matchers_do(tokenizer):
     vocab = len(tokenizer)
     manager = StructuredOutputManager(lambda: tokenizer, vocab, (tokenizer.eos_token_id,),
-                                      max_num_seqs=NUM_REQUESTS, grammar_threads=threads)
+                                      max_num_seqs=NUM_REQUESTS)
     try:
         params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=REGEX))
         ids = [f"r{i}" for i in range(NUM_REQUESTS)]
@@ -75,15 +73,14 @@ def test_many_requests_advance_as_fresh_matchers_do(tokenizer, threads):
         manager.shutdown()
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_accept_and_fill_masks_the_next_step_as_fresh_matchers_do(tokenizer, threads):
+def test_accept_and_fill_masks_the_next_step_as_fresh_matchers_do(tokenizer):
     """One pass advances the landed step's requests and fills the next step's rows: a request
     that finished or whose token was refused gets no row, one that sampled nothing is filled
     as it stands, one not in the next step is only advanced; each row equals the mask of a
     fresh xgrammar matcher fed the same tokens."""
     vocab = len(tokenizer)
     manager = StructuredOutputManager(lambda: tokenizer, vocab, (tokenizer.eos_token_id,),
-                                      max_num_seqs=NUM_REQUESTS, grammar_threads=threads)
+                                      max_num_seqs=NUM_REQUESTS)
     try:
         params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=REGEX))
         ids = [f"r{i}" for i in range(NUM_REQUESTS)]

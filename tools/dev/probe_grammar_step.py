@@ -14,11 +14,14 @@ dummy weights do. Every strategy replays the same token sequences on fresh match
   GIL inside accept_token)
 - fill loop / fill batch: fill_next_token_bitmask per matcher, or BatchGrammarMatcher's fill
 - accept + fill on K threads: each thread advances its slice and fills its rows
+- accept loop beside a busy thread: the accept loop while another Python thread runs bytecode
+  without pause (each return from accept_token, which releases the GIL, waits for it back)
 """
 
 import argparse
 import json
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -67,6 +70,23 @@ def timed_steps(grammar, sequences, vocab: int, step, untimed=None) -> float:
         step(matchers, tokens, mask)
         total += time.perf_counter() - start
     return 1e3 * total / steps
+
+
+def beside_busy_thread(measure):
+    """measure() while another thread spins in Python."""
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        return measure()
+    finally:
+        stop.set()
+        spinner.join()
 
 
 def main() -> None:
@@ -133,6 +153,8 @@ def main() -> None:
                                                                  args.vocab, split(accept))
             results[f"accept_fill_threads{threads}_ms"] = timed_steps(grammar, sequences,
                                                                       args.vocab, split(both))
+    results["accept_loop_beside_busy_thread_ms"] = beside_busy_thread(
+        lambda: timed_steps(grammar, sequences, args.vocab, accept))
     for key, value in results.items():
         print(f"{key:<28} {value:.3f}" if isinstance(value, float) else f"{key:<28} {value}")
     print(json.dumps(results))
