@@ -24,7 +24,8 @@ MAX_COMPILING = 32
 # releases the GIL inside accept_token and fill_next_token_bitmask, but threads did not pay: every
 # return from those calls queues for the GIL behind whatever Python the other threads run, and
 # on the H200 machine 4 threads filled 64 JSON rows in 1.2 ms a step where one did it in
-# 0.5 ms, for 0.1-0.2 ms saved on the accepts (docs/benchmarks.md, Structured outputs).
+# 0.5 ms, for 0.2-0.9 ms saved on the accepts, and lost 3 of 4 paired runs (docs/benchmarks.md,
+# Structured outputs).
 
 
 @dataclass(slots=True)

@@ -54,5 +54,6 @@ class WhitespaceTokens:
         filled = row[self.words]
         kept = filled & self.keep
         row[self.words] = kept
-        if not kept.any() and not row.any():  # (the first test mostly settles it)
+        # a bit kept among the whitespace words settles it without a pass over the row
+        if not kept.any() and not row.any():
             row[self.words] = filled
