@@ -14,6 +14,8 @@ dummy weights do. Every strategy replays the same token sequences on fresh match
   GIL inside accept_token)
 - fill loop / fill batch: fill_next_token_bitmask per matcher, or BatchGrammarMatcher's fill
 - accept + fill on K threads: each thread advances its slice and fills its rows
+- engine pass: StructuredOutputManager.accept_and_fill, what the core runs (each request
+  advanced, then its row filled, with the reasoning gate and the whitespace bound)
 - accept loop beside a busy thread: the accept loop while another Python thread runs bytecode
   without pause (each return from accept_token, which releases the GIL, waits for it back)
 """
@@ -70,6 +72,37 @@ def timed_steps(grammar, sequences, vocab: int, step, untimed=None) -> float:
         step(matchers, tokens, mask)
         total += time.perf_counter() - start
     return 1e3 * total / steps
+
+
+def engine_pass(tokenizer, vocab: int, sequences) -> float:
+    """Mean ms per step of the core's own pass over the same token sequences."""
+    from echo import SamplingParams
+    from echo.core.request import Request
+    from echo.core.step_results import EngineCoreOutput
+    from echo.structured_output.manager import StructuredOutputManager
+
+    rows, steps = len(sequences), len(sequences[0])
+    manager = StructuredOutputManager(lambda: tokenizer, vocab, (tokenizer.eos_token_id,), rows)
+    try:
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA))
+        ids = [f"r{i}" for i in range(rows)]
+        for rid in ids:
+            manager.add(Request(rid, [0], params))
+        while manager.compiling:
+            manager.wait_for_compiles(60)
+            if manager.poll():
+                raise RuntimeError("the schema did not compile")
+        total = 0.0
+        for step in range(steps):
+            outputs = [EngineCoreOutput(rid, [seq[step]]) for rid, seq in zip(ids, sequences)]
+            start = time.perf_counter()
+            refused, _ = manager.accept_and_fill(outputs, step, ids)
+            total += time.perf_counter() - start
+            if refused:
+                raise RuntimeError(f"refused: {refused[:2]}")
+        return 1e3 * total / steps
+    finally:
+        manager.shutdown()
 
 
 def beside_busy_thread(measure):
@@ -153,6 +186,8 @@ def main() -> None:
                                                                  args.vocab, split(accept))
             results[f"accept_fill_threads{threads}_ms"] = timed_steps(grammar, sequences,
                                                                       args.vocab, split(both))
+    if not args.counted_whitespace:
+        results["engine_pass_ms"] = engine_pass(tokenizer, args.vocab, sequences)
     results["accept_loop_beside_busy_thread_ms"] = beside_busy_thread(
         lambda: timed_steps(grammar, sequences, args.vocab, accept))
     for key, value in results.items():
