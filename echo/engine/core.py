@@ -162,12 +162,6 @@ class EngineCore:
             # drafting holds one step in flight: launch the next (its drafts are in) before
             # the outputs go back, so their return and processing overlap it
             self._launch_next()
-        elif (due is not None and len(self.in_flight) < self._pipeline_depth()
-              and self.scheduler.has_unfinished_requests()):
-            # the mask just sent starts the sampling of the step in flight; the next step's
-            # forward must be queued behind it before that ends: launch it now, not after
-            # the outputs go back
-            self._launch_next()
         if (not (failed or outputs) and scheduler_output.is_empty
                 and (scheduler_output.has_kv_transfers or self.scheduler.kv.transfers_pending)):
             return None  # a step that only carried or polled copies: nothing to tell
