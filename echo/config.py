@@ -34,6 +34,7 @@ DATA_PARALLEL_BACKENDS = ("mp", "ray")
 PREEMPTION_MODES = ("recompute", "swap")
 ROUTER_POLICIES = ("cache_aware", "least_load", "round_robin")  # echo.engine.router's
 # the most decode steps per scheduling round trip (num_scheduler_steps)
+MAX_GRAMMAR_PROCESSES = 64
 MAX_SCHEDULER_STEPS = 64
 DEFAULT_MODEL_NAMES = (None, "", "default")
 
@@ -183,10 +184,15 @@ class SchedulerConfig:
         "decoding) while every running request decodes with plain sampling and none waits: "
         "fewer host round trips per token for small models at small batch; outputs then "
         "arrive that many tokens at a time")
+    grammar_processes: int = _arg(
+        0, "helper processes that advance structured requests' grammars and fill their token "
+        "masks, side by side and outside the engine core's GIL, started with the first "
+        "structured request; worth it from a few dozen constrained requests a step. 0: the "
+        "core's busy loop does it")
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "num_scheduler_steps"):
+                     "num_scheduler_steps", "grammar_processes"):
             _check_int(getattr(self, name), name)
         _check_bool(self.async_scheduling, "async_scheduling")
         _check_choice(self.scheduling_policy, "scheduling_policy", SCHEDULING_POLICIES)
@@ -195,6 +201,8 @@ class SchedulerConfig:
                f"must be >= max_num_seqs ({self.max_num_seqs}), got {self.max_num_batched_tokens}")
         _check(1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS, "num_scheduler_steps",
                f"must be in [1, {MAX_SCHEDULER_STEPS}], got {self.num_scheduler_steps}")
+        _check(0 <= self.grammar_processes <= MAX_GRAMMAR_PROCESSES, "grammar_processes",
+               f"must be in [0, {MAX_GRAMMAR_PROCESSES}], got {self.grammar_processes}")
 
     def check_priority(self, priority) -> None:
         """A request's priority, as vLLM takes it: any 64-bit integer under the priority

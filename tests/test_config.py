@@ -45,6 +45,7 @@ def test_unsupported_architecture_is_named(tmp_path):
     ("load_format", "pickle"), ("num_gpu_blocks_override", 0),
     ("data_parallel_size", 0), ("data_parallel_backend", "k8s"), ("router_policy", "random"),
     ("ray_address", 6379), ("num_scheduler_steps", 0), ("num_scheduler_steps", 65),
+    ("grammar_processes", -1), ("grammar_processes", 1.0),
 ])
 def test_bad_values_name_their_field(tiny_llama, field, value):
     with pytest.raises(ValueError, match=field):

@@ -174,6 +174,8 @@ def main() -> None:
     parser.add_argument("--engine-process", action="store_true",
                         help="the core in its own process (as the server runs it): its grammar "
                              "work then no longer shares a thread with the frontend's")
+    parser.add_argument("--grammar-processes", type=int, default=0,
+                        help="the engine's grammar_processes (0: the core's busy loop)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR")
@@ -186,7 +188,8 @@ def main() -> None:
 
         args.tokenizer = str(ensure_default_model())
     llm = LLM(args.model, load_format="dummy", tokenizer=args.tokenizer, max_model_len=4096,
-              max_num_seqs=args.max_num_seqs, engine_process=args.engine_process)
+              max_num_seqs=args.max_num_seqs, engine_process=args.engine_process,
+              grammar_processes=args.grammar_processes)
     vocab = min(llm.config.model.arch.vocab_size, 49152)  # prompt ids the tokenizer knows
     warm = [[1] * 64] * 8
     llm.generate(warm, [constrained(SamplingParams(max_tokens=16))] * 8, use_tqdm=False)
@@ -196,6 +199,7 @@ def main() -> None:
     report = {"model": args.model, "decode_64": decode_step(llm, grammar, clock, vocab, args)}
     d = report["decode_64"]
     report["engine_process"] = args.engine_process
+    report["grammar_processes"] = args.grammar_processes
     free, bound = d["free"], d["constrained"]
     print(f"decode, 64 requests: median step free {free['median_step_ms']:.2f} ms, constrained "
           f"{bound['median_step_ms']:.2f} ms ({100 * d['step_increase']:+.1f}%); wall per token "

@@ -80,7 +80,9 @@ class EngineCore:
         self.proposer = proposer
         self.structured = StructuredOutputManager(
             lambda: load_tokenizer(config.model), config.model.arch.vocab_size,
-            self.eos_token_ids, config.scheduler.max_num_seqs)
+            self.eos_token_ids, config.scheduler.max_num_seqs,
+            rows_per_seq=1 + (spec.num_speculative_tokens if spec else 0),
+            num_processes=config.scheduler.grammar_processes)
         # a step launched while the one before it was in flight: its bitmask waits for that
         # step's tokens (docs/ARCHITECTURE.md, Structured outputs)
         self._bitmask_due: SchedulerOutput | None = None

@@ -34,20 +34,57 @@ def prompt_reasoning(prompt_token_ids: list[int], start_id: int, end_id: int) ->
     return "none"
 
 
-class RequestGrammar:
-    """ready: the grammar compiled and the matcher exists (the scheduler admits the request
-    only then); error: why it never will."""
+def request_reasoning(params: StructuredOutputsParams, prompt_token_ids: list[int]) -> str:
+    """prompt_reasoning for a request's prompt; "closed" when the request names no tags."""
+    tags = params.reasoning_token_ids
+    return prompt_reasoning(prompt_token_ids, *tags) if tags else "closed"
 
-    def __init__(self, future: Future, params: StructuredOutputsParams,
-                 prompt_token_ids: list[int]):
+
+class CompilingGrammar:
+    """A request's grammar as the core sees it while it compiles: ready once the compiled
+    grammar is there (the scheduler admits the request only then); error: why it never
+    will be."""
+
+    def __init__(self, future: Future, params: StructuredOutputsParams, reasoning_state: str):
+        """reasoning_state: where the prompt leaves the reasoning (request_reasoning)."""
         self.future = future
+        self.params = params
+        self.reasoning_state = reasoning_state
         self.submitted = time.monotonic()
         self.ready = False
         self.error: str | None = None
+
+    def resolve(self, whitespace: WhitespaceTokens | None = None) -> bool:
+        """Take the compiled grammar if it is there (True once resolved, ready or not);
+        whitespace: the vocabulary's whitespace tokens, for a JSON grammar's bound."""
+        if self.ready or self.error is not None:
+            return True
+        if not self.future.done():
+            return False
+        try:
+            self._take(self.future.result(), whitespace)
+            self.ready = True
+        except Exception as e:  # the compile's error, for the request that asked for it
+            self.error = str(e) or type(e).__name__
+        return True
+
+    def _take(self, compiled: xgrammar.CompiledGrammar,
+              whitespace: WhitespaceTokens | None) -> None:
+        """What a compiled grammar sets up (nothing here: the matcher lives elsewhere)."""
+
+
+class RequestGrammar(CompilingGrammar):
+    """The grammar with its matcher: what advances with the request's tokens."""
+
+    def __init__(self, future: Future, params: StructuredOutputsParams,
+                 prompt_token_ids: list[int] = (), reasoning_state: str | None = None):
+        """reasoning_state: where the prompt leaves the reasoning (request_reasoning), when
+        the caller has it; else read from prompt_token_ids."""
+        state = reasoning_state or request_reasoning(params, prompt_token_ids)
+        super().__init__(future, params, state)
         self.matcher: xgrammar.GrammarMatcher | None = None
         tags = params.reasoning_token_ids
         self.start_id, self._end_id = tags if tags else (-1, -1)
-        state = prompt_reasoning(prompt_token_ids, *tags) if tags else "closed"
         self.reasoning = state == "open"
         # a prompt with neither tag: the model may still open its reasoning itself, so its
         # first token may be the opening tag as well as what the grammar allows
@@ -58,21 +95,11 @@ class RequestGrammar:
         self.whitespace_run = 0  # whitespace characters in a row through whitespace tokens
         self._runs: deque[int] = deque(maxlen=_RUN_HISTORY)  # the run before each token
 
-    def resolve(self, whitespace: WhitespaceTokens | None = None) -> bool:
-        """Take the compiled grammar if it is there (True once resolved, ready or not);
-        whitespace: the vocabulary's whitespace tokens, for a JSON grammar's bound."""
-        if self.ready or self.error is not None:
-            return True
-        if not self.future.done():
-            return False
-        try:
-            self.matcher = xgrammar.GrammarMatcher(self.future.result())
-            self.ready = True
-            if self._bounds_whitespace:
-                self._whitespace = whitespace
-        except Exception as e:  # the compile's error, for the request that asked for it
-            self.error = str(e) or type(e).__name__
-        return True
+    def _take(self, compiled: xgrammar.CompiledGrammar,
+              whitespace: WhitespaceTokens | None) -> None:
+        self.matcher = xgrammar.GrammarMatcher(compiled)
+        if self._bounds_whitespace:
+            self._whitespace = whitespace
 
     @property
     def constrains(self) -> bool:

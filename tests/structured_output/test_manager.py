@@ -23,11 +23,17 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(str(ensure_default_model()))
 
 
-@pytest.fixture
-def manager(tokenizer):
-    """A manager with NUM_REQUESTS requests r0, r1, ... under REGEX, compiled."""
-    manager = StructuredOutputManager(lambda: tokenizer, len(tokenizer),
-                                      (tokenizer.eos_token_id,), max_num_seqs=NUM_REQUESTS)
+def make_manager(tokenizer, num_processes=0, rows_per_seq=1):
+    return StructuredOutputManager(lambda: tokenizer, len(tokenizer), (tokenizer.eos_token_id,),
+                                   max_num_seqs=NUM_REQUESTS, rows_per_seq=rows_per_seq,
+                                   num_processes=num_processes)
+
+
+@pytest.fixture(params=[0, 2], ids=["busy-loop", "2-processes"])
+def manager(tokenizer, request):
+    """A manager with NUM_REQUESTS requests r0, r1, ... under REGEX, compiled; its matchers in
+    the busy loop or in two grammar processes."""
+    manager = make_manager(tokenizer, request.param)
     try:
         params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=REGEX))
         for i in range(NUM_REQUESTS):
@@ -57,25 +63,28 @@ def test_many_requests_advance_as_fresh_matchers_do(tokenizer, manager):
         refused = manager.accept(outputs)
     assert [rid for rid, _ in refused] == [ids[refused_at]]
     assert ids[0] not in manager.grammars and len(manager.grammars) == NUM_REQUESTS - 1
-    num_words = -(-len(tokenizer) // 32)
-    for i, rid in enumerate(ids[1:], start=1):
-        if i == refused_at:
-            continue
-        fresh = xgrammar.GrammarMatcher(compiled)
-        for token in texts[i][:steps]:
-            assert fresh.accept_token(token)
-        expected = np.zeros((1, num_words), dtype=np.int32)
-        fresh.fill_next_token_bitmask(expected, 0)
-        got = np.zeros((1, num_words), dtype=np.int32)
-        manager.grammars[rid].matcher.fill_next_token_bitmask(got, 0)
-        np.testing.assert_array_equal(got, expected, err_msg=rid)
-        assert manager.grammars[rid].num_accepted == steps
     # the host time the engine's stats report: accepts so far, fills once a mask is made
     assert manager.accept_seconds > 0
     assert (manager.fill_seconds, manager.bitmask_steps) == (0.0, 0)
-    mask = manager.bitmask(7, ids[1:3])
-    assert mask.req_ids == ids[1:3] and manager.bitmask_steps == 1
+    live = [rid for i, rid in enumerate(ids) if i not in (0, refused_at)]
+    mask = manager.bitmask(7, live)
+    assert mask.req_ids == live and manager.bitmask_steps == 1
     assert manager.fill_seconds > 0
+    rows = np.frombuffer(mask.rows, dtype=np.int32).reshape(len(live), -1)
+    for rid, row in zip(live, rows):
+        np.testing.assert_array_equal(
+            row, fresh_mask(compiled, texts[ids.index(rid)][:steps], mask.num_words),
+            err_msg=rid)
+
+
+def fresh_mask(compiled, tokens: list[int], num_words: int) -> np.ndarray:
+    """The next-token mask of a fresh xgrammar matcher fed tokens."""
+    fresh = xgrammar.GrammarMatcher(compiled)
+    for token in tokens:
+        assert fresh.accept_token(token)
+    expected = np.zeros((1, num_words), dtype=np.int32)
+    fresh.fill_next_token_bitmask(expected, 0)
+    return expected[0]
 
 
 def test_accept_and_fill_masks_the_next_step_as_fresh_matchers_do(tokenizer, manager):
@@ -99,12 +108,42 @@ def test_accept_and_fill_masks_the_next_step_as_fresh_matchers_do(tokenizer, man
     got = np.frombuffer(mask.rows, dtype=np.int32).reshape(len(mask.req_ids), -1)
     sampled = {o.request_id: o.new_token_ids for o in outputs}
     for row, rid in zip(got, mask.req_ids):
-        fresh = xgrammar.GrammarMatcher(compiled)
-        for token in sampled.get(rid, []):
-            assert fresh.accept_token(token)
-        expected = np.zeros((1, mask.num_words), dtype=np.int32)
-        fresh.fill_next_token_bitmask(expected, 0)
-        np.testing.assert_array_equal(row, expected[0], err_msg=rid)
-    assert manager.grammars[leaving].num_accepted == len(sampled[leaving])
+        np.testing.assert_array_equal(row, fresh_mask(compiled, sampled.get(rid, []),
+                                                      mask.num_words), err_msg=rid)
     assert finished not in manager.grammars
     assert manager.bitmask_steps == 1 and manager.fill_seconds > 0
+    # the request that was only advanced: its next row follows its tokens too
+    mask = manager.bitmask(10, [leaving])
+    np.testing.assert_array_equal(np.frombuffer(mask.rows, dtype=np.int32),
+                                  fresh_mask(compiled, sampled[leaving], mask.num_words))
+
+
+@pytest.mark.parametrize("num_processes", [0, 2])
+def test_draft_rows_follow_each_draft_in_the_busy_loop_and_in_processes(tokenizer,
+                                                                         num_processes):
+    """With drafts (speculative decoding) a request gets a row per draft and one after, each
+    the mask of a fresh matcher fed the drafts before it; a request without drafts gets one."""
+    manager = make_manager(tokenizer, num_processes, rows_per_seq=4)
+    try:
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=REGEX))
+        for rid in ("a", "b", "c"):
+            manager.add(Request(rid, [1, 2, 3], params))
+        manager.wait_for_compiles(30)
+        assert manager.poll() == []
+        compiled = manager.grammars["a"].future.result()
+        word = tokenizer.encode("zebrariverstonequiet", add_special_tokens=False)
+        drafts = {"a": word[1:4], "c": word[1:2]}
+        refused, mask = manager.accept_and_fill([EngineCoreOutput("a", word[:1])], 3,
+                                                ["a", "b", "c"], drafts)
+        assert refused == [] and mask.req_ids == ["a", "b", "c"]
+        assert mask.row_counts == [4, 1, 2]
+        rows = np.frombuffer(mask.rows, dtype=np.int32).reshape(7, -1)
+        expected = [word[:1 + j] for j in range(4)] + [[]] + [[], word[1:2]]
+        for row, tokens in zip(rows, expected):
+            np.testing.assert_array_equal(row, fresh_mask(compiled, tokens, mask.num_words))
+        # the drafts were not accepted: the next mask follows the sampled token only
+        mask = manager.bitmask(4, ["a"])
+        np.testing.assert_array_equal(np.frombuffer(mask.rows, dtype=np.int32),
+                                      fresh_mask(compiled, word[:1], mask.num_words))
+    finally:
+        manager.shutdown()

@@ -3,6 +3,7 @@ that speaks SmolLM2's vocabulary: random weights are the hostile case, as the gr
 keeps the output valid. Validity is checked by independent parsers (json + jsonschema, re)."""
 
 import json
+import os
 import re
 import threading
 
@@ -135,11 +136,13 @@ def test_chunked_prefill_and_prefix_caching_keep_the_constraint(tiny_chat_model,
     assert texts == expected
 
 
-def test_drafts_are_verified_with_the_grammars_mask_at_each_position(tiny_chat_model, llm):
+@pytest.mark.parametrize("grammar_processes", [0, 2])
+def test_drafts_are_verified_with_the_grammars_mask_at_each_position(tiny_chat_model, llm,
+                                                                     grammar_processes):
     """n-gram speculation for structured requests (drafts from a prompt holding JSON of the
     schema's shape): each draft's row is masked as plain decoding would mask it there, so
     the outputs stay valid, the greedy one equals the run without speculation, and drafts
-    are accepted."""
+    are accepted; the same with the matchers in grammar processes."""
     prompt = ('Like {"name": "ann", "age": 7, "color": "red", "tags": ["a", "b"]}, '
               'describe a person as JSON:')
     greedy = SamplingParams(temperature=0, max_tokens=200,
@@ -148,7 +151,8 @@ def test_drafts_are_verified_with_the_grammars_mask_at_each_position(tiny_chat_m
     expected = assert_valid(llm.generate([prompt], greedy, use_tqdm=False))
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3}
-    drafting = make_llm(tiny_chat_model, speculative_config=spec)
+    drafting = make_llm(tiny_chat_model, speculative_config=spec,
+                        grammar_processes=grammar_processes)
     try:
         texts = assert_valid(drafting.generate([prompt] * 5, params, use_tqdm=False))
         stats = drafting.stats()
@@ -157,6 +161,23 @@ def test_drafts_are_verified_with_the_grammars_mask_at_each_position(tiny_chat_m
         drafting.shutdown()
     assert texts[0] == expected[0]
     assert stats.spec_num_accepted_tokens > 0 and stats.spec_num_drafts > 0
+
+
+def test_grammar_processes_mask_as_the_busy_loop_does(tiny_chat_model, llm):
+    """Matchers sharded over two grammar processes: the same seeded outputs as the busy
+    loop's, n = 2 included; the processes end with the engine."""
+    params = [json_params(seed) for seed in range(6)] + [json_params(7, n=2)]
+    expected = assert_valid(llm.generate([PROMPT] * 7, params, use_tqdm=False))
+    sharded = make_llm(tiny_chat_model, grammar_processes=2)
+    try:
+        assert assert_valid(sharded.generate([PROMPT] * 7, params, use_tqdm=False)) == expected
+        pids = sharded.engine.structured.grammar_process_pids()
+        assert len(pids) == 2
+    finally:
+        sharded.shutdown()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_tensor_parallel_workers_apply_the_same_mask(tiny_chat_model, llm):

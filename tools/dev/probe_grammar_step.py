@@ -15,7 +15,8 @@ dummy weights do. Every strategy replays the same token sequences on fresh match
 - fill loop / fill batch: fill_next_token_bitmask per matcher, or BatchGrammarMatcher's fill
 - accept + fill on K threads: each thread advances its slice and fills its rows
 - engine pass: StructuredOutputManager.accept_and_fill, what the core runs (each request
-  advanced, then its row filled, with the reasoning gate and the whitespace bound)
+  advanced, then its row filled, with the reasoning gate and the whitespace bound), in the busy
+  loop and over --grammar-processes processes (the core's wait, rows packed)
 - accept loop beside a busy thread: the accept loop while another Python thread runs bytecode
   without pause (each return from accept_token, which releases the GIL, waits for it back)
 """
@@ -74,15 +75,17 @@ def timed_steps(grammar, sequences, vocab: int, step, untimed=None) -> float:
     return 1e3 * total / steps
 
 
-def engine_pass(tokenizer, vocab: int, sequences) -> float:
-    """Mean ms per step of the core's own pass over the same token sequences."""
+def engine_pass(tokenizer, vocab: int, sequences, num_processes: int = 0) -> float:
+    """Mean ms per step of the core's own pass over the same token sequences, in the busy
+    loop or over num_processes grammar processes."""
     from echo import SamplingParams
     from echo.core.request import Request
     from echo.core.step_results import EngineCoreOutput
     from echo.structured_output.manager import StructuredOutputManager
 
     rows, steps = len(sequences), len(sequences[0])
-    manager = StructuredOutputManager(lambda: tokenizer, vocab, (tokenizer.eos_token_id,), rows)
+    manager = StructuredOutputManager(lambda: tokenizer, vocab, (tokenizer.eos_token_id,), rows,
+                                      num_processes=num_processes)
     try:
         params = SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA))
         ids = [f"r{i}" for i in range(rows)]
@@ -92,6 +95,7 @@ def engine_pass(tokenizer, vocab: int, sequences) -> float:
             manager.wait_for_compiles(60)
             if manager.poll():
                 raise RuntimeError("the schema did not compile")
+        manager.accept_and_fill([], -1, ids)  # untimed: the processes' start and first fill
         total = 0.0
         for step in range(steps):
             outputs = [EngineCoreOutput(rid, [seq[step]]) for rid, seq in zip(ids, sequences)]
@@ -128,6 +132,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--grammar-processes", type=int, nargs="*", default=[2, 4],
+                        help="engine pass over this many grammar processes, for each")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="default: the embedded SmolLM2's")
     parser.add_argument("--counted-whitespace", action="store_true",
@@ -188,6 +194,9 @@ def main() -> None:
                                                                       args.vocab, split(both))
     if not args.counted_whitespace:
         results["engine_pass_ms"] = engine_pass(tokenizer, args.vocab, sequences)
+        for count in args.grammar_processes:
+            results[f"engine_pass_processes{count}_ms"] = engine_pass(
+                tokenizer, args.vocab, sequences, count)
     results["accept_loop_beside_busy_thread_ms"] = beside_busy_thread(
         lambda: timed_steps(grammar, sequences, args.vocab, accept))
     for key, value in results.items():

@@ -1,0 +1,266 @@
+"""Grammar processes: the matchers of structured requests sharded over a few helper processes,
+so a step's accepts and fills run side by side and outside the core's GIL (docs/ARCHITECTURE.md,
+Structured outputs).
+
+Each process holds a GrammarTable for the requests placed on it (on the process with the
+fewest) and writes its rows of each step's mask into one shared-memory table that the core
+packs into the message. Compiled grammars travel as xgrammar's serialized JSON, once per
+process while a request of theirs lives there; both sides count the requests using each, so
+a process holds only the grammars of its live requests. Commands travel as msgspec messages on
+a pipe per process, in order, so a request's grammar is there before the step that needs it;
+only a step waits for replies.
+"""
+
+import multiprocessing
+import signal
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing import shared_memory
+from multiprocessing.connection import Connection
+
+import msgspec
+import numpy as np
+import xgrammar
+
+from echo.sampling_params import StructuredOutputsParams
+from echo.structured_output.grammar_table import GrammarTable, GrammarWork, WorkDone
+from echo.structured_output.request_grammar import RequestGrammar
+from echo.structured_output.whitespace import WhitespaceTokens
+
+# serialized grammars the core keeps to send to the next process that needs them
+_SERIALIZED_ENTRIES = 16
+# how often a wait for a reply checks that the process is still there
+_LIVENESS_S = 1.0
+
+
+class _Setup(msgspec.Struct, tag=True, array_like=True):
+    tokenizer_info: str  # xgrammar's TokenizerInfo, serialized
+    vocab_size: int
+
+
+class _Add(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    grammar_id: int
+    grammar_json: str | None  # None: the process has this grammar already
+    params: StructuredOutputsParams
+    reasoning_state: str
+
+
+class _Forget(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class _Run(msgspec.Struct, tag=True, array_like=True):
+    work: list[GrammarWork]
+
+
+_Command = _Setup | _Add | _Forget | _Run
+
+
+@dataclass
+class _Process:
+    """The core's record of one grammar process."""
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+    grammar_ids: dict[tuple, list[int]] = field(default_factory=dict)  # key: [id, users]
+    requests: dict[str, tuple] = field(default_factory=dict)  # request id: its grammar's key
+
+
+class GrammarProcessPool:
+    def __init__(self, num_processes: int, num_rows: int, num_words: int):
+        """num_rows: the most mask rows a step fills (the shared table's height)."""
+        size = num_rows * num_words * 4
+        self._shm = shared_memory.SharedMemory(create=True, size=size)
+        self.rows = np.ndarray((num_rows, num_words), dtype=np.int32, buffer=self._shm.buf)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(WorkDone)
+        self._set_up = False
+        self._next_grammar_id = 0
+        self._serialized: OrderedDict[tuple, str] = OrderedDict()
+        self._placed: dict[str, _Process] = {}
+        self._processes: list[_Process] = []
+        spawn = multiprocessing.get_context("spawn")
+        try:
+            for i in range(num_processes):
+                conn, child = spawn.Pipe()
+                process = spawn.Process(target=_serve, name=f"echo-grammar-{i}", daemon=True,
+                                        args=(child, self._shm.name, num_rows, num_words))
+                process.start()
+                child.close()  # the process's end: a dead process then reads as EOF here
+                self._processes.append(_Process(process, conn))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def pids(self) -> list[int]:
+        return [p.process.pid for p in self._processes]
+
+    def load(self) -> list[tuple[int, int]]:
+        """(requests, grammars) each process holds."""
+        return [(len(p.requests), len(p.grammar_ids)) for p in self._processes]
+
+    def add(self, request_id: str, compiled: xgrammar.CompiledGrammar,
+            params: StructuredOutputsParams, reasoning_state: str) -> None:
+        """Place a request whose grammar compiled on the process with the fewest requests."""
+        if not self._set_up:  # the tokenizer every grammar is deserialized against
+            setup = _Setup(compiled.tokenizer_info.serialize_json(),
+                           compiled.tokenizer_info.vocab_size)
+            for p in self._processes:
+                self._send(p, setup)
+            self._set_up = True
+        p = min(self._processes, key=lambda p: len(p.requests))
+        key = params.key
+        ids = p.grammar_ids.get(key)
+        grammar_json = None
+        if ids is None:
+            ids = p.grammar_ids[key] = [self._next_grammar_id, 0]
+            self._next_grammar_id += 1
+            grammar_json = self._serialize(key, compiled)
+        ids[1] += 1
+        p.requests[request_id] = key
+        self._placed[request_id] = p
+        self._send(p, _Add(request_id, ids[0], grammar_json, params, reasoning_state))
+
+    def forget(self, request_ids) -> None:
+        gone: dict[int, list[str]] = {}
+        for rid in request_ids:
+            p = self._release(rid)
+            if p is not None:
+                gone.setdefault(id(p), [p]).append(rid)
+        for p, *rids in gone.values():
+            self._send(p, _Forget(rids))
+
+    def run(self, work: list[GrammarWork]) -> WorkDone:
+        """Each process does its requests' part; indices and seconds merged (the seconds of
+        the slowest process: the wall time the core waits, not the CPU time spent)."""
+        parts: dict[int, tuple[_Process, list[int]]] = {}
+        for i, w in enumerate(work):
+            p = self._placed[w.request_id]
+            parts.setdefault(id(p), (p, []))[1].append(i)
+        for p, indices in parts.values():
+            self._send(p, _Run([work[i] for i in indices]))
+        done = WorkDone([], [])
+        for p, indices in parts.values():
+            part = self._receive(p)
+            done.refused += [indices[j] for j in part.refused]
+            done.filled += [indices[j] for j in part.filled]
+            done.accept_seconds = max(done.accept_seconds, part.accept_seconds)
+            done.fill_seconds = max(done.fill_seconds, part.fill_seconds)
+        for w in work:
+            if w.finished:
+                self._release(w.request_id)
+        done.filled.sort()  # request order, as the work list has it
+        return done
+
+    def shutdown(self) -> None:
+        for p in self._processes:
+            p.conn.close()  # the process reads EOF and returns
+        for p in self._processes:
+            p.process.join(timeout=5)
+            if p.process.is_alive():
+                p.process.kill()
+                p.process.join()
+        self._processes = []
+        if self._shm is not None:
+            self.rows = None
+            self._shm.close()
+            self._shm.unlink()
+            self._shm = None
+
+    def _serialize(self, key: tuple, compiled: xgrammar.CompiledGrammar) -> str:
+        text = self._serialized.get(key)
+        if text is None:
+            text = self._serialized[key] = compiled.serialize_json()
+            while len(self._serialized) > _SERIALIZED_ENTRIES:
+                self._serialized.popitem(last=False)
+        else:
+            self._serialized.move_to_end(key)
+        return text
+
+    def _release(self, request_id: str) -> "_Process | None":
+        """Forget where a request was placed, and its use of its grammar there."""
+        p = self._placed.pop(request_id, None)
+        if p is not None:
+            key = p.requests.pop(request_id)
+            ids = p.grammar_ids[key]
+            ids[1] -= 1
+            if ids[1] == 0:  # the process drops it too (_serve)
+                del p.grammar_ids[key]
+        return p
+
+    def _send(self, p: _Process, command: _Command) -> None:
+        try:
+            p.conn.send_bytes(self._encoder.encode(command))
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            raise self._died(p) from None
+
+    def _receive(self, p: _Process) -> WorkDone:
+        try:
+            while not p.conn.poll(_LIVENESS_S):
+                if not p.process.is_alive():
+                    raise self._died(p)
+            return self._decoder.decode(p.conn.recv_bytes())
+        except (EOFError, OSError):
+            raise self._died(p) from None
+
+    @staticmethod
+    def _died(p: _Process) -> RuntimeError:
+        p.process.join(timeout=1)  # for its exit code
+        return RuntimeError(f"grammar process {p.process.name} (pid {p.process.pid}) died "
+                            f"(exit code {p.process.exitcode})")
+
+
+def _serve(conn: Connection, shm_name: str, num_rows: int, num_words: int) -> None:
+    """A grammar process: apply commands until the core closes its end of the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the core's to handle
+    shm = shared_memory.SharedMemory(name=shm_name)
+    rows = np.ndarray((num_rows, num_words), dtype=np.int32, buffer=shm.buf)
+    decoder = msgspec.msgpack.Decoder(_Command)
+    encoder = msgspec.msgpack.Encoder()
+    table = GrammarTable()
+    tokenizer_info = whitespace = None
+    compiled: dict[int, list] = {}  # grammar id: [CompiledGrammar, users]
+    grammar_of: dict[str, int] = {}  # request id: its grammar id
+
+    def release(request_id: str) -> None:
+        table.grammars.pop(request_id, None)
+        grammar_id = grammar_of.pop(request_id)
+        compiled[grammar_id][1] -= 1
+        if compiled[grammar_id][1] == 0:
+            del compiled[grammar_id]
+
+    try:
+        while True:
+            try:
+                command = decoder.decode(conn.recv_bytes())
+            except EOFError:
+                return
+            if isinstance(command, _Run):
+                done = table.run(command.work, rows)
+                conn.send_bytes(encoder.encode(done))
+                for w in command.work:
+                    if w.finished:  # the table forgot it; its grammar's use ends too
+                        release(w.request_id)
+            elif isinstance(command, _Add):
+                if command.grammar_json is not None:
+                    compiled[command.grammar_id] = [xgrammar.CompiledGrammar.deserialize_json(
+                        command.grammar_json, tokenizer_info), 0]
+                compiled[command.grammar_id][1] += 1
+                grammar_of[command.request_id] = command.grammar_id
+                future = Future()
+                future.set_result(compiled[command.grammar_id][0])
+                grammar = RequestGrammar(future, command.params,
+                                         reasoning_state=command.reasoning_state)
+                grammar.resolve(whitespace)
+                table.grammars[command.request_id] = grammar
+            elif isinstance(command, _Forget):
+                for rid in command.request_ids:
+                    release(rid)
+            else:
+                tokenizer_info = xgrammar.TokenizerInfo.deserialize_json(command.tokenizer_info)
+                whitespace = WhitespaceTokens.from_vocab(tokenizer_info.decoded_vocab,
+                                                         command.vocab_size)
+    finally:
+        del rows
+        shm.close()

@@ -1,0 +1,97 @@
+"""GrammarProcessPool: rows filled in the processes equal a fresh xgrammar matcher's mask,
+requests spread over the processes and a process keeps a grammar only while a request of
+its uses it, a dead process is an error naming it, and shutdown leaves no process and no
+shared-memory segment behind."""
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import xgrammar
+from transformers import AutoTokenizer
+
+from echo.sampling_params import StructuredOutputsParams
+from echo.structured_output.compiler import GrammarCompilerPool
+from echo.structured_output.grammar_processes import GrammarProcessPool
+from echo.structured_output.grammar_table import GrammarWork
+
+REGEX = r"[a-z]{1,40}"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from echo.models.default_model import ensure_default_model
+
+    return AutoTokenizer.from_pretrained(str(ensure_default_model()))
+
+
+@pytest.fixture(scope="module")
+def compiled(tokenizer):
+    pool = GrammarCompilerPool(lambda: tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    try:
+        params = StructuredOutputsParams(regex=REGEX)
+        yield params, pool.submit(params).result()
+    finally:
+        pool.shutdown()
+
+
+def fresh_mask(compiled, tokens, num_words):
+    matcher = xgrammar.GrammarMatcher(compiled)
+    for token in tokens:
+        assert matcher.accept_token(token)
+    row = np.zeros((1, num_words), dtype=np.int32)
+    matcher.fill_next_token_bitmask(row, 0)
+    return row[0]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_rows_grammars_and_shutdown(tokenizer, compiled):
+    params, grammar = compiled
+    num_words = -(-len(tokenizer) // 32)
+    word = tokenizer.encode("hellozebralamp", add_special_tokens=False)
+    pool = GrammarProcessPool(2, num_rows=4, num_words=num_words)
+    try:
+        for rid in ("a", "b", "c"):
+            pool.add(rid, grammar, params, "closed")
+        assert pool.load() == [(2, 1), (1, 1)]  # the fewest requests first
+        done = pool.run([GrammarWork("a", word[:2], row=0), GrammarWork("b", [], row=1),
+                         GrammarWork("c", word[:1], row=2)])
+        assert done.refused == [] and done.filled == [0, 1, 2]
+        for row, tokens in zip(pool.rows[:3], (word[:2], [], word[:1])):
+            np.testing.assert_array_equal(row, fresh_mask(grammar, tokens, num_words))
+        # "a" forgotten, "c" finished: process 0 holds nothing, so it drops the grammar, and
+        # a later request there gets it sent again
+        pool.forget(["a"])
+        done = pool.run([GrammarWork("c", word[1:2], finished=True)])
+        assert pool.load() == [(0, 0), (1, 1)]
+        pool.add("d", grammar, params, "closed")
+        assert pool.load() == [(1, 1), (1, 1)]
+        done = pool.run([GrammarWork("d", word[:3], row=3), GrammarWork("b", [4], row=0)])
+        assert done.refused == [1] and done.filled == [0]  # token 4 is <reponame>: no letter
+        np.testing.assert_array_equal(pool.rows[3], fresh_mask(grammar, word[:3], num_words))
+        pids, segment = pool.pids(), pool._shm.name
+    finally:
+        pool.shutdown()
+    assert all(gone(pid) for pid in pids)
+    assert not os.path.exists(f"/dev/shm/{segment}")
+
+
+def test_a_dead_grammar_process_is_an_error_naming_it(tokenizer, compiled):
+    params, grammar = compiled
+    pool = GrammarProcessPool(1, num_rows=1, num_words=-(-len(tokenizer) // 32))
+    try:
+        pool.add("a", grammar, params, "closed")
+        pool.run([GrammarWork("a", [], row=0)])
+        os.kill(pool.pids()[0], signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=r"grammar process echo-grammar-0 .* died"):
+            pool.run([GrammarWork("a", [], row=0)])
+    finally:
+        pool.shutdown()
