@@ -10,6 +10,7 @@ metadata, or an EngineArg in MODEL_ARGS for the model-level ones. `engine_arg_sp
 them all; the command line (echo/entrypoints/cli.py) builds its flags from that list.
 """
 
+import os
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
@@ -35,6 +36,9 @@ PREEMPTION_MODES = ("recompute", "swap")
 ROUTER_POLICIES = ("cache_aware", "least_load", "round_robin")  # echo.engine.router's
 # the most decode steps per scheduling round trip (num_scheduler_steps)
 MAX_GRAMMAR_PROCESSES = 64
+# on a GPU the grammar work of a few dozen constrained requests outlasts the forward it hides
+# behind when the core does it alone (docs/benchmarks.md, Structured outputs)
+GPU_GRAMMAR_PROCESSES = 4
 MAX_SCHEDULER_STEPS = 64
 DEFAULT_MODEL_NAMES = (None, "", "default")
 
@@ -187,8 +191,9 @@ class SchedulerConfig:
     grammar_processes: int = _arg(
         0, "helper processes that advance structured requests' grammars and fill their token "
         "masks, side by side and outside the engine core's GIL, started with the first "
-        "structured request; worth it from a few dozen constrained requests a step. 0: the "
-        "core's busy loop does it")
+        "structured request; 0: the core's busy loop does it (when not given: "
+        f"{GPU_GRAMMAR_PROCESSES} on a GPU with {GPU_GRAMMAR_PROCESSES * 2} or more CPU cores, "
+        "else 0)")
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -548,6 +553,9 @@ def _create(model: str | None, **kwargs) -> EngineConfig:
     default = SchedulerConfig()
     sched.setdefault("max_num_batched_tokens", max(
         default.max_num_batched_tokens, sched.get("max_num_seqs", default.max_num_seqs)))
+    spare_cores = (os.cpu_count() or 1) >= 2 * GPU_GRAMMAR_PROCESSES
+    sched.setdefault("grammar_processes",
+                     GPU_GRAMMAR_PROCESSES if device == "cuda" and spare_cores else 0)
     spec = model_kwargs.get("speculative_config")
     spec = SpeculativeConfig.from_dict(spec) if spec is not None else None
     draft = None

@@ -174,8 +174,9 @@ def main() -> None:
     parser.add_argument("--engine-process", action="store_true",
                         help="the core in its own process (as the server runs it): its grammar "
                              "work then no longer shares a thread with the frontend's")
-    parser.add_argument("--grammar-processes", type=int, default=0,
-                        help="the engine's grammar_processes (0: the core's busy loop)")
+    parser.add_argument("--grammar-processes", type=int, default=None,
+                        help="the engine's grammar_processes (0: the core's busy loop; "
+                             "default: the engine's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR")
@@ -199,7 +200,7 @@ def main() -> None:
     report = {"model": args.model, "decode_64": decode_step(llm, grammar, clock, vocab, args)}
     d = report["decode_64"]
     report["engine_process"] = args.engine_process
-    report["grammar_processes"] = args.grammar_processes
+    report["grammar_processes"] = llm.config.scheduler.grammar_processes
     free, bound = d["free"], d["constrained"]
     print(f"decode, 64 requests: median step free {free['median_step_ms']:.2f} ms, constrained "
           f"{bound['median_step_ms']:.2f} ms ({100 * d['step_increase']:+.1f}%); wall per token "
