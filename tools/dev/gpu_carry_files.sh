@@ -5,7 +5,7 @@
 # model.safetensors (the tests' tiny models take only the tokenizer; SmolLM2's weights, 270 MB,
 # are over what `carry` moves). Then, on the device:
 #   source .gpu/prelude.sh; export ECHO_CACHE=$PWD/.gpu/echo-cache TOKENIZER=$PWD/.gpu/tok
-# jsonschema (the structured tests) comes as a wheel: bash ../shared/gpu/prepare.sh ... jsonschema
+# The wheels come from ../shared/gpu/prepare.sh with the extra names docs/CONTRIBUTING.md lists.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 model=$(.venv/bin/python -c "from echo.models.default_model import ensure_default_model as e; print(e())")
