@@ -7,12 +7,21 @@ fewest) and writes its rows of each step's mask into one shared-memory table tha
 packs into the message. Compiled grammars travel as xgrammar's serialized JSON, once per
 process while a request of theirs lives there; both sides count the requests using each, so
 a process holds only the grammars of its live requests. Commands travel as msgspec messages on
-a pipe per process, in order, so a request's grammar is there before the step that needs it;
-only a step waits for replies.
+a socket per process, in order, so a request's grammar is there before the step that needs
+it; only a step waits for replies.
+
+The processes run this module (`python -m`), not multiprocessing's spawn: spawn re-imports the
+user's main script in the child, so a script that makes an LLM at its top level (which works
+without `if __name__ == "__main__"` while the engine runs in its process) would start a
+second engine there.
 """
 
-import multiprocessing
+import mmap
+import os
 import signal
+import socket
+import subprocess
+import sys
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -61,7 +70,8 @@ _Command = _Setup | _Add | _Forget | _Run
 @dataclass
 class _Process:
     """The core's record of one grammar process."""
-    process: multiprocessing.process.BaseProcess
+    name: str
+    process: subprocess.Popen
     conn: Connection
     grammar_ids: dict[tuple, list[int]] = field(default_factory=dict)  # key: [id, users]
     requests: dict[str, tuple] = field(default_factory=dict)  # request id: its grammar's key
@@ -80,15 +90,17 @@ class GrammarProcessPool:
         self._serialized: OrderedDict[tuple, str] = OrderedDict()
         self._placed: dict[str, _Process] = {}
         self._processes: list[_Process] = []
-        spawn = multiprocessing.get_context("spawn")
+        # the modules this process imported from, wherever they came from
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
             for i in range(num_processes):
-                conn, child = spawn.Pipe()
-                process = spawn.Process(target=_serve, name=f"echo-grammar-{i}", daemon=True,
-                                        args=(child, self._shm.name, num_rows, num_words))
-                process.start()
-                child.close()  # the process's end: a dead process then reads as EOF here
-                self._processes.append(_Process(process, conn))
+                ours, theirs = socket.socketpair()
+                with theirs:  # closed here once passed: a dead process then reads as EOF
+                    process = subprocess.Popen(
+                        [sys.executable, "-m", __name__, str(theirs.fileno()), self._shm.name,
+                         str(num_rows), str(num_words)], pass_fds=[theirs.fileno()], env=env)
+                self._processes.append(
+                    _Process(f"echo-grammar-{i}", process, Connection(ours.detach())))
         except BaseException:
             self.shutdown()
             raise
@@ -123,12 +135,12 @@ class GrammarProcessPool:
         self._send(p, _Add(request_id, ids[0], grammar_json, params, reasoning_state))
 
     def forget(self, request_ids) -> None:
-        gone: dict[int, list[str]] = {}
+        gone: dict[int, tuple[_Process, list[str]]] = {}
         for rid in request_ids:
             p = self._release(rid)
             if p is not None:
-                gone.setdefault(id(p), [p]).append(rid)
-        for p, *rids in gone.values():
+                gone.setdefault(id(p), (p, []))[1].append(rid)
+        for p, rids in gone.values():
             self._send(p, _Forget(rids))
 
     def run(self, work: list[GrammarWork]) -> WorkDone:
@@ -157,10 +169,11 @@ class GrammarProcessPool:
         for p in self._processes:
             p.conn.close()  # the process reads EOF and returns
         for p in self._processes:
-            p.process.join(timeout=5)
-            if p.process.is_alive():
+            try:
+                p.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
                 p.process.kill()
-                p.process.join()
+                p.process.wait()
         self._processes = []
         if self._shm is not None:
             self.rows = None
@@ -198,7 +211,7 @@ class GrammarProcessPool:
     def _receive(self, p: _Process) -> WorkDone:
         try:
             while not p.conn.poll(_LIVENESS_S):
-                if not p.process.is_alive():
+                if p.process.poll() is not None:
                     raise self._died(p)
             return self._decoder.decode(p.conn.recv_bytes())
         except (EOFError, OSError):
@@ -206,16 +219,25 @@ class GrammarProcessPool:
 
     @staticmethod
     def _died(p: _Process) -> RuntimeError:
-        p.process.join(timeout=1)  # for its exit code
-        return RuntimeError(f"grammar process {p.process.name} (pid {p.process.pid}) died "
-                            f"(exit code {p.process.exitcode})")
+        try:
+            p.process.wait(timeout=1)  # for its exit code
+        except subprocess.TimeoutExpired:
+            pass
+        return RuntimeError(f"grammar process {p.name} (pid {p.process.pid}) died "
+                            f"(exit code {p.process.returncode})")
 
 
 def _serve(conn: Connection, shm_name: str, num_rows: int, num_words: int) -> None:
-    """A grammar process: apply commands until the core closes its end of the pipe."""
+    """A grammar process: apply commands until the core closes its end of the socket."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the core's to handle
-    shm = shared_memory.SharedMemory(name=shm_name)
-    rows = np.ndarray((num_rows, num_words), dtype=np.int32, buffer=shm.buf)
+    # mapped by path, not through SharedMemory: that would register the segment with a resource
+    # tracker of this process's own, which unlinks it when this process ends
+    fd = os.open(f"/dev/shm/{shm_name}", os.O_RDWR)
+    try:
+        shm = mmap.mmap(fd, num_rows * num_words * 4)
+    finally:
+        os.close(fd)
+    rows = np.ndarray((num_rows, num_words), dtype=np.int32, buffer=shm)
     decoder = msgspec.msgpack.Decoder(_Command)
     encoder = msgspec.msgpack.Encoder()
     table = GrammarTable()
@@ -264,3 +286,7 @@ def _serve(conn: Connection, shm_name: str, num_rows: int, num_words: int) -> No
     finally:
         del rows
         shm.close()
+
+
+if __name__ == "__main__":
+    _serve(Connection(int(sys.argv[1])), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
