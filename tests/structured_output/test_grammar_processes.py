@@ -8,22 +8,14 @@ import signal
 
 import numpy as np
 import pytest
-import xgrammar
-from transformers import AutoTokenizer
 
 from echo.sampling_params import StructuredOutputsParams
 from echo.structured_output.compiler import GrammarCompilerPool
 from echo.structured_output.grammar_processes import GrammarProcessPool
 from echo.structured_output.grammar_table import GrammarWork
+from tests.structured_output.reference import fresh_mask
 
 REGEX = r"[a-z]{1,40}"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from echo.models.default_model import ensure_default_model
-
-    return AutoTokenizer.from_pretrained(str(ensure_default_model()))
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +26,6 @@ def compiled(tokenizer):
         yield params, pool.submit(params).result()
     finally:
         pool.shutdown()
-
-
-def fresh_mask(compiled, tokens, num_words):
-    matcher = xgrammar.GrammarMatcher(compiled)
-    for token in tokens:
-        assert matcher.accept_token(token)
-    row = np.zeros((1, num_words), dtype=np.int32)
-    matcher.fill_next_token_bitmask(row, 0)
-    return row[0]
 
 
 def gone(pid: int) -> bool:

@@ -4,23 +4,15 @@ for its own request, and finished requests are forgotten."""
 
 import numpy as np
 import pytest
-import xgrammar
-from transformers import AutoTokenizer
 
 from echo import SamplingParams, StructuredOutputsParams
 from echo.core.request import Request
 from echo.core.step_results import EngineCoreOutput
 from echo.structured_output.manager import StructuredOutputManager
+from tests.structured_output.reference import fresh_mask
 
 REGEX = r"[a-z]{1,40}"
 NUM_REQUESTS = 32
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from echo.models.default_model import ensure_default_model
-
-    return AutoTokenizer.from_pretrained(str(ensure_default_model()))
 
 
 def make_manager(tokenizer, num_processes=0, rows_per_seq=1):
@@ -75,16 +67,6 @@ def test_many_requests_advance_as_fresh_matchers_do(tokenizer, manager):
         np.testing.assert_array_equal(
             row, fresh_mask(compiled, texts[ids.index(rid)][:steps], mask.num_words),
             err_msg=rid)
-
-
-def fresh_mask(compiled, tokens: list[int], num_words: int) -> np.ndarray:
-    """The next-token mask of a fresh xgrammar matcher fed tokens."""
-    fresh = xgrammar.GrammarMatcher(compiled)
-    for token in tokens:
-        assert fresh.accept_token(token)
-    expected = np.zeros((1, num_words), dtype=np.int32)
-    fresh.fill_next_token_bitmask(expected, 0)
-    return expected[0]
 
 
 def test_accept_and_fill_masks_the_next_step_as_fresh_matchers_do(tokenizer, manager):

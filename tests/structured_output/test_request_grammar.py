@@ -4,21 +4,13 @@ everything; the state (matcher, reasoning gate) is as before afterwards."""
 
 import numpy as np
 import pytest
-import xgrammar
-from transformers import AutoTokenizer
 
 from echo.sampling_params import StructuredOutputsParams
 from echo.structured_output.compiler import GrammarCompilerPool
 from echo.structured_output.request_grammar import RequestGrammar
+from tests.structured_output.reference import fresh_mask
 
 REGEX = r'\{"n": "[a-z]{1,6}", "k": [0-9]{1,3}\}'
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from echo.models.default_model import ensure_default_model
-
-    return AutoTokenizer.from_pretrained(str(ensure_default_model()))
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +25,6 @@ def compiled(tokenizer):
         pool.shutdown()
 
 
-def fresh_mask(future, tokens: list[int], num_words: int) -> np.ndarray:
-    matcher = xgrammar.GrammarMatcher(future.result())
-    for token in tokens:
-        assert matcher.accept_token(token)
-    row = np.zeros((1, num_words), dtype=np.int32)
-    matcher.fill_next_token_bitmask(row, 0)
-    return row[0]
-
-
 def test_rows_follow_the_drafts_and_the_state_is_restored(tokenizer, compiled):
     params, future = compiled
     num_words = -(-len(tokenizer) // 32)
@@ -51,10 +34,10 @@ def test_rows_follow_the_drafts_and_the_state_is_restored(tokenizer, compiled):
     assert grammar.accept(text[:2])  # tokens the request has already
     drafts = text[2:6]
     rows = np.zeros((len(drafts) + 1, num_words), dtype=np.int32)
-    before = fresh_mask(future, text[:2], num_words)
+    before = fresh_mask(future.result(), text[:2], num_words)
     assert grammar.fill_rows(rows, drafts)
     for j in range(len(drafts) + 1):
-        np.testing.assert_array_equal(rows[j], fresh_mask(future, text[:2 + j], num_words))
+        np.testing.assert_array_equal(rows[j], fresh_mask(future.result(), text[:2 + j], num_words))
     # the state is back: the next row is still the one after the two accepted tokens
     assert grammar.num_accepted == 2
     again = np.zeros((1, num_words), dtype=np.int32)
@@ -67,7 +50,7 @@ def test_rows_follow_the_drafts_and_the_state_is_restored(tokenizer, compiled):
     refused = text[2:10] + [letter, text[10]]  # text[:10] is '{"n": "abc", "k": '
     rows = np.zeros((len(refused) + 1, num_words), dtype=np.int32)
     assert grammar.fill_rows(rows, refused)
-    np.testing.assert_array_equal(rows[8], fresh_mask(future, text[:10], num_words))
+    np.testing.assert_array_equal(rows[8], fresh_mask(future.result(), text[:10], num_words))
     assert not rows.view(np.uint32)[8, letter // 32] >> (letter % 32) & 1
     assert (rows[9:] == -1).all()
     assert grammar.num_accepted == 2
@@ -85,7 +68,7 @@ def test_a_reasoning_prefix_is_unconstrained_until_its_closing_tag(tokenizer, co
     rows = np.zeros((4, num_words), dtype=np.int32)
     assert grammar.fill_rows(rows, [5, end, tokenizer.encode("{", add_special_tokens=False)[0]])
     assert (rows[:2] == -1).all()
-    np.testing.assert_array_equal(rows[2], fresh_mask(future, [], num_words))
+    np.testing.assert_array_equal(rows[2], fresh_mask(future.result(), [], num_words))
     assert grammar.reasoning and grammar.num_accepted == 0
     rows = np.zeros((2, num_words), dtype=np.int32)
     assert not grammar.fill_rows(rows, [5])  # still thinking: no row constrains

@@ -4,7 +4,6 @@ xgrammar's own masks."""
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
 from echo.sampling_params import StructuredOutputsParams
 from echo.structured_output.compiler import GrammarCompilerPool
@@ -32,13 +31,6 @@ def test_whitespace_tokens_of_a_hand_vocabulary():
     only_whitespace[0] = (1 << 0) | (1 << 2)
     ws.limit(only_whitespace, 10 * MAX_JSON_WHITESPACE)  # nothing else allowed: kept
     assert allowed(only_whitespace) == {0, 2}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from echo.models.default_model import ensure_default_model
-
-    return AutoTokenizer.from_pretrained(str(ensure_default_model()))
 
 
 @pytest.fixture(scope="module")
