@@ -35,11 +35,11 @@ DATA_PARALLEL_BACKENDS = ("mp", "ray")
 PREEMPTION_MODES = ("recompute", "swap")
 ROUTER_POLICIES = ("cache_aware", "least_load", "round_robin")  # echo.engine.router's
 # the most decode steps per scheduling round trip (num_scheduler_steps)
+MAX_SCHEDULER_STEPS = 64
 MAX_GRAMMAR_PROCESSES = 64
 # on a GPU the grammar work of a few dozen constrained requests outlasts the forward it hides
 # behind when the core does it alone (docs/benchmarks.md, Structured outputs)
 GPU_GRAMMAR_PROCESSES = 4
-MAX_SCHEDULER_STEPS = 64
 DEFAULT_MODEL_NAMES = (None, "", "default")
 
 

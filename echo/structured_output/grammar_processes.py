@@ -279,7 +279,7 @@ def _serve(conn: Connection, shm_name: str, num_rows: int, num_words: int) -> No
             elif isinstance(command, _Forget):
                 for rid in command.request_ids:
                     release(rid)
-            else:
+            elif isinstance(command, _Setup):
                 tokenizer_info = xgrammar.TokenizerInfo.deserialize_json(command.tokenizer_info)
                 whitespace = WhitespaceTokens.from_vocab(tokenizer_info.decoded_vocab,
                                                          command.vocab_size)
