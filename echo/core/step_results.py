@@ -72,9 +72,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     kv_stored_bytes: int = 0
     kv_loaded_bytes: int = 0
     kv_transfer_seconds: float = 0.0
-    # structured outputs, cumulative: the core's seconds advancing grammars past sampled tokens
-    # and filling token bitmasks (host work on the step's critical path), and the steps
-    # whose bitmask it filled
+    # structured outputs, cumulative: the seconds advancing grammars past sampled tokens and
+    # filling token bitmasks (host work on the step's critical path: the core's, or with
+    # grammar processes the slowest process's each step), and the steps whose bitmask it filled
     grammar_accept_seconds: float = 0.0
     grammar_fill_seconds: float = 0.0
     grammar_bitmask_steps: int = 0

@@ -12,7 +12,8 @@ there is one core; with data parallelism each core's stats get their own index).
   host tier's echo:kv_host_tier_queries / kv_host_tier_hits (tokens) and
   echo:kv_offload_stored_blocks / loaded_blocks / stored_bytes / loaded_bytes /
   transfer_seconds, and structured outputs' echo:structured_output_accept_seconds /
-  fill_seconds, the core's host time on grammars (vLLM has no names for these).
+  fill_seconds, the host time on grammars: the core's, or with grammar processes the slowest
+  process's in each step (vLLM has no names for these).
 - Requests are observed in the frontend by a RequestTimer, one per prompt (one stream of
   RequestOutputs): vllm:prompt_tokens and vllm:generation_tokens count tokens (so they add up to
   the usage the responses report); vllm:request_success{finished_reason} counts each finished
@@ -94,9 +95,11 @@ ENGINE_SERIES = (
     (_COUNTER, "echo:kv_offload_transfer_seconds",
      "Time the host tier's copies took on rank 0's device.", "kv_transfer_seconds"),
     (_COUNTER, "echo:structured_output_accept_seconds",
-     "Core time advancing grammars past sampled tokens.", "grammar_accept_seconds"),
+     "Time advancing grammars past sampled tokens (the core's, or the slowest grammar "
+     "process's each step).", "grammar_accept_seconds"),
     (_COUNTER, "echo:structured_output_fill_seconds",
-     "Core time filling token bitmasks.", "grammar_fill_seconds"),
+     "Time filling token bitmasks (the core's, or the slowest grammar process's each "
+     "step).", "grammar_fill_seconds"),
 )
 
 
