@@ -38,9 +38,6 @@ PAIR_TILE_MAX_PAIRS = 16
 # (BLOCK_N, BLOCK_K, num_warps) of pair tiles: narrow N tiles, so that the few pairs still
 # spread over enough programs to keep the memory system busy
 _PAIR_TILE_CONFIG = (32, 128, 4)
-# (BLOCK_N, BLOCK_K) of _moe_down_sum_kernel: 16 columns give Qwen3-30B-A3B's hidden 2048 128
-# programs a token, each streaming its k experts' 16 x 768 weight slabs (untuned)
-_DOWN_SUM_CONFIG = (16, 128)
 
 
 def _gemm_config(num_tokens: int) -> tuple[int, int, int, int]:
@@ -395,49 +392,6 @@ def _moe_down_kernel(
 
 
 @triton.jit
-def _moe_down_sum_kernel(
-    act_ptr,  # [M*k, I]
-    w2_ptr,  # [E, H, I]
-    topk_ids_ptr,  # [M*k] int32
-    weights_ptr,  # [M*k] float32 routing weights
-    out_ptr,  # [M, H] out: sum_j weight_j * (w2[e_j] @ act_j), in hidden's dtype
-    hidden_size,
-    inter_size,
-    stride_we,
-    stride_wn,
-    stride_om,
-    TOP_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """The down GEMM of a decode token and the sum over its k pairs in one launch (SUM_IN_DOWN):
-    a program per (token, BLOCK_N columns) walks the token's k experts' weight rows on the CUDA
-    cores, one row of activations each, so no pair's row is written and read back."""
-    wait_for_inputs(USE_PDL)
-    num_n = tl.cdiv(hidden_size, BLOCK_N)
-    token = tl.program_id(0) // num_n
-    cols = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden_size
-    offs_k = tl.arange(0, BLOCK_K)
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for j in range(TOP_K):
-        pair = token * TOP_K + j
-        expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
-        w_ptrs = (w2_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
-                  + offs_k[None, :])
-        a_ptrs = act_ptr + pair.to(tl.int64) * inter_size + offs_k
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, inter_size, BLOCK_K):
-            k_ok = k0 + offs_k < inter_size
-            a = tl.load(a_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * a[None, :]
-        total += tl.sum(acc, axis=1) * tl.load(weights_ptr + pair)
-    tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
-
-
-@triton.jit
 def _moe_sum_kernel(
     rows_ptr,  # [M, TOP_K, H]
     out_ptr,  # [M, H]
@@ -462,8 +416,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               block_m: int | None = None, block_n: int | None = None,
               block_k: int | None = None, num_warps: int | None = None,
-              num_stages: int | None = None, pair_tiles: bool | None = None,
-              sum_in_down: bool = False) -> torch.Tensor:
+              num_stages: int | None = None, pair_tiles: bool | None = None) -> torch.Tensor:
     """hidden [M, H], w13 [E, 2I, H] (gate rows, then up: transformers' Qwen3-MoE
     experts.gate_up_proj), w2 [E, H, I], topk_weights [M, k] float32, topk_ids [M, k] int32
     -> out [M, H] in hidden's dtype: out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)
@@ -474,9 +427,6 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     float32. The GEMMs' tiles (block_m, also the sorted groups' padding) default to a config
     chosen by M; pair_tiles (each pair its own tile, no sorting) defaults to at most
     PAIR_TILE_MAX_PAIRS pairs; the overrides are for bench_kernels' sweep and the tests.
-    sum_in_down (pair tiles only): the down GEMM and the k-way sum in one launch, on the CUDA
-    cores (_moe_down_sum_kernel; each pair's row then stays float32). Not yet measured on the
-    GPU, so not the default.
     """
     assert hidden.dim() == 2 and hidden.stride(1) == 1
     num_tokens, hidden_size = hidden.shape
@@ -506,6 +456,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                                          num_experts)
     num_m = expert_ids.shape[0]
     act = torch.empty(num_pairs, inter_size, dtype=hidden.dtype, device=hidden.device)
+    rows = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
     pdl = pdl_options(hidden.device)
     gemm = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "PRECISION": precision,
@@ -515,15 +466,6 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     _moe_gate_up_kernel[(num_m * triton.cdiv(inter_size, block_n),)](
         hidden, w13, act, sorted_ids, expert_ids, num_pairs, top_k, hidden_size, inter_size,
         hidden.stride(0), w13.stride(0), w13.stride(1), **gemm)
-    if sum_in_down:
-        assert pair_tiles, "sum_in_down takes pair tiles"
-        down_n, down_k = _DOWN_SUM_CONFIG
-        _moe_down_sum_kernel[(num_tokens * triton.cdiv(hidden_size, down_n),)](
-            act, w2, sorted_ids, topk_weights.contiguous(), out, hidden_size, inter_size,
-            w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_N=down_n,
-            BLOCK_K=down_k, num_warps=4, **pdl)
-        return out
-    rows = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     _moe_down_kernel[(num_m * triton.cdiv(hidden_size, block_n),)](
         act, w2, topk_weights.contiguous(), rows, sorted_ids, expert_ids, num_pairs,
         hidden_size, inter_size, w2.stride(0), w2.stride(1), **gemm)

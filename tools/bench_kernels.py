@@ -38,7 +38,6 @@ from echo_kernels import (  # noqa: E402
 from echo_kernels.attention import flash_attn_varlen, paged_attention  # noqa: E402
 from echo_kernels.attention.common import TileConfig, tile_config  # noqa: E402
 from echo_kernels.awq import awq_gemm, awq_linear  # noqa: E402
-from echo_kernels.fused_moe import PAIR_TILE_MAX_PAIRS  # noqa: E402
 from echo_kernels.linear import small_m_linear  # noqa: E402
 from echo_kernels.reference import fused_moe_ref  # noqa: E402
 
@@ -462,8 +461,7 @@ def bench_moe(rows: Rows, sweep: bool) -> None:
     (target 70% of copy bandwidth at M <= 16), timed in a CUDA graph (as decode runs) over
     MOE_ROUTINGS inputs whose experts differ; large M is a grouped GEMM: flops = 2 x 3 x H x I
     per token and expert (target 50% of the bf16 matmul rate); M <= 16 both with sorted tiles
-    and with each pair its own tile, and up to PAIR_TILE_MAX_PAIRS pairs also with the down
-    GEMM and the k-way sum in one launch. --sweep also times tile configs (fused_moe's
+    and with each pair its own tile. --sweep also times tile configs (fused_moe's
     _GEMM_CONFIGS)."""
     e, k, h, i = MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTERMEDIATE
     w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=DT) * 0.02
@@ -481,11 +479,8 @@ def bench_moe(rows: Rows, sweep: bool) -> None:
             measure = dict(flops=2 * 3 * h * i * m * k,
                            target=0.5 * rows.ceil["matmul_bf16_TFLOPs"])
             prefix = ""
-        # decode rows: sorted tiles and pair tiles (fused_moe picks by the pair count) both,
-        # and pair tiles with the k-way sum in the down launch
+        # decode rows: sorted tiles and pair tiles (fused_moe picks by the pair count) both
         configs = [{"pair_tiles": False}, {"pair_tiles": True}] if m <= 16 else [{}]
-        if m * k <= PAIR_TILE_MAX_PAIRS:
-            configs.append({"pair_tiles": True, "sum_in_down": True})
         if sweep:
             configs += [dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), c))
                         for c in (MOE_SWEEP_SMALL if m <= 16 else MOE_SWEEP_LARGE)]
@@ -494,7 +489,7 @@ def bench_moe(rows: Rows, sweep: bool) -> None:
             ms = fits(lambda: time_fused_moe(xs, gate, w13, w2, k, graph=m <= 16,  # noqa: B023
                                              **tiles))  # noqa: B023
             if ms is not None:
-                swept = set(tiles) - {"pair_tiles", "sum_in_down"}
+                swept = set(tiles) - {"pair_tiles"}
                 rows.add("fused_moe sweep" if swept else "fused_moe", shape, ms, **measure,
                          note=f"{prefix} {note}".strip())
         if m <= 64:  # the reference loops over experts: a point of comparison, not a target
