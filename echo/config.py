@@ -553,7 +553,9 @@ def _create(model: str | None, **kwargs) -> EngineConfig:
     default = SchedulerConfig()
     sched.setdefault("max_num_batched_tokens", max(
         default.max_num_batched_tokens, sched.get("max_num_seqs", default.max_num_seqs)))
-    spare_cores = (os.cpu_count() or 1) >= 2 * GPU_GRAMMAR_PROCESSES
+    # the cores this process may run on (a container's share, not the host's)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    spare_cores = (cores or 1) >= 2 * GPU_GRAMMAR_PROCESSES
     sched.setdefault("grammar_processes",
                      GPU_GRAMMAR_PROCESSES if device == "cuda" and spare_cores else 0)
     spec = model_kwargs.get("speculative_config")

@@ -75,6 +75,7 @@ class _Process:
     conn: Connection
     grammar_ids: dict[tuple, list[int]] = field(default_factory=dict)  # key: [id, users]
     requests: dict[str, tuple] = field(default_factory=dict)  # request id: its grammar's key
+    owed: int = 0  # replies sent for and not read (a step interrupted while it waited)
 
 
 class GrammarProcessPool:
@@ -145,13 +146,24 @@ class GrammarProcessPool:
 
     def run(self, work: list[GrammarWork]) -> WorkDone:
         """Each process does its requests' part; indices and seconds merged (the seconds of
-        the slowest process: the wall time the core waits, not the CPU time spent)."""
+        the slowest process: the wall time the core waits, not the CPU time spent).
+
+        A step interrupted while it waits (Ctrl-C in the LLM's process, which then aborts
+        every request and carries on) leaves the processes' replies unread: the next step
+        reads them first. The finished requests are released here before the step goes out,
+        as each process releases them when it runs the step, so the books agree either way."""
+        for p in self._processes:
+            while p.owed:
+                self._receive(p)
         parts: dict[int, tuple[_Process, list[int]]] = {}
         for i, w in enumerate(work):
             p = self._placed[w.request_id]
             parts.setdefault(id(p), (p, []))[1].append(i)
+            if w.finished:
+                self._release(w.request_id)
         for p, indices in parts.values():
             self._send(p, _Run([work[i] for i in indices]))
+            p.owed += 1
         done = WorkDone([], [])
         for p, indices in parts.values():
             part = self._receive(p)
@@ -159,9 +171,6 @@ class GrammarProcessPool:
             done.filled += [indices[j] for j in part.filled]
             done.accept_seconds = max(done.accept_seconds, part.accept_seconds)
             done.fill_seconds = max(done.fill_seconds, part.fill_seconds)
-        for w in work:
-            if w.finished:
-                self._release(w.request_id)
         done.filled.sort()  # request order, as the work list has it
         return done
 
@@ -213,7 +222,9 @@ class GrammarProcessPool:
             while not p.conn.poll(_LIVENESS_S):
                 if p.process.poll() is not None:
                     raise self._died(p)
-            return self._decoder.decode(p.conn.recv_bytes())
+            reply = self._decoder.decode(p.conn.recv_bytes())
+            p.owed -= 1
+            return reply
         except (EOFError, OSError):
             raise self._died(p) from None
 

@@ -47,6 +47,7 @@ class StructuredOutputManager:
         self._num_rows = max_num_seqs * rows_per_seq
         self._num_processes = num_processes
         self._pool: GrammarProcessPool | None = None
+        self._shut_down = False
         self._table = GrammarTable()  # the busy loop's matchers, without processes
         self._rows = (np.zeros((self._num_rows, self.num_words), dtype=np.int32)
                       if num_processes == 0 else None)
@@ -64,6 +65,8 @@ class StructuredOutputManager:
         if self.compiler.num_compiling() >= MAX_COMPILING:
             raise ValueError(f"structured_outputs: {MAX_COMPILING} grammars are compiling "
                              "already; retry shortly")
+        if self._shut_down:
+            raise ValueError("structured_outputs: the engine is shut down")
         if self._num_processes and self._pool is None:
             self._pool = GrammarProcessPool(self._num_processes, self._num_rows, self.num_words)
         kind = CompilingGrammar if self._pool is not None else RequestGrammar
@@ -195,6 +198,7 @@ class StructuredOutputManager:
         return self._pool.pids() if self._pool is not None else []
 
     def shutdown(self) -> None:
+        self._shut_down = True
         self.compiler.shutdown()
         if self._pool is not None:
             self._pool.shutdown()

@@ -78,3 +78,35 @@ def test_a_dead_grammar_process_is_an_error_naming_it(tokenizer, compiled):
             pool.run([GrammarWork("a", [], row=0)])
     finally:
         pool.shutdown()
+
+
+def test_a_step_interrupted_while_it_waits_leaves_the_books_in_step(tokenizer, compiled,
+                                                                     monkeypatch):
+    """Ctrl-C while the core waits for replies (the LLM then aborts every request and goes
+    on): the next step reads the stale reply first, and a request that finished in the
+    interrupted step is not forgotten twice (which the process would not survive)."""
+    params, grammar = compiled
+    num_words = -(-len(tokenizer) // 32)
+    word = tokenizer.encode("hellozebralamp", add_special_tokens=False)
+    pool = GrammarProcessPool(1, num_rows=2, num_words=num_words)
+    try:
+        pool.add("a", grammar, params, "closed")
+        pool.add("b", grammar, params, "closed")
+
+        def interrupted(p):
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as patch:
+            patch.setattr(pool, "_receive", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                pool.run([GrammarWork("a", word[:1], row=0),
+                          GrammarWork("b", [4], finished=True)])
+        pool.forget(["a", "b"])  # what the LLM does after the interrupt
+        assert pool.load() == [(0, 0)]
+        pool.add("c", grammar, params, "closed")
+        done = pool.run([GrammarWork("c", word[:2], row=1)])
+        assert done.refused == [] and done.filled == [0]
+        np.testing.assert_array_equal(pool.rows[1], fresh_mask(grammar, word[:2], num_words))
+        assert all(p.process.poll() is None for p in pool._processes)
+    finally:
+        pool.shutdown()

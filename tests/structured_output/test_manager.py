@@ -129,3 +129,12 @@ def test_draft_rows_follow_each_draft_in_the_busy_loop_and_in_processes(tokenize
                                       fresh_mask(compiled, word[:1], mask.num_words))
     finally:
         manager.shutdown()
+
+
+def test_a_shut_down_manager_starts_no_processes(tokenizer):
+    manager = make_manager(tokenizer, num_processes=2)
+    manager.shutdown()
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=REGEX))
+    with pytest.raises(ValueError, match="shut down"):
+        manager.add(Request("late", [1, 2, 3], params))
+    assert manager.grammar_process_pids() == []
