@@ -169,6 +169,7 @@ class GrammarProcessPool:
             part = self._receive(p)
             done.refused += [indices[j] for j in part.refused]
             done.filled += [indices[j] for j in part.filled]
+            done.failed += [(indices[j], error) for j, error in part.failed]
             done.accept_seconds = max(done.accept_seconds, part.accept_seconds)
             done.fill_seconds = max(done.fill_seconds, part.fill_seconds)
         done.filled.sort()  # request order, as the work list has it
@@ -259,9 +260,10 @@ def _serve(conn: Connection, shm_name: str, num_rows: int, num_words: int) -> No
     def release(request_id: str) -> None:
         table.grammars.pop(request_id, None)
         grammar_id = grammar_of.pop(request_id)
-        compiled[grammar_id][1] -= 1
-        if compiled[grammar_id][1] == 0:
-            del compiled[grammar_id]
+        if grammar_id in compiled:  # not if it never deserialized
+            compiled[grammar_id][1] -= 1
+            if compiled[grammar_id][1] == 0:
+                del compiled[grammar_id]
 
     try:
         while True:
@@ -276,13 +278,18 @@ def _serve(conn: Connection, shm_name: str, num_rows: int, num_words: int) -> No
                     if w.finished:  # the table forgot it; its grammar's use ends too
                         release(w.request_id)
             elif isinstance(command, _Add):
-                if command.grammar_json is not None:
-                    compiled[command.grammar_id] = [xgrammar.CompiledGrammar.deserialize_json(
-                        command.grammar_json, tokenizer_info), 0]
-                compiled[command.grammar_id][1] += 1
-                grammar_of[command.request_id] = command.grammar_id
+                grammar_id = command.grammar_id
                 future = Future()
-                future.set_result(compiled[command.grammar_id][0])
+                try:
+                    if command.grammar_json is not None:
+                        compiled[grammar_id] = [xgrammar.CompiledGrammar.deserialize_json(
+                            command.grammar_json, tokenizer_info), 0]
+                    compiled[grammar_id][1] += 1
+                    future.set_result(compiled[grammar_id][0])
+                except Exception as e:  # the request fails (WorkDone.failed), the rest go on
+                    future.set_exception(RuntimeError(
+                        f"the grammar process could not load the grammar: {e!r}"))
+                grammar_of[command.request_id] = grammar_id
                 grammar = RequestGrammar(future, command.params,
                                          reasoning_state=command.reasoning_state)
                 grammar.resolve(whitespace)

@@ -29,6 +29,7 @@ class WorkDone(msgspec.Struct, array_like=True, gc=False):
 
     refused: list[int]  # whose tokens the grammar refused
     filled: list[int]  # whose rows constrain (the others allow everything)
+    failed: list[tuple[int, str]] = []  # whose grammar could not be set up here, and why
     accept_seconds: float = 0.0
     fill_seconds: float = 0.0
 
@@ -43,6 +44,9 @@ class GrammarTable:
         grammars = self.grammars
         for i, w in enumerate(work):
             grammar = grammars[w.request_id]
+            if grammar.error is not None:
+                done.failed.append((i, grammar.error))
+                continue
             start = time.perf_counter()
             accepted = not w.tokens or grammar.accept(w.tokens)
             done.accept_seconds += time.perf_counter() - start

@@ -145,6 +145,8 @@ class StructuredOutputManager:
         self.fill_seconds += done.fill_seconds
         refused = [(work[i].request_id, "structured_outputs: the grammar refused sampled token "
                     f"{work[i].tokens}") for i in done.refused]
+        refused += [(work[i].request_id, f"structured_outputs: {error}")
+                    for i, error in done.failed]
         for rid in finished:
             del grammars[rid]
         if step_id is None:

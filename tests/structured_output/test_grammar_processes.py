@@ -110,3 +110,27 @@ def test_a_step_interrupted_while_it_waits_leaves_the_books_in_step(tokenizer, c
         assert all(p.process.poll() is None for p in pool._processes)
     finally:
         pool.shutdown()
+
+
+def test_a_grammar_the_process_cannot_load_fails_only_its_request(tokenizer, compiled,
+                                                                  monkeypatch):
+    params, grammar = compiled
+    num_words = -(-len(tokenizer) // 32)
+    pool = GrammarProcessPool(1, num_rows=2, num_words=num_words)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(pool, "_serialize", lambda key, compiled: "{not json")
+            pool.add("bad", grammar, params, "closed")
+        other = StructuredOutputsParams(regex=REGEX + "x")  # another key: sent whole
+        pool.add("good", grammar, other, "closed")
+        done = pool.run([GrammarWork("bad", [], row=0), GrammarWork("good", [], row=1)])
+        assert done.filled == [1] and done.refused == []
+        [(index, error)] = done.failed
+        assert index == 0 and "could not load the grammar" in error
+        np.testing.assert_array_equal(pool.rows[1], fresh_mask(grammar, [], num_words))
+        pool.forget(["bad", "good"])
+        assert pool.load() == [(0, 0)]
+        pool.add("later", grammar, other, "closed")  # the process took the forget in stride
+        assert pool.run([GrammarWork("later", [], row=0)]).filled == [0]
+    finally:
+        pool.shutdown()
