@@ -45,7 +45,6 @@ _LIVENESS_S = 1.0
 
 class _Setup(msgspec.Struct, tag=True, array_like=True):
     tokenizer_info: str  # xgrammar's TokenizerInfo, serialized
-    vocab_size: int
 
 
 class _Add(msgspec.Struct, tag=True, array_like=True):
@@ -117,8 +116,7 @@ class GrammarProcessPool:
             params: StructuredOutputsParams, reasoning_state: str) -> None:
         """Place a request whose grammar compiled on the process with the fewest requests."""
         if not self._set_up:  # the tokenizer every grammar is deserialized against
-            setup = _Setup(compiled.tokenizer_info.serialize_json(),
-                           compiled.tokenizer_info.vocab_size)
+            setup = _Setup(compiled.tokenizer_info.serialize_json())
             for p in self._processes:
                 self._send(p, setup)
             self._set_up = True
@@ -136,12 +134,8 @@ class GrammarProcessPool:
         self._send(p, _Add(request_id, ids[0], grammar_json, params, reasoning_state))
 
     def forget(self, request_ids) -> None:
-        gone: dict[int, tuple[_Process, list[str]]] = {}
-        for rid in request_ids:
-            p = self._release(rid)
-            if p is not None:
-                gone.setdefault(id(p), (p, []))[1].append(rid)
-        for p, rids in gone.values():
+        released = [(p, rid) for rid in request_ids if (p := self._release(rid)) is not None]
+        for p, rids in _by_process(released):
             self._send(p, _Forget(rids))
 
     def run(self, work: list[GrammarWork]) -> WorkDone:
@@ -155,17 +149,15 @@ class GrammarProcessPool:
         for p in self._processes:
             while p.owed:
                 self._receive(p)
-        parts: dict[int, tuple[_Process, list[int]]] = {}
-        for i, w in enumerate(work):
-            p = self._placed[w.request_id]
-            parts.setdefault(id(p), (p, []))[1].append(i)
+        parts = _by_process([(self._placed[w.request_id], i) for i, w in enumerate(work)])
+        for w in work:
             if w.finished:
                 self._release(w.request_id)
-        for p, indices in parts.values():
+        for p, indices in parts:
             self._send(p, _Run([work[i] for i in indices]))
             p.owed += 1
         done = WorkDone([], [])
-        for p, indices in parts.values():
+        for p, indices in parts:
             part = self._receive(p)
             done.refused += [indices[j] for j in part.refused]
             done.filled += [indices[j] for j in part.filled]
@@ -239,6 +231,14 @@ class GrammarProcessPool:
                             f"(exit code {p.process.returncode})")
 
 
+def _by_process(pairs: list[tuple[_Process, object]]) -> list[tuple[_Process, list]]:
+    """(process, item) pairs gathered by process, in the order processes first appear."""
+    groups: dict[int, tuple[_Process, list]] = {}
+    for p, item in pairs:
+        groups.setdefault(id(p), (p, []))[1].append(item)
+    return list(groups.values())
+
+
 def _serve(conn: Connection, shm_name: str, num_rows: int, num_words: int) -> None:
     """A grammar process: apply commands until the core closes its end of the socket."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the core's to handle
@@ -290,8 +290,7 @@ def _serve(conn: Connection, shm_name: str, num_rows: int, num_words: int) -> No
                     future.set_exception(RuntimeError(
                         f"the grammar process could not load the grammar: {e!r}"))
                 grammar_of[command.request_id] = grammar_id
-                grammar = RequestGrammar(future, command.params,
-                                         reasoning_state=command.reasoning_state)
+                grammar = RequestGrammar(future, command.params, command.reasoning_state)
                 grammar.resolve(whitespace)
                 table.grammars[command.request_id] = grammar
             elif isinstance(command, _Forget):
@@ -300,7 +299,7 @@ def _serve(conn: Connection, shm_name: str, num_rows: int, num_words: int) -> No
             elif isinstance(command, _Setup):
                 tokenizer_info = xgrammar.TokenizerInfo.deserialize_json(command.tokenizer_info)
                 whitespace = WhitespaceTokens.from_vocab(tokenizer_info.decoded_vocab,
-                                                         command.vocab_size)
+                                                         tokenizer_info.vocab_size)
     finally:
         del rows
         shm.close()

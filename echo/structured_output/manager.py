@@ -71,7 +71,7 @@ class StructuredOutputManager:
             self._pool = GrammarProcessPool(self._num_processes, self._num_rows, self.num_words)
         kind = CompilingGrammar if self._pool is not None else RequestGrammar
         grammar = kind(self.compiler.submit(params), params,
-                       reasoning_state=request_reasoning(params, request.prompt_token_ids))
+                       request_reasoning(params, request.prompt_token_ids))
         request.grammar = grammar
         self.grammars[request.request_id] = grammar
         self.compiling[request.request_id] = grammar

@@ -76,19 +76,15 @@ class CompilingGrammar:
 class RequestGrammar(CompilingGrammar):
     """The grammar with its matcher: what advances with the request's tokens."""
 
-    def __init__(self, future: Future, params: StructuredOutputsParams,
-                 prompt_token_ids: list[int] = (), reasoning_state: str | None = None):
-        """reasoning_state: where the prompt leaves the reasoning (request_reasoning), when
-        the caller has it; else read from prompt_token_ids."""
-        state = reasoning_state or request_reasoning(params, prompt_token_ids)
-        super().__init__(future, params, state)
+    def __init__(self, future: Future, params: StructuredOutputsParams, reasoning_state: str):
+        super().__init__(future, params, reasoning_state)
         self.matcher: xgrammar.GrammarMatcher | None = None
         tags = params.reasoning_token_ids
         self.start_id, self._end_id = tags if tags else (-1, -1)
-        self.reasoning = state == "open"
+        self.reasoning = reasoning_state == "open"
         # a prompt with neither tag: the model may still open its reasoning itself, so its
         # first token may be the opening tag as well as what the grammar allows
-        self.may_open = state == "none"
+        self.may_open = reasoning_state == "none"
         self.num_accepted = 0  # tokens the matcher holds: what rollback can undo
         self._bounds_whitespace = limits_whitespace(params)
         self._whitespace: WhitespaceTokens | None = None  # set by resolve, for JSON

@@ -7,7 +7,7 @@ import pytest
 
 from echo.sampling_params import StructuredOutputsParams
 from echo.structured_output.compiler import GrammarCompilerPool
-from echo.structured_output.request_grammar import RequestGrammar
+from echo.structured_output.request_grammar import RequestGrammar, request_reasoning
 from tests.structured_output.reference import fresh_mask
 
 REGEX = r'\{"n": "[a-z]{1,6}", "k": [0-9]{1,3}\}'
@@ -28,7 +28,7 @@ def compiled(tokenizer):
 def test_rows_follow_the_drafts_and_the_state_is_restored(tokenizer, compiled):
     params, future = compiled
     num_words = -(-len(tokenizer) // 32)
-    grammar = RequestGrammar(future, params, [1, 2])
+    grammar = RequestGrammar(future, params, request_reasoning(params, [1, 2]))
     assert grammar.resolve() and grammar.ready
     text = tokenizer.encode('{"n": "abc", "k": 42}', add_special_tokens=False)
     assert grammar.accept(text[:2])  # tokens the request has already
@@ -63,7 +63,8 @@ def test_a_reasoning_prefix_is_unconstrained_until_its_closing_tag(tokenizer, co
     num_words = -(-len(tokenizer) // 32)
     start, end = 10, 11  # stand-in tag ids
     reasoning = StructuredOutputsParams(regex=REGEX, reasoning_token_ids=[start, end])
-    grammar = RequestGrammar(future, reasoning, [1, start])  # the prompt opened it
+    # the prompt opened it
+    grammar = RequestGrammar(future, reasoning, request_reasoning(reasoning, [1, start]))
     assert grammar.resolve() and grammar.reasoning
     rows = np.zeros((4, num_words), dtype=np.int32)
     assert grammar.fill_rows(rows, [5, end, tokenizer.encode("{", add_special_tokens=False)[0]])

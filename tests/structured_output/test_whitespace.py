@@ -8,7 +8,7 @@ import pytest
 from echo.sampling_params import StructuredOutputsParams
 from echo.structured_output.compiler import GrammarCompilerPool
 from echo.structured_output.grammar_spec import MAX_JSON_WHITESPACE
-from echo.structured_output.request_grammar import RequestGrammar
+from echo.structured_output.request_grammar import RequestGrammar, request_reasoning
 from echo.structured_output.whitespace import WhitespaceTokens
 
 
@@ -44,7 +44,7 @@ def grammar_of(pool, **constraint) -> RequestGrammar:
     params = StructuredOutputsParams(**constraint)
     future = pool.submit(params)
     future.result()
-    grammar = RequestGrammar(future, params, [1, 2])
+    grammar = RequestGrammar(future, params, request_reasoning(params, [1, 2]))
     assert grammar.resolve(pool.whitespace) and grammar.ready
     return grammar
 
