@@ -55,7 +55,11 @@ _GEMV_PROGRAMS_PER_SM = 4
 _GEMM_PROGRAMS_PER_SM = 1
 _GEMM_DECODE_PROGRAMS_PER_SM = 4  # the sweep's best splits gave 2-7 programs per SM
 _DECODE_ROWS = 64
-_GEMV_ACC_ELEMENTS = 4096  # M_PAD * BLOCK_K * BLOCK_N: the GEMV's accumulator
+# the GEMV's default tile: BLOCK_K * BLOCK_N / 8 int32 = 2 KiB, one 16-byte load a thread at 4
+# warps (untuned)
+_GEMV_BLOCK_N = 256
+_GEMV_BLOCK_K = 16
+_ONE_BITS = 0x3F800000  # float32 1.0
 # (most rows, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)), first match wins; BLOCK_K is capped by
 # the group size. The first and last from bench_kernels' sweep (2026-12-02: decode rows best at
 # 16 x 128 x 64 for all four Llama-3.1-8B shapes; M = 4096 at 128 x 256 x 128 with 8 warps,
@@ -106,10 +110,44 @@ def _dequantize(packed, qzeros_ptr, scales_ptr, group, packs, cols, n_packed, N,
 
 
 @triton.jit
-def _packed_tile(qw_ptrs, packs, n_packed, k0, k_end, UNMASKED: tl.constexpr):
-    if UNMASKED:
-        return tl.load(qw_ptrs)
-    return tl.load(qw_ptrs, mask=(packs[None, :] < n_packed) & (k0 < k_end), other=0)
+def _offset_window(word, LOW: tl.constexpr, one_bits):
+    """The nibble q at bits LOW..LOW+3 of each int32 (LOW 15 or 19) -> float32 1 + q * 2**(LOW
+    - 23): the nibble ORed into the mantissa of 1.0 (one_bits, 0x3F800000, comes in as an
+    argument so the mask and the OR compile to one LOP3: an instruction holds one immediate)."""
+    return ((word & (0xF << LOW)) | one_bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _unpack_offsets(packed, one_bits):
+    """AWQ int32 [..., P] -> float32 [..., P, 2, 2, 2], whose row-major [..., j, r] (r < 8) is
+    1 + q * u of column 8j + r, the unit u being 2**-8 for r in (0, 1, 4, 5) and 2**-4 for r in
+    (2, 3, 6, 7) (_inverse_units). Four shifts a word: each brings a pair of nibbles four bits
+    apart to bits 15 and 19."""
+    # column r sits at bit 4 * (r // 2) + 16 * (r % 2): r = 0, 2, 4, 6 at 0, 4, 8, 12 and
+    # r = 1, 3, 5, 7 at 16, 20, 24, 28
+    low = packed << 15  # bits 0, 4 -> 15, 19
+    mid_low = packed << 7  # 8, 12
+    mid_high = packed >> 1  # 16, 20 (the sign bits an arithmetic shift brings are masked off)
+    high = packed >> 9  # 24, 28
+    c0 = _offset_window(low, 15, one_bits)
+    c2 = _offset_window(low, 19, one_bits)
+    c4 = _offset_window(mid_low, 15, one_bits)
+    c6 = _offset_window(mid_low, 19, one_bits)
+    c1 = _offset_window(mid_high, 15, one_bits)
+    c3 = _offset_window(mid_high, 19, one_bits)
+    c5 = _offset_window(high, 15, one_bits)
+    c7 = _offset_window(high, 19, one_bits)
+    # tl.join(a, b) adds a trailing axis of 2 holding a then b, so three joins give [..., 2, 2,
+    # 2] whose row-major index is 4 * (the first join's axis) + 2 * (the second's) + the third's:
+    # the first joins pair r with r + 4, the second r with r + 2, the last even with odd
+    return tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
+                   tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+
+
+@triton.jit
+def _inverse_units(cols):
+    """1 / u of each column, u as in _unpack_offsets: 256 where (column // 2) is even, else 16."""
+    return tl.where((cols // 2) % 2 == 0, 256.0, 16.0)
 
 
 @triton.jit
@@ -119,60 +157,70 @@ def _awq_gemv_kernel(
     qzeros_ptr,  # [K // G, N // 8] int32
     scales_ptr,  # [K // G, N]
     out_ptr,  # [M, N] in x's dtype, or [num_splits, M, N] float32 partial sums
-    M,
     N,
-    K,
     n_packed,  # N // 8, the row stride of qweight and qzeros (an argument: its alignment
     # specialises, and the packed rows load as vectors)
-    group_size,
-    k_per_split,  # a multiple of BLOCK_K
+    K,
+    tiles_per_split,
     stride_xm,
     stride_om,
     stride_os,  # between splits of out (0 when there is one)
-    M_PAD: tl.constexpr,  # M rounded up to a power of two
-    BLOCK_N: tl.constexpr,  # a multiple of 8
-    BLOCK_K: tl.constexpr,  # divides the group size
+    one_bits,  # 0x3F800000, float32 1.0's bits (see _offset_window)
+    GROUP: tl.constexpr,  # the group size G
+    BLOCK_N: tl.constexpr,  # a power of two >= 8
+    BLOCK_K: tl.constexpr,  # divides G
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no masks on the weight
-    PREFETCH: tl.constexpr,  # load the next packed tile before using this one
-    USE_PDL: tl.constexpr,  # echo_kernels.pdl: the first weight tile loads before the wait
+    NUM_STAGES: tl.constexpr,  # weight tiles in flight (Triton's pipeliner, cp.async)
+    USE_PDL: tl.constexpr,
 ):
+    # Per group g and column n the result is s * sum_k x_k (q_k - z). Each weight becomes
+    # w = 1 + q u (an OR into 1.0's mantissa: no conversion, no subtraction, no scale multiply
+    # per weight) and the loop accumulates A = sum_k x_k w_k, elementwise over the tile's
+    # slots, beside S = sum_k x_k. As z' = 1 + z u, sum_k x_k (q_k - z) = (A - z' S) / u, folded
+    # into the total once a group. Exactness: 1 + q u has at most 9 significant bits, so x w is
+    # exact for fp16/bf16 x; A and S carry float32 rounding relative to sum |x|, which / u
+    # (256 at most) leaves 2**-16 of the terms' size.
     PACKS: tl.constexpr = BLOCK_N // 8
+    TILES: tl.constexpr = GROUP // BLOCK_K  # tiles a group
     packs = tl.program_id(0) * PACKS + tl.arange(0, PACKS)
-    cols = packs[None, :] * 8 + tl.arange(0, 8)[:, None]  # [8, PACKS]
-    shifts = _nibble_shifts()
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pack_ok = packs < n_packed
     split = tl.program_id(1)
-    k_start = split * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    rows = tl.arange(0, M_PAD)
-    offs_k = k_start + tl.arange(0, BLOCK_K)
+    row = tl.program_id(2)
+    first_tile = split * tiles_per_split
+    end_tile = tl.minimum(first_tile + tiles_per_split, K // BLOCK_K)
+    offs_k = first_tile * BLOCK_K + tl.arange(0, BLOCK_K)
     qw_ptrs = qweight_ptr + offs_k[:, None].to(tl.int64) * n_packed + packs[None, :]
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
-    acc = tl.zeros([M_PAD, 8, BLOCK_K, PACKS], dtype=tl.float32)
-    # NOTE: as in linear.small_m_linear, these loads feed CUDA-core math, which Triton's
-    # pipeliner does not stage: PREFETCH double-buffers the packed tiles in registers by hand
-    if PREFETCH:
-        # the weight is never written by a kernel: its first tile may load before the wait
-        packed_next = _packed_tile(qw_ptrs, packs, n_packed, k_start, k_end, EVEN_N)
+    x_ptrs = x_ptr + row * stride_xm + offs_k
+    total = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    x_sum = tl.zeros([BLOCK_K], dtype=tl.float32)
     wait_for_inputs(USE_PDL)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        if PREFETCH:
-            packed = packed_next
-            # past the split's last tile the mask is all false: no memory is read
-            packed_next = _packed_tile(qw_ptrs + BLOCK_K * n_packed, packs, n_packed,
-                                       k0 + BLOCK_K, k_end, False)
+    for tile in tl.range(first_tile, end_tile, num_stages=NUM_STAGES):
+        if EVEN_N:
+            packed = tl.load(qw_ptrs)
         else:
-            packed = _packed_tile(qw_ptrs, packs, n_packed, k0, k_end, EVEN_N)
-        w = _dequantize(packed, qzeros_ptr, scales_ptr, k0 // group_size, packs, cols, n_packed,
-                        N, shifts)
-        x = tl.load(x_ptrs, mask=rows[:, None] < M, other=0.0).to(tl.float32)
-        acc += x[:, None, :, None] * w[None, :, :, :]
+            packed = tl.load(qw_ptrs, mask=pack_ok[None, :], other=0)
+        w = tl.reshape(_unpack_offsets(packed, one_bits), (BLOCK_K, BLOCK_N))
+        x = tl.load(x_ptrs).to(tl.float32)
+        acc += x[:, None] * w
+        x_sum += x
+        # a group's last tile, or the split's: fold the group's sums into the total (the
+        # identity holds for any part of a group, so splits need not align with groups)
+        if (tile % TILES == TILES - 1) | (tile == end_tile - 1):
+            group = tile // TILES
+            zeros = tl.load(qzeros_ptr + group * n_packed + packs, mask=pack_ok, other=0)
+            z = tl.reshape(_unpack_offsets(zeros, one_bits), (BLOCK_N,))
+            s = tl.load(scales_ptr + group * N + cols, mask=cols < N, other=0.0)
+            s_u = s.to(tl.float32) * _inverse_units(cols)
+            total += s_u[None, :] * (acc - z[None, :] * x_sum[:, None])
+            acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+            x_sum = tl.zeros([BLOCK_K], dtype=tl.float32)
         qw_ptrs += BLOCK_K * n_packed
         x_ptrs += BLOCK_K
-    y = tl.sum(acc, axis=2)  # [M_PAD, 8, PACKS]
-    out = (out_ptr + split.to(tl.int64) * stride_os + rows[:, None, None] * stride_om
-           + cols[None, :, :])
-    tl.store(out, y.to(out_ptr.dtype.element_ty),
-             mask=(rows[:, None, None] < M) & (cols[None, :, :] < N))
+    y = tl.sum(total, axis=0)
+    out = out_ptr + split.to(tl.int64) * stride_os + row * stride_om + cols
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
 # NOTE: M is the batch's token count; left to specialise (M == 1, M % 16 == 0) a prefill of a new
@@ -281,15 +329,15 @@ def _block_k(group_size: int, want: int) -> int:
     return math.gcd(group_size, 1 << (want.bit_length() - 1))
 
 
-def _num_splits(split_k: int | None, programs: int, k_tiles: int, per_sm: int,
+def _num_splits(split_k: int | None, programs: int, k_units: int, per_sm: int,
                 device: torch.device) -> tuple[int, int]:
-    """(splits, K tiles per split), every split non-empty. By default: enough splits to give
-    each SM `per_sm` programs."""
+    """(splits, units per split) of K's k_units units (tiles, or groups), every split non-empty.
+    By default: enough splits to give each SM `per_sm` programs."""
     if split_k is None:
         split_k = max(1, per_sm * sm_count(device, without_gpu=2) // programs)
     assert split_k >= 1
-    tiles = triton.cdiv(k_tiles, min(split_k, k_tiles))
-    return triton.cdiv(k_tiles, tiles), tiles
+    units = triton.cdiv(k_units, min(split_k, k_units))
+    return triton.cdiv(k_units, units), units
 
 
 def _launch_split(launch, num_splits: int, m: int, n: int, out: torch.Tensor, pdl: dict) -> None:
@@ -307,36 +355,35 @@ def _launch_split(launch, num_splits: int, m: int, n: int, out: torch.Tensor, pd
 def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
              scales: torch.Tensor, group_size: int, *, block_n: int | None = None,
              block_k: int | None = None, split_k: int | None = None, num_warps: int = 4,
-             num_stages: int = 3, prefetch: bool = False) -> torch.Tensor:
+             num_stages: int = 4) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS) @ AWQ weight [K, N] -> [M, N] in x's dtype.
 
-    Weights dequantized in float32 (exactly), fp32 accumulation. block_n: output columns a
-    program (a multiple of 8); block_k: K per step, a power of two dividing group_size; split_k:
-    K ranges (None: enough to fill the GPU; 1: one launch, no partial sums).
+    CUDA-core math in float32 (see _awq_gemv_kernel); each row is its own program, reading the
+    weight again (from L2 when the rows run together). block_n: output columns a program (a
+    power of two >= 8); block_k: K per step, a power of two dividing group_size; split_k: K
+    ranges (None: enough to fill the GPU; 1: one launch, no partial sums);
+    num_stages: weight tiles in flight.
     """
     m, k, n = _check(x, qweight, qzeros, scales, group_size)
     if not 1 <= m <= GEMV_MAX_ROWS:
         raise ValueError(f"awq_gemv takes 1..{GEMV_MAX_ROWS} rows, got {m}")
-    m_pad = triton.next_power_of_2(m)
-    # NOTE: untuned. 64 columns are 32 bytes of a packed weight row, one memory sector; the
-    # accumulator holds M_PAD * BLOCK_K * BLOCK_N floats, so K per step shrinks as M grows
-    block_n = block_n or 64
-    block_k = block_k or _block_k(group_size, max(8, _GEMV_ACC_ELEMENTS // (m_pad * block_n)))
-    assert block_n % 8 == 0 and block_n & (block_n - 1) == 0, "block_n: a power of two >= 8"
+    block_n = block_n or _GEMV_BLOCK_N
+    block_k = block_k or _block_k(group_size, _GEMV_BLOCK_K)
+    assert block_n >= 8 and block_n & (block_n - 1) == 0, "block_n: a power of two >= 8"
     assert group_size % block_k == 0 and block_k & (block_k - 1) == 0, \
         f"block_k={block_k} must be a power of two dividing group_size={group_size}"
-    programs = triton.cdiv(n, block_n)
+    programs = triton.cdiv(n, block_n) * m
     num_splits, tiles = _num_splits(split_k, programs, k // block_k, _GEMV_PROGRAMS_PER_SM,
                                     x.device)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = pdl_options(x.device)
 
     def launch(target: torch.Tensor, stride_split: int) -> None:
-        _awq_gemv_kernel[(programs, num_splits)](
-            x, qweight, qzeros, scales, target, m, n, k, n // 8, group_size, tiles * block_k,
-            x.stride(0), n, stride_split, M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN_N=n % block_n == 0, PREFETCH=prefetch, **pdl, num_warps=num_warps,
-            num_stages=num_stages)
+        _awq_gemv_kernel[(triton.cdiv(n, block_n), num_splits, m)](
+            x, qweight, qzeros, scales, target, n, n // 8, k, tiles, x.stride(0), n,
+            stride_split, _ONE_BITS, GROUP=group_size, BLOCK_N=block_n,
+            BLOCK_K=block_k, EVEN_N=n % block_n == 0, NUM_STAGES=num_stages, **pdl,
+            num_warps=num_warps, num_stages=num_stages)
 
     _launch_split(launch, num_splits, m, n, out, pdl)
     return out

@@ -37,7 +37,7 @@ from echo_kernels import (  # noqa: E402
 )
 from echo_kernels.attention import flash_attn_varlen, paged_attention  # noqa: E402
 from echo_kernels.attention.common import TileConfig, tile_config  # noqa: E402
-from echo_kernels.awq import awq_gemm, awq_linear  # noqa: E402
+from echo_kernels.awq import awq_gemm, awq_gemv, awq_linear  # noqa: E402
 from echo_kernels.linear import small_m_linear  # noqa: E402
 from echo_kernels.reference import fused_moe_ref  # noqa: E402
 
@@ -510,11 +510,14 @@ def time_fused_moe(xs, gate, w13, w2, top_k: int, graph: bool, **tiles) -> float
 AWQ_GROUP = 128
 AWQ_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
               "down": (4096, 14336)}  # (N, K) of Llama-3.1-8B's layers
-# --sweep: decode rows (M = 1, 16) through awq_gemm, the tensor-core kernel whose loads Triton's
-# pipeliner stages (awq_gemv's feed CUDA-core math and are not), one 16-row tile with
-# (block_n, block_k, num_stages, split_k); then awq_gemm's (block_m, block_n, block_k,
-# num_warps, num_stages) at M = 4096. awq_gemv's own sweep (2026-12-02, docs/benchmarks.md AWQ)
-# peaked at 32% of the copy bandwidth
+# --sweep (--awq-sweep picks the parts): "gemv", awq_gemv at M = 1 over (block_n, block_k,
+# num_warps, num_stages) and the programs per SM its split-K aims for, only tiles of at least
+# one 16-byte load a thread; "decode", decode rows (M = 1, 16) through awq_gemm, the tensor-core
+# kernel, one 16-row tile with (block_n, block_k, num_stages, split_k); "prefill", awq_gemm's
+# (block_m, block_n, block_k, num_warps, num_stages) at M = 4096
+AWQ_GEMV_SWEEP = [(bn, bk, w, st, per_sm) for bn in (256, 512, 1024) for bk in (4, 8, 16)
+                  for w in (2, 4) for st in (4, 8) for per_sm in (2, 4, 8)
+                  if bk * bn // 8 >= 128 * w]
 AWQ_DECODE_SWEEP = [(bn, bk, st, sk) for bn in (64, 128, 256) for bk in (64, 128)
                     for st in (2, 3, 4) for sk in (1, 2, 4, 8, 16)]
 AWQ_GEMM_SWEEP = [(bm, bn, bk, w, 3) for bm in (64, 128) for bn in (128, 256) for bk in (64, 128)
@@ -530,7 +533,7 @@ def random_awq(n: int, k: int):
     return qweight, qzeros, scales
 
 
-def bench_awq(rows: Rows, sweep: bool) -> None:
+def bench_awq(rows: Rows, sweep: set[str]) -> None:
     """AWQ W4A16 at Llama-3.1-8B's layer shapes, fp16 activations (AutoAWQ's dtype). Decode
     rows (M = 1, 4, 16, awq_linear's GEMV) read the packed weight, zeros and scales: bytes =
     those, against cuBLAS bf16 over its 4x larger weight, in CUDA graphs over weight copies
@@ -550,7 +553,19 @@ def bench_awq(rows: Rows, sweep: bool) -> None:
             rows.add(f"awq_linear {name}", shape,
                      bench_graph([lambda c=c: awq_linear(x, *c, AWQ_GROUP)  # noqa: B023
                                   for c in copies]), nbytes=nbytes, target=0.7, note="cuda graph")
-            if sweep and m in (1, 16):
+            if "gemv" in sweep and m == 1:
+                for bn, bk, w, st, per_sm in AWQ_GEMV_SWEEP:
+                    sk = max(1, per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+                             // -(-n // bn))
+                    gemv = functools.partial(awq_gemv, block_n=bn, block_k=bk, num_warps=w,
+                                             num_stages=st, split_k=sk)
+                    ms = fits(lambda: bench_graph([lambda c=c: gemv(x, *c, AWQ_GROUP)  # noqa: B023
+                                                   for c in copies]))  # noqa: B023
+                    if ms is not None:
+                        rows.add(f"awq_gemv {name} sweep", shape, ms, nbytes=nbytes,
+                                 note=f"block_n={bn} block_k={bk} num_warps={w} num_stages={st} "
+                                      f"split_k={sk}")
+            if "decode" in sweep and m in (1, 16):
                 for bn, bk, st, sk in AWQ_DECODE_SWEEP:
                     gemm = functools.partial(awq_gemm, block_m=16, block_n=bn, block_k=bk,
                                              num_warps=4, num_stages=st, split_k=sk)
@@ -572,7 +587,7 @@ def bench_awq(rows: Rows, sweep: bool) -> None:
         rows.add(f"awq_linear {name}", shape,
                  bench(lambda: awq_linear(x, qweight, qzeros, scales, AWQ_GROUP)),  # noqa: B023
                  flops=flops, target=target, note="70% of cuBLAS bf16")
-        if sweep:
+        if "prefill" in sweep:
             for bm, bn, bk, w, st in AWQ_GEMM_SWEEP:
                 gemm = functools.partial(awq_gemm, block_m=bm, block_n=bn, block_k=bk,
                                          num_warps=w, num_stages=st)
@@ -601,6 +616,8 @@ def main() -> None:
                         default="decode,prefill,mixed,elementwise,linear,moe,awq")
     parser.add_argument("--sweep", action="store_true",
                         help="also sweep tile configs (attention, linear, moe, awq)")
+    parser.add_argument("--awq-sweep", default="gemv,decode,prefill",
+                        help="the AWQ parts --sweep covers (see AWQ_GEMV_SWEEP)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "bench_kernels needs a CUDA GPU"
     torch.manual_seed(0)
@@ -624,7 +641,7 @@ def main() -> None:
     if "moe" in parts:
         bench_moe(rows, args.sweep)
     if "awq" in parts:
-        bench_awq(rows, args.sweep)
+        bench_awq(rows, set(args.awq_sweep.split(",")) if args.sweep else set())
     missed = [r["kernel"] for r in rows.rows if r.get("pass") is False]
     print(f"# targets missed: {', '.join(missed) if missed else 'none'}")
     if args.out:

@@ -163,15 +163,15 @@ def test_gemm_matches_reference(device, m, k, n, group_size, dtype):
 
 @pytest.mark.parametrize("options", [
     {"block_n": 32, "block_k": 16, "split_k": 1},  # one launch, no partial sums
-    {"block_n": 8, "block_k": 32, "split_k": 3},  # 8 K tiles over 3 splits: 3, 3, 2
-    {"block_n": 16, "block_k": 64, "split_k": 100},  # more splits asked than K tiles
-    {"block_n": 64, "block_k": 8, "split_k": 2, "prefetch": True},
-    {"block_n": 32, "block_k": 32, "split_k": 1, "prefetch": True, "num_warps": 2},
+    {"block_n": 8, "block_k": 32, "split_k": 3},  # 5 groups over 3 splits: 2, 2, 1
+    {"block_n": 16, "block_k": 64, "split_k": 100},  # more splits asked than groups
+    {"block_n": 64, "block_k": 8, "split_k": 2, "num_stages": 2},
+    {"block_n": 32, "block_k": 32, "split_k": 1, "num_stages": 1, "num_warps": 2},
 ])
 @pytest.mark.parametrize("m", [2, 5])
 def test_gemv_knobs(device, m, options):
-    qweight, qzeros, scales = awq_tensors(256, 96, 64, device, seed=1)
-    x = torch.randn(m, 256, device=device).to(torch.float16)
+    qweight, qzeros, scales = awq_tensors(320, 96, 64, device, seed=1)
+    x = torch.randn(m, 320, device=device).to(torch.float16)
     check(awq_gemv(x, qweight, qzeros, scales, 64, **options), x, qweight, qzeros, scales, 64)
 
 
@@ -241,12 +241,12 @@ def test_gpu_real_shapes(m, n, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16])
 def test_gpu_kernel_knobs(m):
-    # the paths awq_linear does not take by default: one launch, prefetching, a 16-row GEMM
+    # the paths awq_linear does not take by default: one launch, two stages, a 16-row GEMM
     k, n, group_size = 4096, 4096, 128
     qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda", seed=1)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     want = awq_linear_ref(x, qweight, qzeros, scales, group_size).float()
     for out in (awq_gemv(x, qweight, qzeros, scales, group_size, split_k=1),
-                awq_gemv(x, qweight, qzeros, scales, group_size, prefetch=True),
+                awq_gemv(x, qweight, qzeros, scales, group_size, num_stages=2),
                 awq_gemm(x, qweight, qzeros, scales, group_size, block_m=16)):
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
