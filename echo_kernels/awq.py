@@ -16,21 +16,22 @@ inverts that: column 8j + r sits at nibble AWQ_REVERSE_ORDER[r], AWQ_REVERSE_ORD
 whose top nibble is 8 or more is negative; every shift is masked with 0xF, so the sign does
 not matter.
 
-awq_gemv (1..GEMV_MAX_ROWS rows; awq_linear's for one row) dequantizes in registers in float32
-and multiplies on the CUDA cores: each program owns BLOCK_N output columns (BLOCK_N / 8 int32
-a weight row, each loaded once and shifted eight ways in one thread) over a K range, into an fp32
-[M_PAD, 8, BLOCK_K, BLOCK_N / 8] accumulator reduced over K once at the end. awq_gemm (more
-rows, prefill) dequantizes each [BLOCK_K, BLOCK_N] weight tile to x's dtype and feeds it to
-tl.dot, fp32 accumulation. Nibbles become floats without a conversion instruction: ORed into
-the mantissa of 2**23 (_as_float), and q - z is then a float32 subtraction.
+awq_gemv (1..GEMV_MAX_ROWS rows; awq_linear's for one row) works on the CUDA cores without
+dequantizing: each weight becomes the float 1 + q * u by one shift and one bitwise op into the
+mantissa of 1.0 (_unpack_offsets), the loop sums x * (1 + q u) and x, and the zero and scale
+enter once a group (_awq_gemv_kernel's comment has the algebra): about 2.5 instructions a
+weight, against 6-7 for a float32 dequantization (shift, mask, magic OR, subtract, scale,
+FMA). awq_gemm (more rows, prefill) dequantizes each [BLOCK_K, BLOCK_N] weight tile to x's
+dtype and feeds it to tl.dot, fp32 accumulation; there nibbles become floats ORed into the
+mantissa of 2**23 (_as_float), and q - z is then a float32 subtraction.
 
 The K-major layout makes a weight row of one program's columns only BLOCK_N / 2 bytes, so at a
 few rows the output columns alone give too few programs to stream the weight at the memory's
-bandwidth (N = 4096 in 64-column blocks is 64 programs). Both kernels therefore split K when
+bandwidth (N = 4096 in 256-column blocks is 16 programs). Both kernels therefore split K when
 the grid would not fill the GPU: each split writes fp32 partial sums and a second launch adds
-them in split order. No atomics: the output is deterministic for a given split.
+them in a fixed order. No atomics: the output is deterministic for a given split.
 
-Every K tile lies inside one group (G % BLOCK_K == 0), so a tile reads one row of scales and
+Every K tile lies inside one group (G % BLOCK_K == 0), so a tile needs one row of scales and
 zeros, and K needs no masks (K % G == 0).
 """
 
@@ -69,7 +70,7 @@ _GEMM_CONFIGS = (
     (512, (64, 128, 64, 4)),
     (None, (128, 256, 128, 8)),
 )
-_SUM_BLOCK = 1024
+_SUM_ELEMENTS = 2048  # partial sums a program of _split_sum_kernel adds
 
 
 def _gemm_config(num_rows: int) -> tuple[int, int, int, int]:
@@ -294,16 +295,20 @@ def _split_sum_kernel(
     out_ptr,  # [numel], contiguous
     numel,
     num_splits,
+    SPLITS: tl.constexpr,  # num_splits rounded up to a power of two
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    # NOTE: every split's partials load at once, one memory latency: a loop over the splits
+    # waited one latency per split (16 splits took ~8 us of a 13 us o_proj GEMV on the H200).
+    # tl.sum's order is fixed by the shapes, so the result is deterministic
     wait_for_inputs(USE_PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(num_splits):  # in split order: deterministic
-        acc += tl.load(partial_ptr + s * numel + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    splits = tl.arange(0, SPLITS)
+    mask = (splits[:, None] < num_splits) & (offs[None, :] < numel)
+    parts = tl.load(partial_ptr + splits[:, None] * numel + offs[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + offs, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty),
+             mask=offs < numel)
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -348,8 +353,10 @@ def _launch_split(launch, num_splits: int, m: int, n: int, out: torch.Tensor, pd
         return
     partial = torch.empty(num_splits, m, n, dtype=torch.float32, device=out.device)
     launch(partial, m * n)
-    _split_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](
-        partial, out, m * n, num_splits, BLOCK=_SUM_BLOCK, **pdl, num_warps=4)
+    splits = triton.next_power_of_2(num_splits)
+    block = max(32, _SUM_ELEMENTS // splits)
+    _split_sum_kernel[(triton.cdiv(m * n, block),)](
+        partial, out, m * n, num_splits, SPLITS=splits, BLOCK=block, **pdl, num_warps=4)
 
 
 def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,

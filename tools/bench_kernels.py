@@ -515,8 +515,8 @@ AWQ_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 40
 # one 16-byte load a thread; "decode", decode rows (M = 1, 16) through awq_gemm, the tensor-core
 # kernel, one 16-row tile with (block_n, block_k, num_stages, split_k); "prefill", awq_gemm's
 # (block_m, block_n, block_k, num_warps, num_stages) at M = 4096
-AWQ_GEMV_SWEEP = [(bn, bk, w, st, per_sm) for bn in (256, 512, 1024) for bk in (4, 8, 16)
-                  for w in (2, 4) for st in (4, 8) for per_sm in (2, 4, 8)
+AWQ_GEMV_SWEEP = [(bn, bk, w, st, per_sm) for bn in (128, 256, 512, 1024) for bk in (4, 8, 16)
+                  for w in (2, 4) for st in (3, 6) for per_sm in (1, 2, 4, 8)
                   if bk * bn // 8 >= 128 * w]
 AWQ_DECODE_SWEEP = [(bn, bk, st, sk) for bn in (64, 128, 256) for bk in (64, 128)
                     for st in (2, 3, 4) for sk in (1, 2, 4, 8, 16)]
