@@ -56,10 +56,13 @@ _GEMV_PROGRAMS_PER_SM = 4
 _GEMM_PROGRAMS_PER_SM = 1
 _GEMM_DECODE_PROGRAMS_PER_SM = 4  # the sweep's best splits gave 2-7 programs per SM
 _DECODE_ROWS = 64
-# the GEMV's default tile: BLOCK_K * BLOCK_N / 8 int32 = 2 KiB, one 16-byte load a thread at 4
-# warps (untuned)
+# the GEMV's default tile, 16 x 256 (2 KiB of int32, two 16-byte loads a thread at 2 warps), 3
+# stages, ~4 programs per SM: the best of bench_kernels' sweep for all four Llama-3.1-8B layers
+# at M = 1 (H200, 2026-12-04, docs/benchmarks.md AWQ)
 _GEMV_BLOCK_N = 256
 _GEMV_BLOCK_K = 16
+_GEMV_WARPS = 2
+_GEMV_STAGES = 3
 _ONE_BITS = 0x3F800000  # float32 1.0
 # (most rows, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)), first match wins; BLOCK_K is capped by
 # the group size. The first and last from bench_kernels' sweep (2026-12-02: decode rows best at
@@ -365,8 +368,8 @@ def _launch_split(launch, num_splits: int, m: int, n: int, out: torch.Tensor, pd
 
 def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
              scales: torch.Tensor, group_size: int, *, block_n: int | None = None,
-             block_k: int | None = None, split_k: int | None = None, num_warps: int = 4,
-             num_stages: int = 4) -> torch.Tensor:
+             block_k: int | None = None, split_k: int | None = None,
+             num_warps: int = _GEMV_WARPS, num_stages: int = _GEMV_STAGES) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS) @ AWQ weight [K, N] -> [M, N] in x's dtype.
 
     CUDA-core math in float32 (see _awq_gemv_kernel); each row is its own program, reading the
