@@ -175,7 +175,6 @@ def _awq_gemv_kernel(
     BLOCK_K: tl.constexpr,  # divides G
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no masks on the weight
     NUM_STAGES: tl.constexpr,  # weight tiles in flight (Triton's pipeliner, cp.async)
-    ONE_GROUP: tl.constexpr,  # each split is exactly one group
     USE_PDL: tl.constexpr,
 ):
     # Per group g and column n the result is s * sum_k x_k (q_k - z). Each weight becomes
@@ -217,7 +216,7 @@ def _awq_gemv_kernel(
         x_sum += x
         # a group's last tile, or the split's: fold the group's sums into the total (the
         # identity holds for any part of a group, so splits need not align with groups)
-        if not ONE_GROUP and ((tile % TILES == TILES - 1) | (tile == end_tile - 1)):
+        if (tile % TILES == TILES - 1) | (tile == end_tile - 1):
             group = tile // TILES
             zeros = tl.load(qzeros_ptr + group * n_packed + packs, mask=pack_ok, other=0)
             z = tl.reshape(_unpack_offsets(zeros, one_bits), (BLOCK_N,))
@@ -227,15 +226,7 @@ def _awq_gemv_kernel(
             acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
             x_sum = tl.zeros([BLOCK_K], dtype=tl.float32)
         qw_ptrs += BLOCK_K * n_packed
-    if ONE_GROUP:  # the split is one group: fold once, no running total to hold in registers
-        group = first_tile // TILES
-        zeros = tl.load(qzeros_ptr + group * n_packed + packs, mask=pack_ok, other=0)
-        z = tl.reshape(_unpack_offsets(zeros, one_bits), (BLOCK_N,))
-        s = tl.load(scales_ptr + group * N + cols, mask=cols < N, other=0.0)
-        s_u = s.to(tl.float32) * _inverse_units(cols)
-        y = tl.sum(s_u[None, :] * (acc - z[None, :] * x_sum[:, None]), axis=0)
-    else:
-        y = tl.sum(total, axis=0)
+    y = tl.sum(total, axis=0)
     out = out_ptr + split.to(tl.int64) * stride_os + row * stride_om + cols
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=cols < N)
 
@@ -405,8 +396,7 @@ def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
         _awq_gemv_kernel[(triton.cdiv(n, block_n), num_splits, m)](
             x, qweight, qzeros, scales, target, n, n // 8, k, tiles, x.stride(0), n,
             stride_split, _ONE_BITS, GROUP=group_size, BLOCK_N=block_n,
-            BLOCK_K=block_k, EVEN_N=n % block_n == 0, NUM_STAGES=num_stages,
-            ONE_GROUP=tiles * block_k == group_size, **pdl,
+            BLOCK_K=block_k, EVEN_N=n % block_n == 0, NUM_STAGES=num_stages, **pdl,
             num_warps=num_warps, num_stages=num_stages)
 
     _launch_split(launch, num_splits, m, n, out, pdl)

@@ -511,12 +511,12 @@ AWQ_GROUP = 128
 AWQ_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
               "down": (4096, 14336)}  # (N, K) of Llama-3.1-8B's layers
 # --sweep (--awq-sweep picks the parts): "gemv", awq_gemv at M = 1 over (block_n, block_k,
-# num_warps, num_stages) and the programs per SM its split-K aims for (0: a group a split), only
-# tiles of at least one 16-byte load a thread; "decode", decode rows (M = 1, 16) through awq_gemm, the tensor-core
+# num_warps, num_stages) and the programs per SM its split-K aims for, only tiles of at least
+# one 16-byte load a thread; "decode", decode rows (M = 1, 16) through awq_gemm, the tensor-core
 # kernel, one 16-row tile with (block_n, block_k, num_stages, split_k); "prefill", awq_gemm's
 # (block_m, block_n, block_k, num_warps, num_stages) at M = 4096
 AWQ_GEMV_SWEEP = [(bn, bk, w, st, per_sm) for bn in (128, 256, 512, 1024) for bk in (4, 8, 16)
-                  for w in (2, 4) for st in (3, 6) for per_sm in (0, 1, 2, 4, 8)
+                  for w in (2, 4) for st in (3, 6) for per_sm in (1, 2, 4, 8)
                   if bk * bn // 8 >= 128 * w]
 AWQ_DECODE_SWEEP = [(bn, bk, st, sk) for bn in (64, 128, 256) for bk in (64, 128)
                     for st in (2, 3, 4) for sk in (1, 2, 4, 8, 16)]
@@ -555,9 +555,8 @@ def bench_awq(rows: Rows, sweep: set[str]) -> None:
                                   for c in copies]), nbytes=nbytes, target=0.7, note="cuda graph")
             if "gemv" in sweep and m == 1:
                 for bn, bk, w, st, per_sm in AWQ_GEMV_SWEEP:
-                    sk = k // AWQ_GROUP if not per_sm else max(1, per_sm * torch.cuda.
-                                                              get_device_properties(0).
-                                                              multi_processor_count // -(-n // bn))
+                    sk = max(1, per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+                             // -(-n // bn))
                     gemv = functools.partial(awq_gemv, block_n=bn, block_k=bk, num_warps=w,
                                              num_stages=st, split_k=sk)
                     ms = fits(lambda: bench_graph([lambda c=c: gemv(x, *c, AWQ_GROUP)  # noqa: B023
