@@ -182,8 +182,9 @@ def _awq_gemv_kernel(
     # per weight) and the loop accumulates A = sum_k x_k w_k, elementwise over the tile's
     # slots, beside S = sum_k x_k. As z' = 1 + z u, sum_k x_k (q_k - z) = (A - z' S) / u, folded
     # into the total once a group. Exactness: 1 + q u has at most 9 significant bits, so x w is
-    # exact for fp16/bf16 x; A and S carry float32 rounding relative to sum |x|, which / u
-    # (256 at most) leaves 2**-16 of the terms' size.
+    # exact for fp16/bf16 x; A and S round in float32 relative to their size (~ the group's
+    # G / BLOCK_K terms of |x| an element), which / u (256 at most) leaves ~2**-13 |x|, below
+    # bf16's own rounding of x.
     PACKS: tl.constexpr = BLOCK_N // 8
     TILES: tl.constexpr = GROUP // BLOCK_K  # tiles a group
     packs = tl.program_id(0) * PACKS + tl.arange(0, PACKS)
@@ -313,7 +314,8 @@ def _split_sum_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     splits = tl.arange(0, SPLITS)
     mask = (splits[:, None] < num_splits) & (offs[None, :] < numel)
-    parts = tl.load(partial_ptr + splits[:, None] * numel + offs[None, :], mask=mask, other=0.0)
+    parts = tl.load(partial_ptr + splits[:, None].to(tl.int64) * numel + offs[None, :],
+                    mask=mask, other=0.0)
     tl.store(out_ptr + offs, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty),
              mask=offs < numel)
 
@@ -341,15 +343,15 @@ def _block_k(group_size: int, want: int) -> int:
     return math.gcd(group_size, 1 << (want.bit_length() - 1))
 
 
-def _num_splits(split_k: int | None, programs: int, k_units: int, per_sm: int,
+def _num_splits(split_k: int | None, programs: int, k_tiles: int, per_sm: int,
                 device: torch.device) -> tuple[int, int]:
-    """(splits, units per split) of K's k_units units (tiles, or groups), every split non-empty.
-    By default: enough splits to give each SM `per_sm` programs."""
+    """(splits, K tiles per split), every split non-empty. By default: enough splits to give
+    each SM `per_sm` programs."""
     if split_k is None:
         split_k = max(1, per_sm * sm_count(device, without_gpu=2) // programs)
     assert split_k >= 1
-    units = triton.cdiv(k_units, min(split_k, k_units))
-    return triton.cdiv(k_units, units), units
+    tiles = triton.cdiv(k_tiles, min(split_k, k_tiles))
+    return triton.cdiv(k_tiles, tiles), tiles
 
 
 def _launch_split(launch, num_splits: int, m: int, n: int, out: torch.Tensor, pdl: dict) -> None:

@@ -533,6 +533,15 @@ def random_awq(n: int, k: int):
     return qweight, qzeros, scales
 
 
+def time_awq_decode(rows: Rows, label: str, kernel, x, copies, shape: str, nbytes: int,
+                    note: str) -> None:
+    """One swept AWQ config at decode rows, in CUDA graphs over the weight copies (skipped when
+    the GPU cannot hold its tiles)."""
+    ms = fits(lambda: bench_graph([lambda c=c: kernel(x, *c, AWQ_GROUP) for c in copies]))
+    if ms is not None:
+        rows.add(label, shape, ms, nbytes=nbytes, note=note)
+
+
 def bench_awq(rows: Rows, sweep: set[str]) -> None:
     """AWQ W4A16 at Llama-3.1-8B's layer shapes, fp16 activations (AutoAWQ's dtype). Decode
     rows (M = 1, 4, 16, awq_linear's GEMV) read the packed weight, zeros and scales: bytes =
@@ -559,22 +568,16 @@ def bench_awq(rows: Rows, sweep: set[str]) -> None:
                              // -(-n // bn))
                     gemv = functools.partial(awq_gemv, block_n=bn, block_k=bk, num_warps=w,
                                              num_stages=st, split_k=sk)
-                    ms = fits(lambda: bench_graph([lambda c=c: gemv(x, *c, AWQ_GROUP)  # noqa: B023
-                                                   for c in copies]))  # noqa: B023
-                    if ms is not None:
-                        rows.add(f"awq_gemv {name} sweep", shape, ms, nbytes=nbytes,
-                                 note=f"block_n={bn} block_k={bk} num_warps={w} num_stages={st} "
-                                      f"split_k={sk}")
+                    time_awq_decode(rows, f"awq_gemv {name} sweep", gemv, x, copies, shape,
+                                    nbytes, f"block_n={bn} block_k={bk} num_warps={w} "
+                                            f"num_stages={st} split_k={sk}")
             if "decode" in sweep and m in (1, 16):
                 for bn, bk, st, sk in AWQ_DECODE_SWEEP:
                     gemm = functools.partial(awq_gemm, block_m=16, block_n=bn, block_k=bk,
                                              num_warps=4, num_stages=st, split_k=sk)
-                    ms = fits(lambda: bench_graph([lambda c=c: gemm(x, *c, AWQ_GROUP)  # noqa: B023
-                                                   for c in copies]))  # noqa: B023
-                    if ms is not None:
-                        rows.add(f"awq_gemm {name} sweep", shape, ms, nbytes=nbytes,
-                                 note=f"block_m=16 block_n={bn} block_k={bk} num_stages={st} "
-                                      f"split_k={sk}")
+                    time_awq_decode(rows, f"awq_gemm {name} sweep", gemm, x, copies, shape,
+                                    nbytes, f"block_m=16 block_n={bn} block_k={bk} "
+                                            f"num_stages={st} split_k={sk}")
         m = 4096
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         shape = f"M={m} {n}x{k} G={AWQ_GROUP}"
