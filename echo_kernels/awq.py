@@ -52,17 +52,15 @@ LINEAR_GEMV_ROWS = 1
 # programs to aim for per SM: a decode GEMV needs several in flight to cover memory latency, and
 # so does the GEMM at decode rows (DECODE_ROWS); a larger GEMM splits only a grid under one
 # wave (its partial sums cost M*N*4 bytes a split each way)
-_GEMV_PROGRAMS_PER_SM = 4
+_GEMV_PROGRAMS_PER_SM = 8
 _GEMM_PROGRAMS_PER_SM = 1
 _GEMM_DECODE_PROGRAMS_PER_SM = 4  # the sweep's best splits gave 2-7 programs per SM
 _DECODE_ROWS = 64
-# the GEMV's default tile, 16 x 256 (2 KiB of int32, two 16-byte loads a thread at 2 warps), 3
-# stages, ~4 programs per SM: the best of bench_kernels' sweep for all four Llama-3.1-8B layers
-# at M = 1 (H200, 2026-12-04, docs/benchmarks.md AWQ)
+# the GEMV's default tile: 16 rows of 256 columns, a pack a lane of one warp (untuned)
 _GEMV_BLOCK_N = 256
 _GEMV_BLOCK_K = 16
-_GEMV_WARPS = 2
-_GEMV_STAGES = 3
+_GEMV_WARPS = 1
+_GEMV_STAGES = 4
 _ONE_BITS = 0x3F800000  # float32 1.0
 # (most rows, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)), first match wins; BLOCK_K is capped by
 # the group size. The first and last from bench_kernels' sweep (2026-12-02: decode rows best at
@@ -154,7 +152,12 @@ def _inverse_units(cols):
     return tl.where((cols // 2) % 2 == 0, 256.0, 16.0)
 
 
-@triton.jit
+# NOTE: n_packed is left unspecialised so that its alignment stays unknown: a row of packed
+# int32 then loads 4 bytes a thread, one pack a lane, and Triton's layout keeps a tile's BLOCK_K
+# rows of a pack in one thread, where the sum over K needs no other thread. With 16-byte loads it
+# spread the rows over lanes and warps, and the sums had to stay per row until the end (224
+# registers a thread at 16 x 256 and 2 warps, against 96 now at 1 warp)
+@triton.jit(do_not_specialize=["n_packed"])
 def _awq_gemv_kernel(
     x_ptr,  # [M, K]
     qweight_ptr,  # [K, N // 8] int32
@@ -162,8 +165,7 @@ def _awq_gemv_kernel(
     scales_ptr,  # [K // G, N]
     out_ptr,  # [M, N] in x's dtype, or [num_splits, M, N] float32 partial sums
     N,
-    n_packed,  # N // 8, the row stride of qweight and qzeros (an argument: its alignment
-    # specialises, and the packed rows load as vectors)
+    n_packed,  # N // 8, the row stride of qweight and qzeros
     K,
     tiles_per_split,
     stride_xm,
@@ -171,20 +173,22 @@ def _awq_gemv_kernel(
     stride_os,  # between splits of out (0 when there is one)
     one_bits,  # 0x3F800000, float32 1.0's bits (see _offset_window)
     GROUP: tl.constexpr,  # the group size G
-    BLOCK_N: tl.constexpr,  # a power of two >= 8
+    BLOCK_N: tl.constexpr,  # a power of two >= 8; 256 a warp keeps a pack a lane
     BLOCK_K: tl.constexpr,  # divides G
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no masks on the weight
     NUM_STAGES: tl.constexpr,  # weight tiles in flight (Triton's pipeliner, cp.async)
+    EXACT: tl.constexpr,  # float32 x: take the 1 off each weight (see below)
     USE_PDL: tl.constexpr,
 ):
     # Per group g and column n the result is s * sum_k x_k (q_k - z). Each weight becomes
     # w = 1 + q u (an OR into 1.0's mantissa: no conversion, no subtraction, no scale multiply
-    # per weight) and the loop accumulates A = sum_k x_k w_k, elementwise over the tile's
-    # slots, beside S = sum_k x_k. As z' = 1 + z u, sum_k x_k (q_k - z) = (A - z' S) / u, folded
-    # into the total once a group. Exactness: 1 + q u has at most 9 significant bits, so x w is
-    # exact for fp16/bf16 x; A and S round in float32 relative to their size (~ the group's
-    # G / BLOCK_K terms of |x| an element), which / u (256 at most) leaves ~2**-13 |x|, below
-    # bf16's own rounding of x.
+    # per weight) and the loop accumulates A = sum_k x_k w_k (FMAs down a pack's rows in one
+    # thread) beside S = sum_k x_k. As z' = 1 + z u, sum_k x_k (q_k - z) = (A - z' S) / u,
+    # folded into the total once a group. Exactness: 1 + q u has at most 9 significant bits, so
+    # x w is exact for fp16/bf16 x; A rounds in float32 relative to its size (~ a group of
+    # |x|), which / u (256 at most) leaves ~2**-16 of that, below fp16's own rounding of x. For
+    # float32 x that would be coarser than x itself: EXACT subtracts the 1 from each weight (one
+    # more instruction a weight), so A = u sum_k x_k q_k carries no offset and z' becomes z u.
     PACKS: tl.constexpr = BLOCK_N // 8
     TILES: tl.constexpr = GROUP // BLOCK_K  # tiles a group
     packs = tl.program_id(0) * PACKS + tl.arange(0, PACKS)
@@ -197,12 +201,12 @@ def _awq_gemv_kernel(
     offs_k = first_tile * BLOCK_K + tl.arange(0, BLOCK_K)
     qw_ptrs = qweight_ptr + offs_k[:, None].to(tl.int64) * n_packed + packs[None, :]
     x_ptrs = x_ptr + row * stride_xm + offs_k
-    total = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
-    x_sum = tl.zeros([BLOCK_K], dtype=tl.float32)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    x_sum = tl.zeros([1], dtype=tl.float32)
     wait_for_inputs(USE_PDL)
-    # NOTE: x is loaded one tile ahead by hand: its load (2 bytes a thread) is too narrow for
-    # the pipeliner's cp.async, and loaded where it is used each tile waited for it
+    # NOTE: x is loaded one tile ahead by hand: its load is too narrow for the pipeliner's
+    # cp.async, and loaded where it is used each tile waited for it
     x_next = tl.load(x_ptrs)
     for tile in tl.range(first_tile, end_tile, num_stages=NUM_STAGES):
         x = x_next.to(tl.float32)
@@ -213,23 +217,26 @@ def _awq_gemv_kernel(
         else:
             packed = tl.load(qw_ptrs, mask=pack_ok[None, :], other=0)
         w = tl.reshape(_unpack_offsets(packed, one_bits), (BLOCK_K, BLOCK_N))
-        acc += x[:, None] * w
-        x_sum += x
+        if EXACT:
+            w -= 1.0
+        acc += tl.sum(x[:, None] * w, axis=0)
+        x_sum += tl.sum(x, axis=0)
         # a group's last tile, or the split's: fold the group's sums into the total (the
         # identity holds for any part of a group, so splits need not align with groups)
         if (tile % TILES == TILES - 1) | (tile == end_tile - 1):
             group = tile // TILES
             zeros = tl.load(qzeros_ptr + group * n_packed + packs, mask=pack_ok, other=0)
             z = tl.reshape(_unpack_offsets(zeros, one_bits), (BLOCK_N,))
+            if EXACT:
+                z -= 1.0
             s = tl.load(scales_ptr + group * N + cols, mask=cols < N, other=0.0)
             s_u = s.to(tl.float32) * _inverse_units(cols)
-            total += s_u[None, :] * (acc - z[None, :] * x_sum[:, None])
-            acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
-            x_sum = tl.zeros([BLOCK_K], dtype=tl.float32)
+            total += s_u * (acc - z * x_sum)
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            x_sum = tl.zeros([1], dtype=tl.float32)
         qw_ptrs += BLOCK_K * n_packed
-    y = tl.sum(total, axis=0)
     out = out_ptr + split.to(tl.int64) * stride_os + row * stride_om + cols
-    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=cols < N)
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
 # NOTE: M is the batch's token count; left to specialise (M == 1, M % 16 == 0) a prefill of a new
@@ -398,7 +405,8 @@ def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
         _awq_gemv_kernel[(triton.cdiv(n, block_n), num_splits, m)](
             x, qweight, qzeros, scales, target, n, n // 8, k, tiles, x.stride(0), n,
             stride_split, _ONE_BITS, GROUP=group_size, BLOCK_N=block_n,
-            BLOCK_K=block_k, EVEN_N=n % block_n == 0, NUM_STAGES=num_stages, **pdl,
+            BLOCK_K=block_k, EVEN_N=n % block_n == 0, NUM_STAGES=num_stages,
+            EXACT=x.dtype == torch.float32, **pdl,
             num_warps=num_warps, num_stages=num_stages)
 
     _launch_split(launch, num_splits, m, n, out, pdl)

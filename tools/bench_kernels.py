@@ -511,13 +511,13 @@ AWQ_GROUP = 128
 AWQ_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
               "down": (4096, 14336)}  # (N, K) of Llama-3.1-8B's layers
 # --sweep (--awq-sweep picks the parts): "gemv", awq_gemv at M = 1 over (block_n, block_k,
-# num_warps, num_stages) and the programs per SM its split-K aims for, only tiles of at least
-# one 16-byte load a thread; "decode", decode rows (M = 1, 16) through awq_gemm, the tensor-core
+# num_warps, num_stages) and the programs per SM its split-K aims for, at least a pack of 8
+# columns a lane; "decode", decode rows (M = 1, 16) through awq_gemm, the tensor-core
 # kernel, one 16-row tile with (block_n, block_k, num_stages, split_k); "prefill", awq_gemm's
 # (block_m, block_n, block_k, num_warps, num_stages) at M = 4096
-AWQ_GEMV_SWEEP = [(bn, bk, w, st, per_sm) for bn in (128, 256, 512, 1024) for bk in (4, 8, 16)
-                  for w in (2, 4) for st in (3, 6) for per_sm in (1, 2, 4, 8)
-                  if bk * bn // 8 >= 128 * w]
+AWQ_GEMV_SWEEP = [(bn, bk, w, st, per_sm) for bn in (256, 512, 1024) for w in (1, 2, 4)
+                  for bk in (8, 16, 32) for st in (3, 5) for per_sm in (4, 8, 16)
+                  if bn >= 256 * w]
 AWQ_DECODE_SWEEP = [(bn, bk, st, sk) for bn in (64, 128, 256) for bk in (64, 128)
                     for st in (2, 3, 4) for sk in (1, 2, 4, 8, 16)]
 AWQ_GEMM_SWEEP = [(bm, bn, bk, w, 3) for bm in (64, 128) for bn in (128, 256) for bk in (64, 128)
