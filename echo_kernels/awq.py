@@ -56,11 +56,15 @@ _GEMV_PROGRAMS_PER_SM = 8
 _GEMM_PROGRAMS_PER_SM = 1
 _GEMM_DECODE_PROGRAMS_PER_SM = 4  # the sweep's best splits gave 2-7 programs per SM
 _DECODE_ROWS = 64
-# the GEMV's default tile: 16 rows of 256 columns, a pack a lane of one warp (untuned)
-_GEMV_BLOCK_N = 256
-_GEMV_BLOCK_K = 16
+# the GEMV's defaults, from bench_kernels' sweep at M = 1 (H200, 2026-12-04, docs/benchmarks.md
+# AWQ): tiles of 8 rows by 512 columns (two packs a lane of one warp), 3 stages, and splits for
+# ~8 programs an SM but no more than ~128 rows each (gate_up's best took 37 splits of 110 rows
+# where 8 an SM gave it 18)
+_GEMV_BLOCK_N = 512
+_GEMV_BLOCK_K = 8
 _GEMV_WARPS = 1
-_GEMV_STAGES = 4
+_GEMV_STAGES = 3
+_GEMV_SPLIT_ROWS = 128
 _ONE_BITS = 0x3F800000  # float32 1.0
 # (most rows, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)), first match wins; BLOCK_K is capped by
 # the group size. The first and last from bench_kernels' sweep (2026-12-02: decode rows best at
@@ -384,7 +388,8 @@ def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     CUDA-core math in float32 (see _awq_gemv_kernel); each row is its own program, reading the
     weight again (from L2 when the rows run together). block_n: output columns a program (a
     power of two >= 8); block_k: K per step, a power of two dividing group_size; split_k: K
-    ranges (None: enough to fill the GPU; 1: one launch, no partial sums);
+    ranges (None: enough to fill the GPU, at most _GEMV_SPLIT_ROWS rows each; 1: one launch, no
+    partial sums);
     num_stages: weight tiles in flight.
     """
     m, k, n = _check(x, qweight, qzeros, scales, group_size)
@@ -396,6 +401,9 @@ def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     assert group_size % block_k == 0 and block_k & (block_k - 1) == 0, \
         f"block_k={block_k} must be a power of two dividing group_size={group_size}"
     programs = triton.cdiv(n, block_n) * m
+    if split_k is None:
+        split_k = max(1, _GEMV_PROGRAMS_PER_SM * sm_count(x.device, without_gpu=2) // programs,
+                      k // _GEMV_SPLIT_ROWS)
     num_splits, tiles = _num_splits(split_k, programs, k // block_k, _GEMV_PROGRAMS_PER_SM,
                                     x.device)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
