@@ -27,7 +27,7 @@ mantissa of 2**23 (_as_float), and q - z is then a float32 subtraction.
 
 The K-major layout makes a weight row of one program's columns only BLOCK_N / 2 bytes, so at a
 few rows the output columns alone give too few programs to stream the weight at the memory's
-bandwidth (N = 4096 in 256-column blocks is 16 programs). Both kernels therefore split K when
+bandwidth (N = 4096 in 512-column blocks is 8 programs). Both kernels therefore split K when
 the grid would not fill the GPU: each split writes fp32 partial sums and a second launch adds
 them in a fixed order. No atomics: the output is deterministic for a given split.
 
