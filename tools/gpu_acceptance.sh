@@ -2,9 +2,10 @@
 # The GPU measurements behind the open acceptance points, staged so each fits one device call:
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
 # Stages: tests kernels latency offline profile profile-tail serving int8-pool kv-offload
-# structured, and tp and profile-tp (two GPUs). Rough minutes on an H200: tests 11 (two calls:
-# tests/kernels, then the rest), kernels 2, latency 3, offline 5, profile 5, profile-tail 2,
-# serving 4, int8-pool 2, kv-offload 6, structured 4, tp 6 (plus start-up):
+# structured awq, and tp and profile-tp (two GPUs). Rough minutes on an H200: tests 11 (two
+# calls: tests/kernels, then the rest), kernels 2, latency 3, offline 5, profile 5,
+# profile-tail 2, serving 4, int8-pool 2, kv-offload 6, structured 4, awq 8, tp 6 (plus
+# start-up):
 # pick what fits the device budget. Logs and JSON go to a scratch folder that is packed into
 # $OUT/STAGE.tar.gz (the device tool returns few files), and the key lines are printed. Every
 # process started here is ended here, by PID. The probes' runs: tools/dev/gpu_probes.sh.
@@ -136,6 +137,19 @@ stage_commands() {
       $PY tools/overlap_report.py "$dir/prof/free.json.gz" --out "$dir/report_free" 2>&1 \
         | head -30
       rm -rf "$dir/prof" ;;  # tens of MB: the reports keep what they found
+    awq)  # #30: the AWQ tests, kernels, batch-1 decode against bf16, offline with AWQ weights
+      $PY -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_awq.py \
+        tests/models/test_awq_models.py 2>&1 | tail -2
+      $PY tools/bench_kernels.py --only awq --out "$dir/kernels_awq.json" 2>&1 \
+        | tee "$dir/kernels_awq.log" | grep -E "awq_linear|torch linear"
+      for model in llama-3.1-8b llama-3.1-8b-awq qwen3-8b qwen3-8b-awq; do
+        $PY tools/bench_latency.py --model $model --iters 2 \
+          --json "$dir/latency_$model.json" 2>&1 | grep -E "decode"
+      done
+      for model in qwen3-8b qwen3-8b-awq; do
+        $PY tools/bench_offline.py --model $model --json "$dir/offline_$model.json" 2>&1 \
+          | tail -1
+      done ;;
     *)
       echo "unknown stage $stage" >&2; return 2 ;;
   esac
