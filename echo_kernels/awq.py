@@ -49,6 +49,9 @@ GEMV_MAX_ROWS = 16  # the most rows awq_gemv takes
 # with split-K beat the GEMV 3.7-4.9x at 16 rows and tied it at one (H200, Llama-3.1-8B's
 # layers, docs/benchmarks.md AWQ, 2026-12-02)
 LINEAR_GEMV_ROWS = 1
+# awq_gemm's dequantization in x's dtype (_half_offsets): its sm_90 SASS halves the instructions
+# of a K step, but it is not yet measured on the GPU, so the float32 one stays the default
+GEMM_HALF_DEQUANT = False
 # programs to aim for per SM: a decode GEMV needs several in flight to cover memory latency, and
 # so does the GEMM at decode rows (DECODE_ROWS); a larger GEMM splits only a grid under one
 # wave (its partial sums cost M*N*4 bytes a split each way)
@@ -148,6 +151,40 @@ def _unpack_offsets(packed, one_bits):
     # the first joins pair r with r + 4, the second r with r + 2, the last even with odd
     return tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
                    tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+
+
+@triton.jit
+def _half_pair(packed, SHIFT: tl.constexpr, BF16: tl.constexpr):
+    """Columns 2i and 2i + 1 of each AWQ int32 (nibbles at bits 4i and 4i + 16; SHIFT moves them
+    to the top four mantissa bits of each 16-bit half) as two halves 1 + q/16 in fp16 or bf16:
+    one shift and one bitwise op make both."""
+    if BF16:  # 1.0 = 0x3F80, 7 mantissa bits: the nibble at bits 3..6
+        mask, one = 0x00780078, 0x3F803F80
+        dtype: tl.constexpr = tl.bfloat16
+    else:  # 1.0 = 0x3C00, 10 mantissa bits: the nibble at bits 6..9
+        mask, one = 0x03C003C0, 0x3C003C00
+        dtype: tl.constexpr = tl.float16
+    if SHIFT >= 0:
+        both = ((packed << SHIFT) & mask) | one
+    else:
+        both = ((packed >> (-SHIFT)) & mask) | one
+    low = both.to(tl.int16).to(dtype, bitcast=True)
+    high = (both >> 16).to(tl.int16).to(dtype, bitcast=True)
+    return low, high
+
+
+@triton.jit
+def _half_offsets(packed, BF16: tl.constexpr):
+    """AWQ int32 [..., P] -> fp16 or bf16 [..., P, 2, 2, 2], whose row-major [..., j, r] is
+    1 + q/16 of column 8j + r (exact in both: five significant bits)."""
+    TOP: tl.constexpr = 3 if BF16 else 6  # where a nibble at bit 0 goes
+    l0, h0 = _half_pair(packed, TOP, BF16)  # pair i: columns 2i, 2i + 1, nibbles at 4i, 4i + 16
+    l1, h1 = _half_pair(packed, TOP - 4, BF16)
+    l2, h2 = _half_pair(packed, TOP - 8, BF16)
+    l3, h3 = _half_pair(packed, TOP - 12, BF16)
+    # r = 4a + 2b + c is pair 2a + b, half c: the first joins pair a, the second b, the last c
+    return tl.join(tl.join(tl.join(l0, l2), tl.join(l1, l3)),
+                   tl.join(tl.join(h0, h2), tl.join(h1, h3)))
 
 
 @triton.jit
@@ -266,6 +303,7 @@ def _awq_gemm_kernel(
     BLOCK_K: tl.constexpr,  # divides the group size, at least 16
     GROUP_M: tl.constexpr,  # row tiles launched together, sharing their weight tiles in L2
     PRECISION: tl.constexpr,  # tl.dot's input_precision ("ieee" for float32 inputs)
+    HALF_DEQUANT: tl.constexpr,  # fp16/bf16 x: dequantize in x's dtype, two weights an op
     USE_PDL: tl.constexpr,
 ):
     wait_for_inputs(USE_PDL)
@@ -284,6 +322,7 @@ def _awq_gemm_kernel(
     row_ok = rows < M
     packs = pid_n * PACKS + tl.arange(0, PACKS)
     cols = packs[None, :] * 8 + tl.arange(0, 8)[:, None]  # [8, PACKS]
+    out_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -294,15 +333,29 @@ def _awq_gemm_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
         packed = tl.load(qw_ptrs, mask=packs[None, :] < n_packed, other=0)
-        w = _dequantize(packed, qzeros_ptr, scales_ptr, k0 // group_size, packs, cols, n_packed,
-                        N, shifts)
-        # [8, BLOCK_K, PACKS] -> [BLOCK_K, PACKS, 8] -> [BLOCK_K, BLOCK_N], row-major: [k, j, r]
-        # is column 8j + r
-        w = tl.reshape(tl.permute(w.to(x_ptr.dtype.element_ty), (1, 2, 0)), (BLOCK_K, BLOCK_N))
+        if HALF_DEQUANT:
+            # (1 + q/16) - (1 + z/16) is exact, times 16 s one rounding in x's dtype (bf16: s
+            # rounded to bf16 first, a second rounding far below the 4-bit step). The float32
+            # path below spends ~6 instructions a weight; this ~2.5 (sm_90 SASS: a 128 x 256 x
+            # 128 K step 657 instructions a thread against 1240)
+            BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+            group = k0 // group_size
+            zeros = tl.load(qzeros_ptr + group * n_packed + packs, mask=packs < n_packed, other=0)
+            z = tl.reshape(_half_offsets(zeros, BF16), (BLOCK_N,))
+            s16 = tl.load(scales_ptr + group * N + out_cols, mask=out_cols < N, other=0.0)
+            s16 = (s16.to(tl.float32) * 16.0).to(x_ptr.dtype.element_ty)
+            w = tl.reshape(_half_offsets(packed, BF16), (BLOCK_K, BLOCK_N))
+            w = (w - z[None, :]) * s16[None, :]
+        else:
+            w = _dequantize(packed, qzeros_ptr, scales_ptr, k0 // group_size, packs, cols,
+                            n_packed, N, shifts)
+            # [8, BLOCK_K, PACKS] -> [BLOCK_K, PACKS, 8] -> [BLOCK_K, BLOCK_N], row-major:
+            # [k, j, r] is column 8j + r
+            w = tl.reshape(tl.permute(w.to(x_ptr.dtype.element_ty), (1, 2, 0)),
+                           (BLOCK_K, BLOCK_N))
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         qw_ptrs += BLOCK_K * n_packed
-    out_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out = (out_ptr + split.to(tl.int64) * stride_os + rows[:, None].to(tl.int64) * stride_om
            + out_cols[None, :])
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (out_cols[None, :] < N))
@@ -424,13 +477,15 @@ def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
 def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
              scales: torch.Tensor, group_size: int, *, block_m: int | None = None,
              block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-             group_m: int = 8, num_warps: int | None = None,
-             num_stages: int = 3) -> torch.Tensor:
+             group_m: int = 8, num_warps: int | None = None, num_stages: int = 3,
+             half_dequant: bool | None = None) -> torch.Tensor:
     """x [M, K] @ AWQ weight [K, N] -> [M, N] in x's dtype, on the tensor cores.
 
     Each weight tile is dequantized in float32 and rounded once to x's dtype before tl.dot
-    (input_precision "ieee" for float32 x); fp32 accumulation. Tiles default to a config picked
-    by M; block_k (at least 16) must divide group_size; split_k as in awq_gemv.
+    (input_precision "ieee" for float32 x); fp32 accumulation. half_dequant (fp16/bf16 x;
+    None: GEMM_HALF_DEQUANT) dequantizes in x's dtype instead, two weights an instruction.
+    Tiles default to a config picked by M; block_k (at least 16) must divide group_size;
+    split_k as in awq_gemv.
     """
     m, k, n = _check(x, qweight, qzeros, scales, group_size)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -448,14 +503,16 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     per_sm = _GEMM_DECODE_PROGRAMS_PER_SM if m <= _DECODE_ROWS else _GEMM_PROGRAMS_PER_SM
     num_splits, tiles = _num_splits(split_k, programs, k // block_k, per_sm, x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    half = (GEMM_HALF_DEQUANT if half_dequant is None else half_dequant) and \
+        x.dtype in (torch.float16, torch.bfloat16)
     pdl = pdl_options(x.device)
 
     def launch(target: torch.Tensor, stride_split: int) -> None:
         _awq_gemm_kernel[(programs, num_splits)](
             x, qweight, qzeros, scales, target, m, n, k, n // 8, group_size, tiles * block_k,
             x.stride(0), n, stride_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            GROUP_M=group_m, PRECISION=precision, **pdl, num_warps=num_warps,
-            num_stages=num_stages)
+            GROUP_M=group_m, PRECISION=precision, HALF_DEQUANT=half, **pdl,
+            num_warps=num_warps, num_stages=num_stages)
 
     _launch_split(launch, num_splits, m, n, out, pdl)
     return out

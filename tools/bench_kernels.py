@@ -514,14 +514,14 @@ AWQ_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 40
 # num_warps, num_stages) and the programs per SM its split-K aims for, at least a pack of 8
 # columns a lane; "decode", decode rows (M = 1, 16) through awq_gemm, the tensor-core
 # kernel, one 16-row tile with (block_n, block_k, num_stages, split_k); "prefill", awq_gemm's
-# (block_m, block_n, block_k, num_warps, num_stages) at M = 4096
+# (block_m, block_n, block_k, num_warps, num_stages, half_dequant) at M = 4096
 AWQ_GEMV_SWEEP = [(bn, bk, w, st, per_sm) for bn in (256, 512, 1024) for w in (1, 2, 4)
                   for bk in (8, 16, 32) for st in (3, 5) for per_sm in (4, 8, 16)
                   if bn >= 256 * w]
 AWQ_DECODE_SWEEP = [(bn, bk, st, sk) for bn in (64, 128, 256) for bk in (64, 128)
                     for st in (2, 3, 4) for sk in (1, 2, 4, 8, 16)]
-AWQ_GEMM_SWEEP = [(bm, bn, bk, w, 3) for bm in (64, 128) for bn in (128, 256) for bk in (64, 128)
-                  for w in (4, 8)]
+AWQ_GEMM_SWEEP = [(bm, bn, bk, w, 3, half) for bm in (64, 128) for bn in (128, 256)
+                  for bk in (64, 128) for w in (4, 8) for half in (False, True)]
 
 
 def random_awq(n: int, k: int):
@@ -590,16 +590,20 @@ def bench_awq(rows: Rows, sweep: set[str]) -> None:
         rows.add(f"awq_linear {name}", shape,
                  bench(lambda: awq_linear(x, qweight, qzeros, scales, AWQ_GROUP)),  # noqa: B023
                  flops=flops, target=target, note="70% of cuBLAS bf16")
+        rows.add(f"awq_gemm {name} half", shape,
+                 fits(lambda: bench(lambda: awq_gemm(x, qweight, qzeros, scales,  # noqa: B023
+                                                     AWQ_GROUP, half_dequant=True))) or math.nan,
+                 flops=flops, target=target, note="dequantized in fp16, default tiles")
         if "prefill" in sweep:
-            for bm, bn, bk, w, st in AWQ_GEMM_SWEEP:
+            for bm, bn, bk, w, st, half in AWQ_GEMM_SWEEP:
                 gemm = functools.partial(awq_gemm, block_m=bm, block_n=bn, block_k=bk,
-                                         num_warps=w, num_stages=st)
+                                         num_warps=w, num_stages=st, half_dequant=half)
                 ms = fits(lambda: bench(lambda: gemm(x, qweight, qzeros, scales,  # noqa: B023
                                                      AWQ_GROUP)))
                 if ms is not None:
                     rows.add(f"awq_gemm {name} sweep", shape, ms, flops=flops, target=target,
                              note=f"block_m={bm} block_n={bn} block_k={bk} num_warps={w} "
-                                  f"num_stages={st}")
+                                  f"num_stages={st} half_dequant={half}")
         copies = dense = None
         torch.cuda.empty_cache()
 

@@ -161,6 +161,17 @@ def test_gemm_matches_reference(device, m, k, n, group_size, dtype):
           group_size)
 
 
+@pytest.mark.parametrize("k,n,group_size", [(64, 32, 32), (256, 96, 64)])
+def test_gemm_half_dequantization_matches_reference(device, k, n, group_size):
+    # fp16 x (the interpreter's tl.dot mishandles bf16: the bf16 case is a GPU test); float32 x
+    # keeps the float32 dequantization whatever the flag says
+    qweight, qzeros, scales = awq_tensors(k, n, group_size, device, seed=6)
+    for dtype in (torch.float16, torch.float32):
+        x = torch.randn(40, k, device=device).to(dtype)
+        check(awq_gemm(x, qweight, qzeros, scales, group_size, half_dequant=True), x, qweight,
+              qzeros, scales, group_size)
+
+
 @pytest.mark.parametrize("options", [
     {"block_n": 32, "block_k": 16, "split_k": 1},  # one launch, no partial sums
     {"block_n": 8, "block_k": 32, "split_k": 3},  # 5 groups over 3 splits: 2, 2, 1
@@ -241,12 +252,25 @@ def test_gpu_real_shapes(m, n, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16])
 def test_gpu_kernel_knobs(m):
-    # the paths awq_linear does not take by default: one launch, two stages, a 16-row GEMM
+    # the paths awq_linear does not take by default: one launch, two stages, a 16-row GEMM,
+    # the GEMM's dequantization in bf16
     k, n, group_size = 4096, 4096, 128
     qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda", seed=1)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     want = awq_linear_ref(x, qweight, qzeros, scales, group_size).float()
     for out in (awq_gemv(x, qweight, qzeros, scales, group_size, split_k=1),
                 awq_gemv(x, qweight, qzeros, scales, group_size, num_stages=2),
-                awq_gemm(x, qweight, qzeros, scales, group_size, block_m=16)):
+                awq_gemm(x, qweight, qzeros, scales, group_size, block_m=16),
+                awq_gemm(x, qweight, qzeros, scales, group_size, half_dequant=True)):
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gemm_half_dequantization(dtype):
+    k, n, group_size = 4096, 4096, 128
+    qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda", seed=2)
+    x = torch.randn(4096, k, device="cuda", dtype=dtype)
+    out = awq_gemm(x, qweight, qzeros, scales, group_size, half_dequant=True)
+    want = awq_linear_ref(x, qweight, qzeros, scales, group_size)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
