@@ -146,6 +146,13 @@ def _unpack_offsets(packed, one_bits):
     c3 = _offset_window(mid_high, 19, one_bits)
     c5 = _offset_window(high, 15, one_bits)
     c7 = _offset_window(high, 19, one_bits)
+    return _in_column_order(c0, c1, c2, c3, c4, c5, c6, c7)
+
+
+@triton.jit
+def _in_column_order(c0, c1, c2, c3, c4, c5, c6, c7):
+    """Eight [...] tensors, those of column r = 0..7 of each pack -> [..., 2, 2, 2] whose
+    row-major index is r."""
     # tl.join(a, b) adds a trailing axis of 2 holding a then b, so three joins give [..., 2, 2,
     # 2] whose row-major index is 4 * (the first join's axis) + 2 * (the second's) + the third's:
     # the first joins pair r with r + 4, the second r with r + 2, the last even with odd
@@ -182,9 +189,7 @@ def _half_offsets(packed, BF16: tl.constexpr):
     l1, h1 = _half_pair(packed, TOP - 4, BF16)
     l2, h2 = _half_pair(packed, TOP - 8, BF16)
     l3, h3 = _half_pair(packed, TOP - 12, BF16)
-    # r = 4a + 2b + c is pair 2a + b, half c: the first joins pair a, the second b, the last c
-    return tl.join(tl.join(tl.join(l0, l2), tl.join(l1, l3)),
-                   tl.join(tl.join(h0, h2), tl.join(h1, h3)))
+    return _in_column_order(l0, h0, l1, h1, l2, h2, l3, h3)
 
 
 @triton.jit
@@ -408,11 +413,11 @@ def _block_k(group_size: int, want: int) -> int:
 
 
 def _num_splits(split_k: int | None, programs: int, k_tiles: int, per_sm: int,
-                device: torch.device) -> tuple[int, int]:
+                device: torch.device, at_least: int = 1) -> tuple[int, int]:
     """(splits, K tiles per split), every split non-empty. By default: enough splits to give
-    each SM `per_sm` programs."""
+    each SM `per_sm` programs, and at least `at_least`."""
     if split_k is None:
-        split_k = max(1, per_sm * sm_count(device, without_gpu=2) // programs)
+        split_k = max(1, at_least, per_sm * sm_count(device, without_gpu=2) // programs)
     assert split_k >= 1
     tiles = triton.cdiv(k_tiles, min(split_k, k_tiles))
     return triton.cdiv(k_tiles, tiles), tiles
@@ -454,11 +459,8 @@ def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     assert group_size % block_k == 0 and block_k & (block_k - 1) == 0, \
         f"block_k={block_k} must be a power of two dividing group_size={group_size}"
     programs = triton.cdiv(n, block_n) * m
-    if split_k is None:
-        split_k = max(1, _GEMV_PROGRAMS_PER_SM * sm_count(x.device, without_gpu=2) // programs,
-                      k // _GEMV_SPLIT_ROWS)
     num_splits, tiles = _num_splits(split_k, programs, k // block_k, _GEMV_PROGRAMS_PER_SM,
-                                    x.device)
+                                    x.device, at_least=k // _GEMV_SPLIT_ROWS)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = pdl_options(x.device)
 
