@@ -21,9 +21,13 @@ dequantizing: each weight becomes the float 1 + q * u by one shift and one bitwi
 mantissa of 1.0 (_unpack_offsets), the loop sums x * (1 + q u) and x, and the zero and scale
 enter once a group (_awq_gemv_kernel's comment has the algebra): about 2.5 instructions a
 weight, against 6-7 for a float32 dequantization (shift, mask, magic OR, subtract, scale,
-FMA). awq_gemm (more rows, prefill) dequantizes each [BLOCK_K, BLOCK_N] weight tile to x's
+FMA). awq_gemm (a few more rows) dequantizes each [BLOCK_K, BLOCK_N] weight tile to x's
 dtype and feeds it to tl.dot, fp32 accumulation; there nibbles become floats ORed into the
-mantissa of 2**23 (_as_float), and q - z is then a float32 subtraction.
+mantissa of 2**23 (_as_float), and q - z is then a float32 subtraction. Past
+LINEAR_GEMM_ROWS rows (prefill) awq_linear dequantizes the whole weight to x's dtype
+(awq_dequantize, with the GEMV's offsets) and leaves the product to cuBLAS: the tile
+dequantization inside awq_gemm holds it to ~43% of cuBLAS bf16, the weight's extra round trip
+through memory costs less than that from ~32 rows on.
 
 The K-major layout makes a weight row of one program's columns only BLOCK_N / 2 bytes, so at a
 few rows the output columns alone give too few programs to stream the weight at the memory's
@@ -49,9 +53,13 @@ GEMV_MAX_ROWS = 16  # the most rows awq_gemv takes
 # with split-K beat the GEMV 3.7-4.9x at 16 rows and tied it at one (H200, Llama-3.1-8B's
 # layers, docs/benchmarks.md AWQ, 2026-12-02)
 LINEAR_GEMV_ROWS = 1
-# awq_gemm's dequantization in x's dtype (_half_offsets): its sm_90 SASS halves the instructions
-# of a K step, but it is not yet measured on the GPU, so the float32 one stays the default
-GEMM_HALF_DEQUANT = False
+# awq_linear's switch from awq_gemm to a dense weight (awq_dequantize) and cuBLAS: the
+# dequantization writes 2 bytes a weight and cuBLAS reads them back, a fixed cost (gate_up
+# ~145 us) that awq_gemm's row tiles pass by 32-48 rows (H200, Llama-3.1-8B's layers: ties at
+# 32, the dense weight 1.3-1.6x faster at 48, 2.2-2.6x at 1024, 92-94% of cuBLAS bf16 at 4096
+# against awq_gemm's 43%; docs/benchmarks.md AWQ, 2026-12-04)
+LINEAR_GEMM_ROWS = 32
+_DEQUANTIZE_BLOCK_K = 8
 # programs to aim for per SM: a decode GEMV needs several in flight to cover memory latency, and
 # so does the GEMM at decode rows (DECODE_ROWS); a larger GEMM splits only a grid under one
 # wave (its partial sums cost M*N*4 bytes a split each way)
@@ -158,38 +166,6 @@ def _in_column_order(c0, c1, c2, c3, c4, c5, c6, c7):
     # the first joins pair r with r + 4, the second r with r + 2, the last even with odd
     return tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
                    tl.join(tl.join(c1, c5), tl.join(c3, c7)))
-
-
-@triton.jit
-def _half_pair(packed, SHIFT: tl.constexpr, BF16: tl.constexpr):
-    """Columns 2i and 2i + 1 of each AWQ int32 (nibbles at bits 4i and 4i + 16; SHIFT moves them
-    to the top four mantissa bits of each 16-bit half) as two halves 1 + q/16 in fp16 or bf16:
-    one shift and one bitwise op make both."""
-    if BF16:  # 1.0 = 0x3F80, 7 mantissa bits: the nibble at bits 3..6
-        mask, one = 0x00780078, 0x3F803F80
-        dtype: tl.constexpr = tl.bfloat16
-    else:  # 1.0 = 0x3C00, 10 mantissa bits: the nibble at bits 6..9
-        mask, one = 0x03C003C0, 0x3C003C00
-        dtype: tl.constexpr = tl.float16
-    if SHIFT >= 0:
-        both = ((packed << SHIFT) & mask) | one
-    else:
-        both = ((packed >> (-SHIFT)) & mask) | one
-    low = both.to(tl.int16).to(dtype, bitcast=True)
-    high = (both >> 16).to(tl.int16).to(dtype, bitcast=True)
-    return low, high
-
-
-@triton.jit
-def _half_offsets(packed, BF16: tl.constexpr):
-    """AWQ int32 [..., P] -> fp16 or bf16 [..., P, 2, 2, 2], whose row-major [..., j, r] is
-    1 + q/16 of column 8j + r (exact in both: five significant bits)."""
-    TOP: tl.constexpr = 3 if BF16 else 6  # where a nibble at bit 0 goes
-    l0, h0 = _half_pair(packed, TOP, BF16)  # pair i: columns 2i, 2i + 1, nibbles at 4i, 4i + 16
-    l1, h1 = _half_pair(packed, TOP - 4, BF16)
-    l2, h2 = _half_pair(packed, TOP - 8, BF16)
-    l3, h3 = _half_pair(packed, TOP - 12, BF16)
-    return _in_column_order(l0, h0, l1, h1, l2, h2, l3, h3)
 
 
 @triton.jit
@@ -308,7 +284,6 @@ def _awq_gemm_kernel(
     BLOCK_K: tl.constexpr,  # divides the group size, at least 16
     GROUP_M: tl.constexpr,  # row tiles launched together, sharing their weight tiles in L2
     PRECISION: tl.constexpr,  # tl.dot's input_precision ("ieee" for float32 inputs)
-    HALF_DEQUANT: tl.constexpr,  # fp16/bf16 x: dequantize in x's dtype, two weights an op
     USE_PDL: tl.constexpr,
 ):
     wait_for_inputs(USE_PDL)
@@ -338,26 +313,12 @@ def _awq_gemm_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
         packed = tl.load(qw_ptrs, mask=packs[None, :] < n_packed, other=0)
-        if HALF_DEQUANT:
-            # (1 + q/16) - (1 + z/16) is exact, times 16 s one rounding in x's dtype (bf16: s
-            # rounded to bf16 first, a second rounding far below the 4-bit step). sm_90 SASS of
-            # a 128 x 256 x 128 K step, fp16: 815 instructions a thread against 1244 for the
-            # float32 path below
-            BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
-            group = k0 // group_size
-            zeros = tl.load(qzeros_ptr + group * n_packed + packs, mask=packs < n_packed, other=0)
-            z = tl.reshape(_half_offsets(zeros, BF16), (BLOCK_N,))
-            s16 = tl.load(scales_ptr + group * N + out_cols, mask=out_cols < N, other=0.0)
-            s16 = (s16.to(tl.float32) * 16.0).to(x_ptr.dtype.element_ty)
-            w = tl.reshape(_half_offsets(packed, BF16), (BLOCK_K, BLOCK_N))
-            w = (w - z[None, :]) * s16[None, :]
-        else:
-            w = _dequantize(packed, qzeros_ptr, scales_ptr, k0 // group_size, packs, cols,
-                            n_packed, N, shifts)
-            # [8, BLOCK_K, PACKS] -> [BLOCK_K, PACKS, 8] -> [BLOCK_K, BLOCK_N], row-major:
-            # [k, j, r] is column 8j + r
-            w = tl.reshape(tl.permute(w.to(x_ptr.dtype.element_ty), (1, 2, 0)),
-                           (BLOCK_K, BLOCK_N))
+        w = _dequantize(packed, qzeros_ptr, scales_ptr, k0 // group_size, packs, cols,
+                        n_packed, N, shifts)
+        # [8, BLOCK_K, PACKS] -> [BLOCK_K, PACKS, 8] -> [BLOCK_K, BLOCK_N], row-major:
+        # [k, j, r] is column 8j + r
+        w = tl.reshape(tl.permute(w.to(x_ptr.dtype.element_ty), (1, 2, 0)),
+                       (BLOCK_K, BLOCK_N))
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         qw_ptrs += BLOCK_K * n_packed
@@ -389,12 +350,51 @@ def _split_sum_kernel(
              mask=offs < numel)
 
 
+@triton.jit(do_not_specialize=["n_packed"])
+def _awq_dequantize_kernel(
+    qweight_ptr,  # [K, N // 8] int32
+    qzeros_ptr,  # [K // G, N // 8] int32
+    scales_ptr,  # [K // G, N]
+    out_ptr,  # [K, N]
+    N,
+    n_packed,
+    one_bits,  # as in _awq_gemv_kernel
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # divides GROUP
+):
+    # The GEMV's offsets: w = 1 + q u and z' = 1 + z u differ by (q - z) u exactly (nine
+    # significant bits each), and s / u is exact (u a power of two), so (w - z') * (s / u) is
+    # (q - z) * s rounded once in float32, as the reference computes it
+    packs = tl.program_id(0) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    group = tl.program_id(1) * BLOCK_K // GROUP
+    pack_ok = packs < n_packed
+    packed = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * n_packed + packs[None, :],
+                     mask=pack_ok[None, :], other=0)
+    zeros = tl.load(qzeros_ptr + group * n_packed + packs, mask=pack_ok, other=0)
+    w = tl.reshape(_unpack_offsets(packed, one_bits), (BLOCK_K, BLOCK_N))
+    z = tl.reshape(_unpack_offsets(zeros, one_bits), (BLOCK_N,))
+    s = tl.load(scales_ptr + group * N + cols, mask=cols < N, other=0.0)
+    s_u = s.to(tl.float32) * _inverse_units(cols)
+    out = (w - z[None, :]) * s_u[None, :]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=cols[None, :] < N)
+
+
 def _check(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
            group_size: int) -> tuple[int, int, int]:
     """(M, K, N) of a valid call."""
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [M, K] with a contiguous K"
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32)
     m, k = x.shape
+    return m, k, _check_weight(qweight, qzeros, scales, group_size, k)
+
+
+def _check_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                  group_size: int, k: int) -> int:
+    """N of a valid AWQ weight with K = k."""
     n = qweight.shape[1] * 8
     assert qweight.dtype == qzeros.dtype == torch.int32
     assert scales.is_floating_point()
@@ -404,7 +404,7 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales:
     assert qzeros.shape == (groups, n // 8), f"qzeros {tuple(qzeros.shape)} for K/G={groups}"
     assert scales.shape == (groups, n), f"scales {tuple(scales.shape)} for [{groups}, {n}]"
     assert qweight.is_contiguous() and qzeros.is_contiguous() and scales.is_contiguous()
-    return m, k, n
+    return n
 
 
 def _block_k(group_size: int, want: int) -> int:
@@ -479,13 +479,11 @@ def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
 def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
              scales: torch.Tensor, group_size: int, *, block_m: int | None = None,
              block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-             group_m: int = 8, num_warps: int | None = None, num_stages: int = 3,
-             half_dequant: bool | None = None) -> torch.Tensor:
+             group_m: int = 8, num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
     """x [M, K] @ AWQ weight [K, N] -> [M, N] in x's dtype, on the tensor cores.
 
     Each weight tile is dequantized in float32 and rounded once to x's dtype before tl.dot
-    (input_precision "ieee" for float32 x); fp32 accumulation. half_dequant (fp16/bf16 x;
-    None: GEMM_HALF_DEQUANT) dequantizes in x's dtype instead, two weights an instruction.
+    (input_precision "ieee" for float32 x); fp32 accumulation.
     Tiles default to a config picked by M; block_k (at least 16) must divide group_size;
     split_k as in awq_gemv.
     """
@@ -505,18 +503,29 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     per_sm = _GEMM_DECODE_PROGRAMS_PER_SM if m <= _DECODE_ROWS else _GEMM_PROGRAMS_PER_SM
     num_splits, tiles = _num_splits(split_k, programs, k // block_k, per_sm, x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    half = (GEMM_HALF_DEQUANT if half_dequant is None else half_dequant) and \
-        x.dtype in (torch.float16, torch.bfloat16)
     pdl = pdl_options(x.device)
 
     def launch(target: torch.Tensor, stride_split: int) -> None:
         _awq_gemm_kernel[(programs, num_splits)](
             x, qweight, qzeros, scales, target, m, n, k, n // 8, group_size, tiles * block_k,
             x.stride(0), n, stride_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            GROUP_M=group_m, PRECISION=precision, HALF_DEQUANT=half, **pdl,
+            GROUP_M=group_m, PRECISION=precision, **pdl,
             num_warps=num_warps, num_stages=num_stages)
 
     _launch_split(launch, num_splits, m, n, out, pdl)
+    return out
+
+
+def awq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                   group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The AWQ weight as a dense [K, N] in dtype: (q - z) * s in float32, rounded once."""
+    k = qweight.shape[0]
+    n = _check_weight(qweight, qzeros, scales, group_size, k)
+    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    block_n, block_k = 1024, _block_k(group_size, _DEQUANTIZE_BLOCK_K)
+    _awq_dequantize_kernel[(triton.cdiv(n, block_n), k // block_k)](
+        qweight, qzeros, scales, out, n, n // 8, _ONE_BITS, GROUP=group_size, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=4)
     return out
 
 
@@ -524,8 +533,11 @@ def awq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
                scales: torch.Tensor, group_size: int) -> torch.Tensor:
     """x [M, K] @ the AWQ weight [K, N] -> [M, N] in x's dtype: awq_gemv up to
     LINEAR_GEMV_ROWS rows (GEMV_MAX_ROWS under a group of 16, which tl.dot cannot step
-    through), awq_gemm beyond (and for M = 0)."""
+    through), awq_gemm up to LINEAR_GEMM_ROWS, and from there the weight dequantized whole
+    (awq_dequantize) and multiplied by cuBLAS."""
     rows = LINEAR_GEMV_ROWS if group_size >= 16 else GEMV_MAX_ROWS
     if 1 <= x.shape[0] <= rows:
         return awq_gemv(x, qweight, qzeros, scales, group_size)
-    return awq_gemm(x, qweight, qzeros, scales, group_size)
+    if x.shape[0] <= LINEAR_GEMM_ROWS:
+        return awq_gemm(x, qweight, qzeros, scales, group_size)
+    return x @ awq_dequantize(qweight, qzeros, scales, group_size, x.dtype)

@@ -37,7 +37,7 @@ from echo_kernels import (  # noqa: E402
 )
 from echo_kernels.attention import flash_attn_varlen, paged_attention  # noqa: E402
 from echo_kernels.attention.common import TileConfig, tile_config  # noqa: E402
-from echo_kernels.awq import awq_gemm, awq_gemv, awq_linear  # noqa: E402
+from echo_kernels.awq import awq_dequantize, awq_gemm, awq_gemv, awq_linear  # noqa: E402
 from echo_kernels.linear import small_m_linear  # noqa: E402
 from echo_kernels.reference import fused_moe_ref  # noqa: E402
 
@@ -514,14 +514,16 @@ AWQ_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 40
 # num_warps, num_stages) and the programs per SM its split-K aims for, at least a pack of 8
 # columns a lane; "decode", decode rows (M = 1, 16) through awq_gemm, the tensor-core
 # kernel, one 16-row tile with (block_n, block_k, num_stages, split_k); "prefill", awq_gemm's
-# (block_m, block_n, block_k, num_warps, num_stages, half_dequant) at M = 4096
+# (block_m, block_n, block_k, num_warps, num_stages) at M = 4096
+# awq_gemm against the dense weight and cuBLAS (awq_linear's LINEAR_GEMM_ROWS)
+AWQ_PREFILL_ROWS = (16, 32, 48, 64, 256, 1024, 4096)
 AWQ_GEMV_SWEEP = [(bn, bk, w, st, per_sm) for bn in (256, 512, 1024) for w in (1, 2, 4)
                   for bk in (8, 16, 32) for st in (3, 5) for per_sm in (4, 8, 16)
                   if bn >= 256 * w]
 AWQ_DECODE_SWEEP = [(bn, bk, st, sk) for bn in (64, 128, 256) for bk in (64, 128)
                     for st in (2, 3, 4) for sk in (1, 2, 4, 8, 16)]
-AWQ_GEMM_SWEEP = [(bm, bn, bk, w, 3, half) for bm in (64, 128) for bn in (128, 256)
-                  for bk in (64, 128) for w in (4, 8) for half in (False, True)]
+AWQ_GEMM_SWEEP = [(bm, bn, bk, w, 3) for bm in (64, 128) for bn in (128, 256)
+                  for bk in (64, 128) for w in (4, 8)]
 
 
 def random_awq(n: int, k: int):
@@ -562,6 +564,10 @@ def bench_awq(rows: Rows, sweep: set[str]) -> None:
             rows.add(f"awq_linear {name}", shape,
                      bench_graph([lambda c=c: awq_linear(x, *c, AWQ_GROUP)  # noqa: B023
                                   for c in copies]), nbytes=nbytes, target=0.7, note="cuda graph")
+            if m > 1:  # awq_gemv's rows are programs that share the weight through the L2
+                rows.add(f"awq_gemv {name}", shape,
+                         bench_graph([lambda c=c: awq_gemv(x, *c, AWQ_GROUP)  # noqa: B023
+                                      for c in copies]), nbytes=nbytes, note="cuda graph")
             if "gemv" in sweep and m == 1:
                 for bn, bk, w, st, per_sm in AWQ_GEMV_SWEEP:
                     sk = max(1, per_sm * torch.cuda.get_device_properties(0).multi_processor_count
@@ -578,32 +584,35 @@ def bench_awq(rows: Rows, sweep: set[str]) -> None:
                     time_awq_decode(rows, f"awq_gemm {name} sweep", gemm, x, copies, shape,
                                     nbytes, f"block_m=16 block_n={bn} block_k={bk} "
                                             f"num_stages={st} split_k={sk}")
-        m = 4096
-        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        shape = f"M={m} {n}x{k} G={AWQ_GROUP}"
-        flops = 2 * m * n * k
-        xb = x.to(DT)
-        cublas_ms = bench(lambda: F.linear(xb, dense[0]))  # noqa: B023
-        rows.add(f"torch linear bf16 {name}", shape, cublas_ms, flops=flops)
-        target = 0.7 * flops / cublas_ms / 1e9
         qweight, qzeros, scales = copies[0]
-        rows.add(f"awq_linear {name}", shape,
-                 bench(lambda: awq_linear(x, qweight, qzeros, scales, AWQ_GROUP)),  # noqa: B023
-                 flops=flops, target=target, note="70% of cuBLAS bf16")
-        rows.add(f"awq_gemm {name} half", shape,
-                 fits(lambda: bench(lambda: awq_gemm(x, qweight, qzeros, scales,  # noqa: B023
-                                                     AWQ_GROUP, half_dequant=True))) or math.nan,
-                 flops=flops, target=target, note="dequantized in fp16, default tiles")
+        for m in AWQ_PREFILL_ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            shape = f"M={m} {n}x{k} G={AWQ_GROUP}"
+            flops = 2 * m * n * k
+            xb = x.to(DT)
+            cublas_ms = bench(lambda: F.linear(xb, dense[0]))  # noqa: B023
+            rows.add(f"torch linear bf16 {name}", shape, cublas_ms, flops=flops)
+            target = 0.7 * flops / cublas_ms / 1e9
+            rows.add(f"awq_gemm {name}", shape,
+                     bench(lambda: awq_gemm(x, qweight, qzeros, scales, AWQ_GROUP)),  # noqa: B023
+                     flops=flops, note="tiles dequantized on chip")
+            rows.add(f"awq dense {name}", shape,
+                     bench(lambda: x @ awq_dequantize(qweight, qzeros, scales,  # noqa: B023
+                                                      AWQ_GROUP, torch.float16)),
+                     flops=flops, note="awq_dequantize, then cuBLAS")
+            rows.add(f"awq_linear {name}", shape,
+                     bench(lambda: awq_linear(x, qweight, qzeros, scales, AWQ_GROUP)),  # noqa: B023
+                     flops=flops, target=target, note="70% of cuBLAS bf16")
         if "prefill" in sweep:
-            for bm, bn, bk, w, st, half in AWQ_GEMM_SWEEP:
+            for bm, bn, bk, w, st in AWQ_GEMM_SWEEP:  # at the last of AWQ_PREFILL_ROWS
                 gemm = functools.partial(awq_gemm, block_m=bm, block_n=bn, block_k=bk,
-                                         num_warps=w, num_stages=st, half_dequant=half)
+                                         num_warps=w, num_stages=st)
                 ms = fits(lambda: bench(lambda: gemm(x, qweight, qzeros, scales,  # noqa: B023
                                                      AWQ_GROUP)))
                 if ms is not None:
                     rows.add(f"awq_gemm {name} sweep", shape, ms, flops=flops, target=target,
                              note=f"block_m={bm} block_n={bn} block_k={bk} num_warps={w} "
-                                  f"num_stages={st} half_dequant={half}")
+                                  f"num_stages={st}")
         copies = dense = None
         torch.cuda.empty_cache()
 

@@ -141,7 +141,7 @@ stage_commands() {
       $PY -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_awq.py \
         tests/models/test_awq_models.py 2>&1 | tail -2
       $PY tools/bench_kernels.py --only awq --out "$dir/kernels_awq.json" 2>&1 \
-        | tee "$dir/kernels_awq.log" | grep -E "awq_linear|torch linear"
+        | tee "$dir/kernels_awq.log" | grep -E "awq|torch linear"
       for model in llama-3.1-8b llama-3.1-8b-awq qwen3-8b qwen3-8b-awq; do
         $PY tools/bench_latency.py --model $model --iters 2 \
           --json "$dir/latency_$model.json" 2>&1 | grep -E "decode"

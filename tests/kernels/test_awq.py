@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from echo_kernels import awq_gemm, awq_gemv, awq_linear
-from echo_kernels.awq import LINEAR_GEMV_ROWS
+from echo_kernels.awq import LINEAR_GEMM_ROWS, LINEAR_GEMV_ROWS, awq_dequantize
 from echo_kernels.reference import awq_dequantize_ref, awq_linear_ref
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of int32 j holds column 8j + this[i]
@@ -161,17 +161,6 @@ def test_gemm_matches_reference(device, m, k, n, group_size, dtype):
           group_size)
 
 
-@pytest.mark.parametrize("k,n,group_size", [(64, 32, 32), (256, 96, 64)])
-def test_gemm_half_dequantization_matches_reference(device, k, n, group_size):
-    # fp16 x (the interpreter's tl.dot mishandles bf16: the bf16 case is a GPU test); float32 x
-    # keeps the float32 dequantization whatever the flag says
-    qweight, qzeros, scales = awq_tensors(k, n, group_size, device, seed=6)
-    for dtype in (torch.float16, torch.float32):
-        x = torch.randn(40, k, device=device).to(dtype)
-        check(awq_gemm(x, qweight, qzeros, scales, group_size, half_dequant=True), x, qweight,
-              qzeros, scales, group_size)
-
-
 @pytest.mark.parametrize("options", [
     {"block_n": 32, "block_k": 16, "split_k": 1},  # one launch, no partial sums
     {"block_n": 8, "block_k": 32, "split_k": 3},  # 5 groups over 3 splits: 2, 2, 1
@@ -214,6 +203,18 @@ def test_gemm_few_rows(device):
     check(awq_gemm(x, qweight, qzeros, scales, 32, block_m=16), x, qweight, qzeros, scales, 32)
 
 
+@pytest.mark.parametrize("k,n,group_size", [(256, 96, 64), (64, 2048, 32)])
+def test_dequantize_rounds_the_reference_once(device, k, n, group_size):
+    # (q - z) * s in float32, then one rounding to the target dtype: bit-equal to the reference
+    # (N = 96 leaves most of a 1024-column block masked; N = 2048 fills two). bf16: the GPU test
+    # below (the interpreter rounds float32 to bf16 toward zero)
+    qweight, qzeros, scales = awq_tensors(k, n, group_size, device, seed=7)
+    want = awq_dequantize_ref(qweight, qzeros, scales.float(), group_size)
+    for dtype in (torch.float16, torch.float32):
+        got = awq_dequantize(qweight, qzeros, scales, group_size, dtype)
+        assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+
+
 def test_split_k_deterministic(device):
     qweight, qzeros, scales = awq_tensors(256, 32, 32, device, seed=4)
     x = torch.randn(3, 256, device=device).to(torch.float16)
@@ -223,7 +224,7 @@ def test_split_k_deterministic(device):
 
 def test_linear_dispatch_and_edges(device):
     qweight, qzeros, scales = awq_tensors(64, 32, 32, device, seed=5)
-    for m in (LINEAR_GEMV_ROWS, LINEAR_GEMV_ROWS + 1, 16, 17):
+    for m in (LINEAR_GEMV_ROWS, LINEAR_GEMV_ROWS + 1, 16, 17, LINEAR_GEMM_ROWS + 1):
         x = torch.randn(m, 64, device=device).to(torch.float16)
         check(awq_linear(x, qweight, qzeros, scales, 32), x, qweight, qzeros, scales, 32)
     assert awq_linear(torch.zeros(0, 64, device=device), qweight, qzeros, scales,
@@ -250,27 +251,33 @@ def test_gpu_real_shapes(m, n, dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_dequantize_bf16():
+    qweight, qzeros, scales = awq_tensors(4096, 12288, 128, "cuda", seed=7)
+    want = awq_dequantize_ref(qweight, qzeros, scales.float(), 128).to(torch.bfloat16)
+    assert torch.equal(awq_dequantize(qweight, qzeros, scales, 128, torch.bfloat16), want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16])
 def test_gpu_kernel_knobs(m):
-    # the paths awq_linear does not take by default: one launch, two stages, a 16-row GEMM,
-    # the GEMM's dequantization in bf16
+    # the paths awq_linear does not take by default: one launch, two stages, a 16-row GEMM
     k, n, group_size = 4096, 4096, 128
     qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda", seed=1)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     want = awq_linear_ref(x, qweight, qzeros, scales, group_size).float()
     for out in (awq_gemv(x, qweight, qzeros, scales, group_size, split_k=1),
                 awq_gemv(x, qweight, qzeros, scales, group_size, num_stages=2),
-                awq_gemm(x, qweight, qzeros, scales, group_size, block_m=16),
-                awq_gemm(x, qweight, qzeros, scales, group_size, half_dequant=True)):
+                awq_gemm(x, qweight, qzeros, scales, group_size, block_m=16)):
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_gemm_half_dequantization(dtype):
+def test_gpu_gemm_prefill_rows(dtype):
+    # awq_gemm's large tiles (awq_linear hands these rows to the dense weight and cuBLAS)
     k, n, group_size = 4096, 4096, 128
     qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda", seed=2)
     x = torch.randn(4096, k, device="cuda", dtype=dtype)
-    out = awq_gemm(x, qweight, qzeros, scales, group_size, half_dequant=True)
+    out = awq_gemm(x, qweight, qzeros, scales, group_size)
     want = awq_linear_ref(x, qweight, qzeros, scales, group_size)
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
