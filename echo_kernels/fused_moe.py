@@ -23,13 +23,17 @@ import triton.language as tl
 
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 
-# (most tokens, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)), first match wins. Untuned: at E=128 and
-# k=8 a decode batch gives each expert a row or two, so small BLOCK_M wastes less padding; a
-# prefill fills 64-row tiles
+# (most tokens, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)), first match wins. At E=128 and k=8 a
+# decode batch gives each expert a row or two, so small BLOCK_M wastes less padding; a prefill
+# fills larger tiles. From 64 tokens on, the best of bench_kernels' sweep at Qwen3-30B-A3B's
+# shapes (H200, 2026-12-04, docs/benchmarks.md Qwen3-MoE: 1.05x, 1.59x, 1.23x and 1.16x the
+# earlier table at 64, 256, 1024 and 4096 tokens); up to 32 untuned
 _GEMM_CONFIGS = (
     (32, (16, 64, 64, 4)),
-    (512, (32, 128, 64, 4)),
-    (None, (64, 128, 64, 8)),
+    (64, (16, 128, 128, 4)),
+    (256, (32, 64, 128, 4)),
+    (1024, (64, 64, 64, 4)),
+    (None, (128, 128, 64, 8)),
 )
 
 

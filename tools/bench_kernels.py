@@ -451,18 +451,18 @@ MOE_ROUTINGS = 4  # decode rows replayed in turn: their experts together exceed 
 # (block_m, block_n, block_k, num_warps, num_stages) for --sweep, decode rows and larger
 MOE_SWEEP_SMALL = [(16, bn, bk, w, st) for bn in (32, 64, 128) for bk in (64, 128, 256)
                    for w in (2, 4) for st in (3, 4)]
-MOE_SWEEP_LARGE = [(bm, bn, 64, w, st) for bm in (32, 64, 128) for bn in (64, 128)
-                   for w in (4, 8) for st in (3, 4)]
+MOE_SWEEP_LARGE = [(bm, bn, bk, w, st) for bm in (16, 32, 64, 128) for bn in (64, 128)
+                   for bk in (64, 128) for w in (4, 8) for st in (3, 4)]
 
 
-def bench_moe(rows: Rows, sweep: bool) -> None:
+def bench_moe(rows: Rows, sweep: set[str]) -> None:
     """fused_moe over one layer's experts at M = 1 ... 4096 tokens (routing included). Small M
     reads the weights of the experts its tokens picked: bytes = those experts' gate_up + down
     (target 70% of copy bandwidth at M <= 16), timed in a CUDA graph (as decode runs) over
     MOE_ROUTINGS inputs whose experts differ; large M is a grouped GEMM: flops = 2 x 3 x H x I
     per token and expert (target 50% of the bf16 matmul rate); M <= 16 both with sorted tiles
     and with each pair its own tile. --sweep also times tile configs (fused_moe's
-    _GEMM_CONFIGS)."""
+    _GEMM_CONFIGS): "small" at M <= 16, "large" above."""
     e, k, h, i = MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTERMEDIATE
     w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=DT) * 0.02
     w2 = torch.randn(e, h, i, device="cuda", dtype=DT) * 0.02
@@ -481,7 +481,7 @@ def bench_moe(rows: Rows, sweep: bool) -> None:
             prefix = ""
         # decode rows: sorted tiles and pair tiles (fused_moe picks by the pair count) both
         configs = [{"pair_tiles": False}, {"pair_tiles": True}] if m <= 16 else [{}]
-        if sweep:
+        if ("small" if m <= 16 else "large") in sweep:
             configs += [dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), c))
                         for c in (MOE_SWEEP_SMALL if m <= 16 else MOE_SWEEP_LARGE)]
         for tiles in configs:
@@ -632,6 +632,8 @@ def main() -> None:
                         default="decode,prefill,mixed,elementwise,linear,moe,awq")
     parser.add_argument("--sweep", action="store_true",
                         help="also sweep tile configs (attention, linear, moe, awq)")
+    parser.add_argument("--moe-sweep", default="small,large",
+                        help="with --sweep: which fused_moe rows to sweep (M <= 16, larger)")
     parser.add_argument("--awq-sweep", default="gemv,decode,prefill",
                         help="the AWQ parts --sweep covers (see AWQ_GEMV_SWEEP)")
     args = parser.parse_args()
@@ -655,7 +657,7 @@ def main() -> None:
     if "linear" in parts:
         bench_linear(rows, args.sweep)
     if "moe" in parts:
-        bench_moe(rows, args.sweep)
+        bench_moe(rows, set(args.moe_sweep.split(",")) if args.sweep else set())
     if "awq" in parts:
         bench_awq(rows, set(args.awq_sweep.split(",")) if args.sweep else set())
     missed = [r["kernel"] for r in rows.rows if r.get("pass") is False]
