@@ -179,13 +179,14 @@ def _inverse_units(cols):
 # rows of a pack in one thread, where the sum over K needs no other thread. With 16-byte loads it
 # spread the rows over lanes and warps, and the sums had to stay per row until the end (224
 # registers a thread at 16 x 256 and 2 warps, against 96 now at 1 warp)
-@triton.jit(do_not_specialize=["n_packed"])
+@triton.jit(do_not_specialize=["n_packed", "M"])
 def _awq_gemv_kernel(
     x_ptr,  # [M, K]
     qweight_ptr,  # [K, N // 8] int32
     qzeros_ptr,  # [K // G, N // 8] int32
     scales_ptr,  # [K // G, N]
     out_ptr,  # [M, N] in x's dtype, or [num_splits, M, N] float32 partial sums
+    M,
     N,
     n_packed,  # N // 8, the row stride of qweight and qzeros
     K,
@@ -197,6 +198,7 @@ def _awq_gemv_kernel(
     GROUP: tl.constexpr,  # the group size G
     BLOCK_N: tl.constexpr,  # a power of two >= 8; 256 a warp keeps a pack a lane
     BLOCK_K: tl.constexpr,  # divides G
+    PAIR: tl.constexpr,  # two rows of x a program, each weight unpacked once for both
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no masks on the weight
     NUM_STAGES: tl.constexpr,  # weight tiles in flight (Triton's pipeliner, cp.async)
     EXACT: tl.constexpr,  # float32 x: take the 1 off each weight (see below)
@@ -211,13 +213,15 @@ def _awq_gemv_kernel(
     # |x|), which / u (256 at most) leaves ~2**-16 of that, below fp16's own rounding of x. For
     # float32 x that would be coarser than x itself: EXACT subtracts the 1 from each weight (one
     # more instruction a weight), so A = u sum_k x_k q_k carries no offset and z' becomes z u.
+    # With PAIR the second row (x2, acc2, ...) repeats the first's sums over the same w: the
+    # unpacking, about 1.5 instructions of a weight's 2.5, is shared
     PACKS: tl.constexpr = BLOCK_N // 8
     TILES: tl.constexpr = GROUP // BLOCK_K  # tiles a group
     packs = tl.program_id(0) * PACKS + tl.arange(0, PACKS)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     pack_ok = packs < n_packed
     split = tl.program_id(1)
-    row = tl.program_id(2)
+    row = tl.program_id(2) * (2 if PAIR else 1)
     first_tile = split * tiles_per_split
     end_tile = tl.minimum(first_tile + tiles_per_split, K // BLOCK_K)
     offs_k = first_tile * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -230,10 +234,20 @@ def _awq_gemv_kernel(
     # NOTE: x is loaded one tile ahead by hand: its load is too narrow for the pipeliner's
     # cp.async, and loaded where it is used each tile waited for it
     x_next = tl.load(x_ptrs)
+    if PAIR:
+        has_row2 = (row + 1 < M) & (offs_k >= 0)  # [BLOCK_K]: a last row of odd M has none
+        total2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        x_sum2 = tl.zeros([1], dtype=tl.float32)
+        x_next2 = tl.load(x_ptrs + stride_xm, mask=has_row2, other=0.0)
     for tile in tl.range(first_tile, end_tile, num_stages=NUM_STAGES):
         x = x_next.to(tl.float32)
         x_ptrs += BLOCK_K
         x_next = tl.load(x_ptrs, mask=tile + 1 < end_tile, other=0.0)
+        if PAIR:
+            x2 = x_next2.to(tl.float32)
+            x_next2 = tl.load(x_ptrs + stride_xm, mask=has_row2 & (tile + 1 < end_tile),
+                              other=0.0)
         if EVEN_N:
             packed = tl.load(qw_ptrs)
         else:
@@ -243,6 +257,9 @@ def _awq_gemv_kernel(
             w -= 1.0
         acc += tl.sum(x[:, None] * w, axis=0)
         x_sum += tl.sum(x, axis=0)
+        if PAIR:
+            acc2 += tl.sum(x2[:, None] * w, axis=0)
+            x_sum2 += tl.sum(x2, axis=0)
         # a group's last tile, or the split's: fold the group's sums into the total (the
         # identity holds for any part of a group, so splits need not align with groups)
         if (tile % TILES == TILES - 1) | (tile == end_tile - 1):
@@ -256,9 +273,16 @@ def _awq_gemv_kernel(
             total += s_u * (acc - z * x_sum)
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             x_sum = tl.zeros([1], dtype=tl.float32)
+            if PAIR:
+                total2 += s_u * (acc2 - z * x_sum2)
+                acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+                x_sum2 = tl.zeros([1], dtype=tl.float32)
         qw_ptrs += BLOCK_K * n_packed
     out = out_ptr + split.to(tl.int64) * stride_os + row * stride_om + cols
     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=cols < N)
+    if PAIR:
+        tl.store(out + stride_om, total2.to(out_ptr.dtype.element_ty),
+                 mask=(cols < N) & (row + 1 < M))
 
 
 # NOTE: M is the batch's token count; left to specialise (M == 1, M % 16 == 0) a prefill of a new
@@ -440,11 +464,13 @@ def _launch_split(launch, num_splits: int, m: int, n: int, out: torch.Tensor, pd
 def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
              scales: torch.Tensor, group_size: int, *, block_n: int | None = None,
              block_k: int | None = None, split_k: int | None = None,
-             num_warps: int = _GEMV_WARPS, num_stages: int = _GEMV_STAGES) -> torch.Tensor:
+             num_warps: int = _GEMV_WARPS, num_stages: int = _GEMV_STAGES,
+             pair_rows: bool | None = None) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS) @ AWQ weight [K, N] -> [M, N] in x's dtype.
 
-    CUDA-core math in float32 (see _awq_gemv_kernel); each row is its own program, reading the
-    weight again (from L2 when the rows run together). block_n: output columns a program (a
+    CUDA-core math in float32 (see _awq_gemv_kernel); a program takes one row, or two with
+    pair_rows (None: when M > 1), and each program reads the weight again (from L2 when they
+    run together). block_n: output columns a program (a
     power of two >= 8); block_k: K per step, a power of two dividing group_size; split_k: K
     ranges (None: enough to fill the GPU, at most _GEMV_SPLIT_ROWS rows each; 1: one launch, no
     partial sums);
@@ -458,17 +484,19 @@ def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     assert block_n >= 8 and block_n & (block_n - 1) == 0, "block_n: a power of two >= 8"
     assert group_size % block_k == 0 and block_k & (block_k - 1) == 0, \
         f"block_k={block_k} must be a power of two dividing group_size={group_size}"
-    programs = triton.cdiv(n, block_n) * m
+    pair = m > 1 if pair_rows is None else pair_rows
+    row_programs = triton.cdiv(m, 2) if pair else m
+    programs = triton.cdiv(n, block_n) * row_programs
     num_splits, tiles = _num_splits(split_k, programs, k // block_k, _GEMV_PROGRAMS_PER_SM,
                                     x.device, at_least=k // _GEMV_SPLIT_ROWS)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = pdl_options(x.device)
 
     def launch(target: torch.Tensor, stride_split: int) -> None:
-        _awq_gemv_kernel[(triton.cdiv(n, block_n), num_splits, m)](
-            x, qweight, qzeros, scales, target, n, n // 8, k, tiles, x.stride(0), n,
+        _awq_gemv_kernel[(triton.cdiv(n, block_n), num_splits, row_programs)](
+            x, qweight, qzeros, scales, target, m, n, n // 8, k, tiles, x.stride(0), n,
             stride_split, _ONE_BITS, GROUP=group_size, BLOCK_N=block_n,
-            BLOCK_K=block_k, EVEN_N=n % block_n == 0, NUM_STAGES=num_stages,
+            BLOCK_K=block_k, PAIR=pair, EVEN_N=n % block_n == 0, NUM_STAGES=num_stages,
             EXACT=x.dtype == torch.float32, **pdl,
             num_warps=num_warps, num_stages=num_stages)
 

@@ -555,7 +555,7 @@ def bench_awq(rows: Rows, sweep: set[str]) -> None:
         nbytes = k * n // 2 + g * n * 2 + g * n // 2
         copies = [random_awq(n, k) for _ in range(max(2, -(-160 * 2**20 // nbytes)))]
         dense = [torch.randn(n, k, device="cuda", dtype=DT) for _ in range(2)]
-        for m in (1, 4, 16):
+        for m in (1, 2, 4, 8, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             shape = f"M={m} {n}x{k} G={AWQ_GROUP}"
             rows.add(f"torch linear bf16 {name}", shape,
@@ -564,7 +564,7 @@ def bench_awq(rows: Rows, sweep: set[str]) -> None:
             rows.add(f"awq_linear {name}", shape,
                      bench_graph([lambda c=c: awq_linear(x, *c, AWQ_GROUP)  # noqa: B023
                                   for c in copies]), nbytes=nbytes, target=0.7, note="cuda graph")
-            if m > 1:  # awq_gemv's rows are programs that share the weight through the L2
+            if m > 1:  # awq_gemv's row pairs are programs that share the weight through L2
                 rows.add(f"awq_gemv {name}", shape,
                          bench_graph([lambda c=c: awq_gemv(x, *c, AWQ_GROUP)  # noqa: B023
                                       for c in copies]), nbytes=nbytes, note="cuda graph")

@@ -167,6 +167,7 @@ def test_gemm_matches_reference(device, m, k, n, group_size, dtype):
     {"block_n": 16, "block_k": 64, "split_k": 100},  # more splits asked than groups
     {"block_n": 64, "block_k": 8, "split_k": 2, "num_stages": 2},
     {"block_n": 32, "block_k": 32, "split_k": 1, "num_stages": 1, "num_warps": 2},
+    {"block_n": 64, "block_k": 16, "split_k": 2, "pair_rows": False},  # a program a row
 ])
 @pytest.mark.parametrize("m", [2, 5])
 def test_gemv_knobs(device, m, options):
@@ -191,7 +192,7 @@ def test_bf16_gemv(device):
     # bf16 activations with the checkpoint's fp16 scales. (bf16 awq_gemm: the GPU test only;
     # the interpreter's tl.dot multiplies bf16 as the raw uint16 it stores them in)
     qweight, qzeros, scales = awq_tensors(128, 64, 32, device, seed=3)
-    for m in (1, 5):
+    for m in (1, 2, 5):
         x = torch.randn(m, 128, device=device).to(torch.bfloat16)
         check(awq_gemv(x, qweight, qzeros, scales, 32), x, qweight, qzeros, scales, 32)
 
@@ -260,13 +261,15 @@ def test_gpu_dequantize_bf16():
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16])
 def test_gpu_kernel_knobs(m):
-    # the paths awq_linear does not take by default: one launch, two stages, a 16-row GEMM
+    # the paths awq_linear does not take by default: one launch, two stages, a program a row,
+    # a 16-row GEMM
     k, n, group_size = 4096, 4096, 128
     qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda", seed=1)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     want = awq_linear_ref(x, qweight, qzeros, scales, group_size).float()
     for out in (awq_gemv(x, qweight, qzeros, scales, group_size, split_k=1),
                 awq_gemv(x, qweight, qzeros, scales, group_size, num_stages=2),
+                awq_gemv(x, qweight, qzeros, scales, group_size, pair_rows=False),
                 awq_gemm(x, qweight, qzeros, scales, group_size, block_m=16)):
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
