@@ -49,10 +49,11 @@ from echo_kernels.device import sm_count
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 GEMV_MAX_ROWS = 16  # the most rows awq_gemv takes
-# awq_linear's switch to the tensor-core kernel: from 2 rows on, awq_gemm's one 16-row tile
-# with split-K beat the GEMV 3.7-4.9x at 16 rows and tied it at one (H200, Llama-3.1-8B's
-# layers, docs/benchmarks.md AWQ, 2026-12-02)
-LINEAR_GEMV_ROWS = 1
+# awq_linear's switch to the tensor-core kernel: with two rows a program the GEMV took a layer's
+# four GEMMs in 76.7 us at 2 rows and 124.6 at 4, against 148.5 and 155.9 for awq_gemm's one
+# 16-row tile; at 8 rows 208.7 against 156.3 (H200, Llama-3.1-8B's layers, docs/benchmarks.md
+# AWQ, 2026-12-04)
+LINEAR_GEMV_ROWS = 4
 # awq_linear's switch from awq_gemm to a dense weight (awq_dequantize) and cuBLAS: the
 # dequantization writes 2 bytes a weight and cuBLAS reads them back, a fixed cost (gate_up
 # ~145 us) that awq_gemm's row tiles pass by 32-48 rows (H200, Llama-3.1-8B's layers: ties at
