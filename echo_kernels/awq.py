@@ -16,17 +16,17 @@ inverts that: column 8j + r sits at nibble AWQ_REVERSE_ORDER[r], AWQ_REVERSE_ORD
 whose top nibble is 8 or more is negative; every shift is masked with 0xF, so the sign does
 not matter.
 
-awq_gemv (1..GEMV_MAX_ROWS rows; awq_linear's for one row) works on the CUDA cores without
-dequantizing: each weight becomes the float 1 + q * u by one shift and one bitwise op into the
-mantissa of 1.0 (_unpack_offsets), the loop sums x * (1 + q u) and x, and the zero and scale
-enter once a group (_awq_gemv_kernel's comment has the algebra): about 2.5 instructions a
-weight, against 6-7 for a float32 dequantization (shift, mask, magic OR, subtract, scale,
-FMA). awq_gemm (a few more rows) dequantizes each [BLOCK_K, BLOCK_N] weight tile to x's
+awq_gemv (1..GEMV_MAX_ROWS rows, two a program; awq_linear's up to LINEAR_GEMV_ROWS) works on
+the CUDA cores without dequantizing: each weight becomes the float 1 + q * u by one shift and
+one bitwise op into the mantissa of 1.0 (_unpack_offsets), the loop sums x * (1 + q u) and x,
+and the zero and scale enter once a group (_awq_gemv_kernel's comment has the algebra): about
+2.5 instructions a weight, against 6-7 for a float32 dequantization (shift, mask, magic OR,
+subtract, scale, FMA). awq_gemm (up to LINEAR_GEMM_ROWS rows in awq_linear) dequantizes each [BLOCK_K, BLOCK_N] weight tile to x's
 dtype and feeds it to tl.dot, fp32 accumulation; there nibbles become floats ORed into the
 mantissa of 2**23 (_as_float), and q - z is then a float32 subtraction. Past
-LINEAR_GEMM_ROWS rows (prefill) awq_linear dequantizes the whole weight to x's dtype
+LINEAR_GEMM_ROWS rows (prefill, large batches) awq_linear dequantizes the whole weight to x's dtype
 (awq_dequantize, with the GEMV's offsets) and leaves the product to cuBLAS: the tile
-dequantization inside awq_gemm holds it to ~43% of cuBLAS bf16, the weight's extra round trip
+dequantization inside awq_gemm holds it to 41-44% of cuBLAS bf16, the weight's extra round trip
 through memory costs less than that from ~32 rows on.
 
 The K-major layout makes a weight row of one program's columns only BLOCK_N / 2 bytes, so at a
@@ -57,10 +57,11 @@ LINEAR_GEMV_ROWS = 4
 # awq_linear's switch from awq_gemm to a dense weight (awq_dequantize) and cuBLAS: the
 # dequantization writes 2 bytes a weight and cuBLAS reads them back, a fixed cost (gate_up
 # ~145 us) that awq_gemm's row tiles pass by 32-48 rows (H200, Llama-3.1-8B's layers: ties at
-# 32, the dense weight 1.3-1.6x faster at 48, 2.2-2.6x at 1024, 92-94% of cuBLAS bf16 at 4096
-# against awq_gemm's 43%; docs/benchmarks.md AWQ, 2026-12-04)
+# 32, the dense weight 1.4-1.5x faster at 48, 1.9-2.5x at 1024, 89-95% of cuBLAS bf16 at 4096
+# against awq_gemm's 41-44%; docs/benchmarks.md AWQ, 2026-12-04)
 LINEAR_GEMM_ROWS = 32
-_DEQUANTIZE_BLOCK_K = 8
+# rows and columns a program of awq_dequantize (8 KB read, 16 KB written in bf16); untuned
+_DEQUANTIZE_BLOCK_K, _DEQUANTIZE_BLOCK_N = 8, 1024
 # programs to aim for per SM: a decode GEMV needs several in flight to cover memory latency, and
 # so does the GEMM at decode rows (DECODE_ROWS); a larger GEMM splits only a grid under one
 # wave (its partial sums cost M*N*4 bytes a split each way)
@@ -551,7 +552,7 @@ def awq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     k = qweight.shape[0]
     n = _check_weight(qweight, qzeros, scales, group_size, k)
     out = torch.empty(k, n, dtype=dtype, device=qweight.device)
-    block_n, block_k = 1024, _block_k(group_size, _DEQUANTIZE_BLOCK_K)
+    block_n, block_k = _DEQUANTIZE_BLOCK_N, _block_k(group_size, _DEQUANTIZE_BLOCK_K)
     _awq_dequantize_kernel[(triton.cdiv(n, block_n), k // block_k)](
         qweight, qzeros, scales, out, n, n // 8, _ONE_BITS, GROUP=group_size, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=4)
@@ -561,12 +562,13 @@ def awq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
 def awq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
                scales: torch.Tensor, group_size: int) -> torch.Tensor:
     """x [M, K] @ the AWQ weight [K, N] -> [M, N] in x's dtype: awq_gemv up to
-    LINEAR_GEMV_ROWS rows (GEMV_MAX_ROWS under a group of 16, which tl.dot cannot step
-    through), awq_gemm up to LINEAR_GEMM_ROWS, and from there the weight dequantized whole
-    (awq_dequantize) and multiplied by cuBLAS."""
-    rows = LINEAR_GEMV_ROWS if group_size >= 16 else GEMV_MAX_ROWS
-    if 1 <= x.shape[0] <= rows:
+    LINEAR_GEMV_ROWS rows, awq_gemm up to LINEAR_GEMM_ROWS, and from there the weight
+    dequantized whole (awq_dequantize) and multiplied by cuBLAS. Groups under 16 rows, which
+    tl.dot cannot step through, skip awq_gemm: the GEMV up to GEMV_MAX_ROWS, then the dense
+    weight."""
+    tensor_cores = group_size >= 16
+    if 1 <= x.shape[0] <= (LINEAR_GEMV_ROWS if tensor_cores else GEMV_MAX_ROWS):
         return awq_gemv(x, qweight, qzeros, scales, group_size)
-    if x.shape[0] <= LINEAR_GEMM_ROWS:
+    if x.shape[0] <= LINEAR_GEMM_ROWS and tensor_cores:
         return awq_gemm(x, qweight, qzeros, scales, group_size)
     return x @ awq_dequantize(qweight, qzeros, scales, group_size, x.dtype)

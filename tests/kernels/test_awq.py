@@ -83,6 +83,16 @@ def test_dequantize_ref_hand_made(device):
     assert w.cpu().tolist() == HAND_W  # every value exact in fp16
 
 
+def test_dequantize_hand_made(device):
+    qweight, qzeros, scales = hand_tensors(device)
+    w = awq_dequantize(qweight, qzeros, scales, 2, torch.float32)
+    assert w.cpu().tolist() == HAND_W
+    # past the GEMV's 16 rows a group under 16 (no tensor-core tile steps through it) takes the
+    # dense weight: 20 rows of one-hot x pick W's rows
+    x = torch.eye(4, device=device).repeat(5, 1)
+    assert awq_linear(x, qweight, qzeros, scales, 2).cpu().tolist() == HAND_W * 5
+
+
 def test_linear_ref_hand_made(device):
     qweight, qzeros, scales = hand_tensors(device)
     x = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0], [0.5, 0.5, 0.0, 0.0]],
