@@ -12,20 +12,21 @@ size G (K when the checkpoint says -1):
 The eight values of int32 j are interleaved: AutoAWQ's packer puts output column
 8j + AWQ_PACK_ORDER[i] at bits 4i..4i+3, AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]. Unpacking
 inverts that: column 8j + r sits at nibble AWQ_REVERSE_ORDER[r], AWQ_REVERSE_ORDER =
-[0, 4, 1, 5, 2, 6, 3, 7], i.e. at bit 4 * (r // 2) + 16 * (r % 2). An int32 whose top nibble
-is 8 or more is negative; every shift is masked, so the sign does not matter.
+[0, 4, 1, 5, 2, 6, 3, 7], i.e. at bit 4 * (r // 2) + 16 * (r % 2) (_nibble_shifts). An int32
+whose top nibble is 8 or more is negative; every shift is masked with 0xF, so the sign does
+not matter.
 
 awq_gemv (1..GEMV_MAX_ROWS rows, two a program; awq_linear's up to LINEAR_GEMV_ROWS) works on
 the CUDA cores without dequantizing: each weight becomes the float 1 + q * u by one shift and
 one bitwise op into the mantissa of 1.0 (_unpack_offsets), the loop sums x * (1 + q u) and x,
 and the zero and scale enter once a group (_awq_gemv_kernel's comment has the algebra): about
 2.5 instructions a weight, against 6-7 for a float32 dequantization (shift, mask, magic OR,
-subtract, scale, FMA). awq_gemm (up to LINEAR_GEMM_ROWS rows in awq_linear) does the same on
-the tensor cores: its weight tiles become fp16/bf16 1 + q/16, two weights a shift and a bitwise
-op (_half_offsets), and each K step folds zero and scale into its product. Past
-LINEAR_GEMM_ROWS rows (prefill, large batches) awq_linear dequantizes the whole weight to x's
-dtype (awq_dequantize, with the GEMV's offsets) and leaves the product to cuBLAS: dequantizing
-inside the GEMM held it to 41-44% of cuBLAS bf16 at 4096 rows, the weight's extra round trip
+subtract, scale, FMA). awq_gemm (up to LINEAR_GEMM_ROWS rows in awq_linear) dequantizes each [BLOCK_K, BLOCK_N] weight tile to x's
+dtype and feeds it to tl.dot, fp32 accumulation; there nibbles become floats ORed into the
+mantissa of 2**23 (_as_float), and q - z is then a float32 subtraction. Past
+LINEAR_GEMM_ROWS rows (prefill, large batches) awq_linear dequantizes the whole weight to x's dtype
+(awq_dequantize, with the GEMV's offsets) and leaves the product to cuBLAS: the tile
+dequantization inside awq_gemm holds it to 41-44% of cuBLAS bf16, the weight's extra round trip
 through memory costs less than that from ~32 rows on.
 
 The K-major layout makes a weight row of one program's columns only BLOCK_N / 2 bytes, so at a
@@ -79,13 +80,13 @@ _GEMV_STAGES = 3
 _GEMV_SPLIT_ROWS = 128
 _ONE_BITS = 0x3F800000  # float32 1.0
 # (most rows, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)), first match wins; BLOCK_K is capped by
-# the group size. Decode rows from bench_kernels' sweep (2026-12-02: 16 x 128 x 64 best for all
-# four Llama-3.1-8B shapes); awq_linear sends more than LINEAR_GEMM_ROWS rows to the dense
-# weight, so the larger tile serves direct calls only: the largest whose sm_90 SASS keeps the
-# fold's accumulators out of local memory (128 x 256 spills)
+# the group size. The first and last from bench_kernels' sweep (2026-12-02: decode rows best at
+# 16 x 128 x 64 for all four Llama-3.1-8B shapes; M = 4096 at 128 x 256 x 128 with 8 warps,
+# 1.41-1.46x the earlier 128 x 128 x 64); the middle one untuned
 _GEMM_CONFIGS = (
     (_DECODE_ROWS, (16, 128, 64, 4)),
-    (None, (128, 128, 64, 8)),
+    (512, (64, 128, 64, 4)),
+    (None, (128, 256, 128, 8)),
 )
 _SUM_ELEMENTS = 2048  # partial sums a program of _split_sum_kernel adds
 
@@ -95,6 +96,36 @@ def _gemm_config(num_rows: int) -> tuple[int, int, int, int]:
         if most is None or num_rows <= most:
             return config
     raise AssertionError("unreachable")
+
+
+@triton.jit
+def _nibble_shifts():
+    """[8] int32: the bit offset of output column 8j + r inside packed int32 j, for r = 0..7
+    (4 * AWQ_REVERSE_ORDER[r])."""
+    r = tl.arange(0, 8)
+    return (r // 2) * 4 + (r % 2) * 16
+
+
+@triton.jit
+def _as_float(nibbles):
+    """int32 values 0..15 -> float32 2**23 + value: the nibble ORed into the mantissa of 2**23,
+    no int-to-float conversion (a quarter-rate instruction on the GPU)."""
+    return (nibbles | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dequantize(packed, qzeros_ptr, scales_ptr, group, packs, cols, n_packed, N, shifts):
+    """packed int32 [BLOCK_K, P] of one group -> its weights [8, BLOCK_K, P] float32, [r, k, j]
+    being column 8j + r. (2**23 + q) - (2**23 + z) is q - z exactly, and (q - z) * s is exact
+    for fp16/bf16 scales (4 + 11 significant bits)."""
+    # NOTE: the nibble axis leads: Triton lays threads out from the last axis, so the eight
+    # values of one int32 stay in one thread's registers and each int32 is loaded by one lane
+    pack_ok = packs < n_packed
+    zeros = tl.load(qzeros_ptr + group * n_packed + packs, mask=pack_ok, other=0)
+    z = _as_float((zeros[None, :] >> shifts[:, None]) & 0xF)  # [8, P]
+    s = tl.load(scales_ptr + group * N + cols, mask=pack_ok[None, :], other=0.0).to(tl.float32)
+    q = _as_float((packed[None, :, :] >> shifts[:, None, None]) & 0xF)  # [8, BLOCK_K, P]
+    return (q - z[:, None, :]) * s[:, None, :]
 
 
 @triton.jit
@@ -137,38 +168,6 @@ def _in_column_order(c0, c1, c2, c3, c4, c5, c6, c7):
     # the first joins pair r with r + 4, the second r with r + 2, the last even with odd
     return tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
                    tl.join(tl.join(c1, c5), tl.join(c3, c7)))
-
-
-@triton.jit
-def _half_pair(packed, SHIFT: tl.constexpr, BF16: tl.constexpr):
-    """Columns 2i and 2i + 1 of each AWQ int32 (nibbles at bits 4i and 4i + 16; SHIFT moves them
-    to the top four mantissa bits of each 16-bit half) as two halves 1 + q/16 in fp16 or bf16:
-    one shift and one bitwise op make both."""
-    if BF16:  # 1.0 = 0x3F80, 7 mantissa bits: the nibble at bits 3..6
-        mask, one = 0x00780078, 0x3F803F80
-        dtype: tl.constexpr = tl.bfloat16
-    else:  # 1.0 = 0x3C00, 10 mantissa bits: the nibble at bits 6..9
-        mask, one = 0x03C003C0, 0x3C003C00
-        dtype: tl.constexpr = tl.float16
-    if SHIFT >= 0:
-        both = ((packed << SHIFT) & mask) | one
-    else:
-        both = ((packed >> (-SHIFT)) & mask) | one
-    low = both.to(tl.int16).to(dtype, bitcast=True)
-    high = (both >> 16).to(tl.int16).to(dtype, bitcast=True)
-    return low, high
-
-
-@triton.jit
-def _half_offsets(packed, BF16: tl.constexpr):
-    """AWQ int32 [..., P] -> fp16 or bf16 [..., P, 2, 2, 2], whose row-major [..., j, r] is
-    1 + q/16 of column 8j + r (exact in both: five significant bits)."""
-    TOP: tl.constexpr = 3 if BF16 else 6  # where a nibble at bit 0 goes
-    l0, h0 = _half_pair(packed, TOP, BF16)  # pair i: columns 2i, 2i + 1, nibbles at 4i, 4i + 16
-    l1, h1 = _half_pair(packed, TOP - 4, BF16)
-    l2, h2 = _half_pair(packed, TOP - 8, BF16)
-    l3, h3 = _half_pair(packed, TOP - 12, BF16)
-    return _in_column_order(l0, h0, l1, h1, l2, h2, l3, h3)
 
 
 @triton.jit
@@ -324,9 +323,11 @@ def _awq_gemm_kernel(
     run_rows = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + pid % per_run % run_rows
     pid_n = pid % per_run // run_rows
+    shifts = _nibble_shifts()
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     packs = pid_n * PACKS + tl.arange(0, PACKS)
+    cols = packs[None, :] * 8 + tl.arange(0, 8)[:, None]  # [8, PACKS]
     out_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     k_start = split * k_per_split
@@ -334,30 +335,17 @@ def _awq_gemm_kernel(
     offs_k = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     qw_ptrs = qweight_ptr + offs_k[:, None].to(tl.int64) * n_packed + packs[None, :]
-    # The GEMV's algebra with a tensor-core product: each weight becomes 1 + q/16, exact in
-    # fp16 and bf16 (_half_offsets: two weights an instruction pair, no conversion), tl.dot
-    # sums x * (1 + q/16) in float32, and each K step folds (part - (1 + z/16) * sum_k x) * 16s
-    # into the total: per weight no subtraction and no scale. Float32 x (EXACT) takes the 1 off
-    # each weight first, so that part carries no offset (as in _awq_gemv_kernel)
-    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    BF16: tl.constexpr = DTYPE == tl.bfloat16
-    EXACT: tl.constexpr = DTYPE == tl.float32
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
         packed = tl.load(qw_ptrs, mask=packs[None, :] < n_packed, other=0)
-        w = tl.reshape(_half_offsets(packed, BF16), (BLOCK_K, BLOCK_N))
-        group = k0 // group_size
-        zeros = tl.load(qzeros_ptr + group * n_packed + packs, mask=packs < n_packed, other=0)
-        z = tl.reshape(_half_offsets(zeros, BF16), (BLOCK_N,)).to(tl.float32)
-        if EXACT:
-            w = w.to(tl.float32) - 1.0
-            z -= 1.0
-        part = tl.dot(x, w, input_precision=PRECISION)
-        s16 = tl.load(scales_ptr + group * N + out_cols, mask=out_cols < N, other=0.0)
-        s16 = s16.to(tl.float32) * 16.0
-        x_sum = tl.sum(x.to(tl.float32), axis=1)
-        acc += (part - x_sum[:, None] * z[None, :]) * s16[None, :]
+        w = _dequantize(packed, qzeros_ptr, scales_ptr, k0 // group_size, packs, cols,
+                        n_packed, N, shifts)
+        # [8, BLOCK_K, PACKS] -> [BLOCK_K, PACKS, 8] -> [BLOCK_K, BLOCK_N], row-major:
+        # [k, j, r] is column 8j + r
+        w = tl.reshape(tl.permute(w.to(x_ptr.dtype.element_ty), (1, 2, 0)),
+                       (BLOCK_K, BLOCK_N))
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         qw_ptrs += BLOCK_K * n_packed
     out = (out_ptr + split.to(tl.int64) * stride_os + rows[:, None].to(tl.int64) * stride_om
@@ -524,8 +512,8 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
              group_m: int = 8, num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
     """x [M, K] @ AWQ weight [K, N] -> [M, N] in x's dtype, on the tensor cores.
 
-    Weights enter tl.dot as 1 + q/16 (exact in x's dtype; q/16 in float32 for float32 x, with
-    input_precision "ieee"), fp32 accumulation, zero and scale folded in once a K step.
+    Each weight tile is dequantized in float32 and rounded once to x's dtype before tl.dot
+    (input_precision "ieee" for float32 x); fp32 accumulation.
     Tiles default to a config picked by M; block_k (at least 16) must divide group_size;
     split_k as in awq_gemv.
     """
