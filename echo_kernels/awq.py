@@ -21,13 +21,13 @@ the CUDA cores without dequantizing: each weight becomes the float 1 + q * u by 
 one bitwise op into the mantissa of 1.0 (_unpack_offsets), the loop sums x * (1 + q u) and x,
 and the zero and scale enter once a group (_awq_gemv_kernel's comment has the algebra): about
 2.5 instructions a weight, against 6-7 for a float32 dequantization (shift, mask, magic OR,
-subtract, scale, FMA). awq_gemm (up to LINEAR_GEMM_ROWS rows in awq_linear) dequantizes each [BLOCK_K, BLOCK_N] weight tile to x's
-dtype and feeds it to tl.dot, fp32 accumulation; there nibbles become floats ORed into the
-mantissa of 2**23 (_as_float), and q - z is then a float32 subtraction. Past
-LINEAR_GEMM_ROWS rows (prefill, large batches) awq_linear dequantizes the whole weight to x's dtype
-(awq_dequantize, with the GEMV's offsets) and leaves the product to cuBLAS: the tile
-dequantization inside awq_gemm holds it to 41-44% of cuBLAS bf16, the weight's extra round trip
-through memory costs less than that from ~32 rows on.
+subtract, scale, FMA). awq_gemm (up to LINEAR_GEMM_ROWS rows in awq_linear) dequantizes each
+[BLOCK_K, BLOCK_N] weight tile to x's dtype and feeds it to tl.dot, fp32 accumulation; there
+nibbles become floats ORed into the mantissa of 2**23 (_as_float), and q - z is then a float32
+subtraction. Past LINEAR_GEMM_ROWS rows (prefill, large batches) awq_linear dequantizes the
+whole weight to x's dtype (awq_dequantize, with the GEMV's offsets) and leaves the product to
+cuBLAS: the tile dequantization inside awq_gemm holds it to 41-44% of cuBLAS bf16, the weight's
+extra round trip through memory costs less than that from ~32 rows on.
 
 The K-major layout makes a weight row of one program's columns only BLOCK_N / 2 bytes, so at a
 few rows the output columns alone give too few programs to stream the weight at the memory's
@@ -80,11 +80,14 @@ _GEMV_STAGES = 3
 _GEMV_SPLIT_ROWS = 128
 _ONE_BITS = 0x3F800000  # float32 1.0
 # (most rows, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)), first match wins; BLOCK_K is capped by
-# the group size. The first and last from bench_kernels' sweep (2026-12-02: decode rows best at
-# 16 x 128 x 64 for all four Llama-3.1-8B shapes; M = 4096 at 128 x 256 x 128 with 8 warps,
-# 1.41-1.46x the earlier 128 x 128 x 64); the middle one untuned
+# the group size. Decode rows from the H200: bench_kernels' sweep (2026-12-02: 16 x 128 x 64
+# best for all four Llama-3.1-8B shapes at 16 rows) and tools/dev/probe_awq_gemm_rows.py
+# (2026-12-04: at 32 rows one 32-row tile took a layer's four GEMMs in 194.4 us against 284.3
+# for two 16-row tiles); M = 4096 at 128 x 256 x 128 with 8 warps (1.41-1.46x the earlier
+# 128 x 128 x 64); the middle one untuned
 _GEMM_CONFIGS = (
-    (_DECODE_ROWS, (16, 128, 64, 4)),
+    (16, (16, 128, 64, 4)),
+    (_DECODE_ROWS, (32, 128, 64, 4)),
     (512, (64, 128, 64, 4)),
     (None, (128, 256, 128, 8)),
 )
