@@ -475,11 +475,10 @@ def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
 
     CUDA-core math in float32 (see _awq_gemv_kernel); a program takes one row, or two with
     pair_rows (None: when M > 1), and each program reads the weight again (from L2 when they
-    run together). block_n: output columns a program (a
-    power of two >= 8); block_k: K per step, a power of two dividing group_size; split_k: K
-    ranges (None: enough to fill the GPU, at most _GEMV_SPLIT_ROWS rows each; 1: one launch, no
-    partial sums);
-    num_stages: weight tiles in flight.
+    run together). block_n: output columns a program (a power of two >= 8); block_k: K per
+    step, a power of two dividing group_size; split_k: K ranges (None: enough to fill the GPU,
+    at most _GEMV_SPLIT_ROWS rows each; 1: one launch, no partial sums); num_stages: weight
+    tiles in flight.
     """
     m, k, n = _check(x, qweight, qzeros, scales, group_size)
     if not 1 <= m <= GEMV_MAX_ROWS:

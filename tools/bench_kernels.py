@@ -510,13 +510,13 @@ def time_fused_moe(xs, gate, w13, w2, top_k: int, graph: bool, **tiles) -> float
 AWQ_GROUP = 128
 AWQ_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
               "down": (4096, 14336)}  # (N, K) of Llama-3.1-8B's layers
+# awq_gemm against the dense weight and cuBLAS (awq_linear's LINEAR_GEMM_ROWS), not in graphs
+AWQ_PREFILL_ROWS = (16, 32, 48, 64, 256, 1024, 4096)
 # --sweep (--awq-sweep picks the parts): "gemv", awq_gemv at M = 1 over (block_n, block_k,
 # num_warps, num_stages) and the programs per SM its split-K aims for, at least a pack of 8
 # columns a lane; "decode", decode rows (M = 1, 16) through awq_gemm, the tensor-core
 # kernel, one 16-row tile with (block_n, block_k, num_stages, split_k); "prefill", awq_gemm's
 # (block_m, block_n, block_k, num_warps, num_stages) at M = 4096
-# awq_gemm against the dense weight and cuBLAS (awq_linear's LINEAR_GEMM_ROWS)
-AWQ_PREFILL_ROWS = (16, 32, 48, 64, 256, 1024, 4096)
 AWQ_GEMV_SWEEP = [(bn, bk, w, st, per_sm) for bn in (256, 512, 1024) for w in (1, 2, 4)
                   for bk in (8, 16, 32) for st in (3, 5) for per_sm in (4, 8, 16)
                   if bn >= 256 * w]
@@ -546,10 +546,11 @@ def time_awq_decode(rows: Rows, label: str, kernel, x, copies, shape: str, nbyte
 
 def bench_awq(rows: Rows, sweep: set[str]) -> None:
     """AWQ W4A16 at Llama-3.1-8B's layer shapes, fp16 activations (AutoAWQ's dtype). Decode
-    rows (M = 1, 4, 16, awq_linear's GEMV) read the packed weight, zeros and scales: bytes =
-    those, against cuBLAS bf16 over its 4x larger weight, in CUDA graphs over weight copies
-    that exceed the L2. M = 4096 (awq_linear's GEMM): flops, target 70% of cuBLAS bf16 at the
-    same shape in the same run."""
+    rows (M = 1 ... 16: awq_linear, and from 2 rows awq_gemv and awq_gemm both) read the packed
+    weight, zeros and scales: bytes = those, against cuBLAS bf16 over its 4x larger weight, in
+    CUDA graphs over weight copies that exceed the L2. AWQ_PREFILL_ROWS: flops of awq_gemm,
+    the dense weight and awq_linear, target 70% of cuBLAS bf16 at the same shape in the same
+    run (for awq_linear)."""
     for name, (n, k) in AWQ_SHAPES.items():
         g = k // AWQ_GROUP
         nbytes = k * n // 2 + g * n * 2 + g * n // 2
@@ -564,10 +565,11 @@ def bench_awq(rows: Rows, sweep: set[str]) -> None:
             rows.add(f"awq_linear {name}", shape,
                      bench_graph([lambda c=c: awq_linear(x, *c, AWQ_GROUP)  # noqa: B023
                                   for c in copies]), nbytes=nbytes, target=0.7, note="cuda graph")
-            if m > 1:  # awq_gemv's row pairs are programs that share the weight through L2
-                rows.add(f"awq_gemv {name}", shape,
-                         bench_graph([lambda c=c: awq_gemv(x, *c, AWQ_GROUP)  # noqa: B023
-                                      for c in copies]), nbytes=nbytes, note="cuda graph")
+            for label, kernel in (("awq_gemv", awq_gemv), ("awq_gemm", awq_gemm)):
+                if m > 1:  # both kernels at the rows where awq_linear picks one of them
+                    rows.add(f"{label} {name}", shape,
+                             bench_graph([lambda c=c, f=kernel: f(x, *c, AWQ_GROUP)  # noqa: B023
+                                          for c in copies]), nbytes=nbytes, note="cuda graph")
             if "gemv" in sweep and m == 1:
                 for bn, bk, w, st, per_sm in AWQ_GEMV_SWEEP:
                     sk = max(1, per_sm * torch.cuda.get_device_properties(0).multi_processor_count
