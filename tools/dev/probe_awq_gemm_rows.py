@@ -1,14 +1,16 @@
-"""AWQ decode rows through awq_gemm's tensor-core tile: a few tiles at M = 8, 16 and 32.
+"""AWQ rows through awq_gemm's tensor-core tiles, and past 32 rows through the dense weight.
 
-    python tools/dev/probe_awq_gemm_rows.py
+    python tools/dev/probe_awq_gemm_rows.py [--rows 8,16,32]
 
 Llama-3.1-8B's four layer shapes (bench_kernels' AWQ_SHAPES), fp16 x, each call in CUDA graphs
 over weight copies beyond the L2 (bench_kernels' bench_graph), so the figures compare with
-bench_kernels' decode rows. The default tile first, then the tiles named in TILES. To compare
-two versions of the kernel, copy this file into the other tree and run it there as well: it
-imports the echo_kernels of the tree it sits in.
+bench_kernels' decode rows. The default tile first, then the tiles named for that row count
+(block_m, block_n, block_k, num_warps) and, from 64 rows, awq_dequantize + cuBLAS ("dense",
+awq_linear's choice there). To compare two versions of the kernel, copy this file into the other
+tree and run it there as well: it imports the echo_kernels of the tree it sits in.
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -18,24 +20,38 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 import torch  # noqa: E402
 from bench_kernels import AWQ_GROUP, AWQ_SHAPES, bench_graph, fits, random_awq  # noqa: E402
 
-from echo_kernels.awq import awq_gemm  # noqa: E402
+from echo_kernels.awq import awq_dequantize, awq_gemm  # noqa: E402
 
-TILES = [None, (16, 128, 128), (16, 64, 128), (32, 128, 64)]  # (block_m, block_n, block_k)
+DECODE_TILES = [(16, 128, 128, 4), (16, 64, 128, 4), (32, 128, 64, 4)]
+# at 64 rows and more: the larger tiles awq_gemm's table holds, one row tile at 128 and 256
+PREFILL_TILES = [(64, 128, 64, 4), (128, 128, 64, 8), (128, 256, 128, 8), "dense"]
+
+
+def call(x, tile):
+    """fn(qweight, qzeros, scales) for one variant."""
+    if tile == "dense":
+        return lambda *c: x @ awq_dequantize(*c, AWQ_GROUP, x.dtype)
+    tiles = {} if tile is None else dict(zip(("block_m", "block_n", "block_k", "num_warps"),
+                                             tile))
+    return lambda *c: awq_gemm(x, *c, AWQ_GROUP, **tiles)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="8,16,32", help="row counts, comma-separated")
+    rows = [int(m) for m in parser.parse_args().rows.split(",")]
     for name, (n, k) in AWQ_SHAPES.items():
         nbytes = k * n // 2 + (k // AWQ_GROUP) * n * 5 // 2
         copies = [random_awq(n, k) for _ in range(max(2, -(-160 * 2**20 // nbytes)))]
-        for m in (8, 16, 32):
+        for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            for tile in TILES:
-                tiles = {} if tile is None else dict(zip(("block_m", "block_n", "block_k"), tile))
-                ms = fits(lambda: bench_graph([  # noqa: B023
-                    lambda c=c: awq_gemm(x, *c, AWQ_GROUP, **tiles) for c in copies]))  # noqa: B023
-                label = "default" if tile is None else "x".join(map(str, tile))
+            for tile in [None] + (DECODE_TILES if m < 64 else PREFILL_TILES):
+                fn = call(x, tile)
+                ms = fits(lambda: bench_graph([lambda c=c: fn(*c) for c in copies]))  # noqa: B023
+                label = "default" if tile is None else \
+                    tile if isinstance(tile, str) else "x".join(map(str, tile))
                 us = "does not fit" if ms is None else f"{ms * 1e3:7.1f} us"
-                print(f"{ROOT.name} {name:8s} M={m:<3d} {label:12s} {us}", flush=True)
+                print(f"{ROOT.name} {name:8s} M={m:<4d} {label:14s} {us}", flush=True)
         copies = None
         torch.cuda.empty_cache()
 
