@@ -179,6 +179,17 @@ def _inverse_units(cols):
     return tl.where((cols // 2) % 2 == 0, 256.0, 16.0)
 
 
+@triton.jit
+def _group_offsets(qzeros_ptr, scales_ptr, group, packs, pack_ok, cols, N, n_packed, one_bits):
+    """Group `group`'s zero points as offsets z' = 1 + z u (_unpack_offsets) and its scales
+    over u, s / u, both float32 [BLOCK_N] for the columns of `packs`: (w - z') s / u is then
+    (q - z) s for a weight w = 1 + q u."""
+    zeros = tl.load(qzeros_ptr + group * n_packed + packs, mask=pack_ok, other=0)
+    z = tl.reshape(_unpack_offsets(zeros, one_bits), cols.shape)
+    s = tl.load(scales_ptr + group * N + cols, mask=cols < N, other=0.0)
+    return z, s.to(tl.float32) * _inverse_units(cols)
+
+
 # NOTE: n_packed is left unspecialised so that its alignment stays unknown: a row of packed
 # int32 then loads 4 bytes a thread, one pack a lane, and Triton's layout keeps a tile's BLOCK_K
 # rows of a pack in one thread, where the sum over K needs no other thread. With 16-byte loads it
@@ -268,13 +279,10 @@ def _awq_gemv_kernel(
         # a group's last tile, or the split's: fold the group's sums into the total (the
         # identity holds for any part of a group, so splits need not align with groups)
         if (tile % TILES == TILES - 1) | (tile == end_tile - 1):
-            group = tile // TILES
-            zeros = tl.load(qzeros_ptr + group * n_packed + packs, mask=pack_ok, other=0)
-            z = tl.reshape(_unpack_offsets(zeros, one_bits), (BLOCK_N,))
+            z, s_u = _group_offsets(qzeros_ptr, scales_ptr, tile // TILES, packs, pack_ok,
+                                    cols, N, n_packed, one_bits)
             if EXACT:
                 z -= 1.0
-            s = tl.load(scales_ptr + group * N + cols, mask=cols < N, other=0.0)
-            s_u = s.to(tl.float32) * _inverse_units(cols)
             total += s_u * (acc - z * x_sum)
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             x_sum = tl.zeros([1], dtype=tl.float32)
@@ -402,11 +410,9 @@ def _awq_dequantize_kernel(
     pack_ok = packs < n_packed
     packed = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * n_packed + packs[None, :],
                      mask=pack_ok[None, :], other=0)
-    zeros = tl.load(qzeros_ptr + group * n_packed + packs, mask=pack_ok, other=0)
     w = tl.reshape(_unpack_offsets(packed, one_bits), (BLOCK_K, BLOCK_N))
-    z = tl.reshape(_unpack_offsets(zeros, one_bits), (BLOCK_N,))
-    s = tl.load(scales_ptr + group * N + cols, mask=cols < N, other=0.0)
-    s_u = s.to(tl.float32) * _inverse_units(cols)
+    z, s_u = _group_offsets(qzeros_ptr, scales_ptr, group, packs, pack_ok, cols, N, n_packed,
+                            one_bits)
     out = (w - z[None, :]) * s_u[None, :]
     tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
              out.to(out_ptr.dtype.element_ty), mask=cols[None, :] < N)

@@ -535,6 +535,15 @@ def random_awq(n: int, k: int):
     return qweight, qzeros, scales
 
 
+def awq_copies(n: int, k: int) -> tuple[list, int]:
+    """Enough copies of random AWQ tensors of an [K, N] weight that together they exceed the
+    L2 (the decode rows rotate over them), and the bytes one copy reads: packed weight, zeros
+    and scales."""
+    groups = k // AWQ_GROUP
+    nbytes = k * n // 2 + groups * n * 2 + groups * n // 2
+    return [random_awq(n, k) for _ in range(max(2, -(-160 * 2**20 // nbytes)))], nbytes
+
+
 def time_awq_decode(rows: Rows, label: str, kernel, x, copies, shape: str, nbytes: int,
                     note: str) -> None:
     """One swept AWQ config at decode rows, in CUDA graphs over the weight copies (skipped when
@@ -552,9 +561,7 @@ def bench_awq(rows: Rows, sweep: set[str]) -> None:
     the dense weight and awq_linear, target 70% of cuBLAS bf16 at the same shape in the same
     run (for awq_linear)."""
     for name, (n, k) in AWQ_SHAPES.items():
-        g = k // AWQ_GROUP
-        nbytes = k * n // 2 + g * n * 2 + g * n // 2
-        copies = [random_awq(n, k) for _ in range(max(2, -(-160 * 2**20 // nbytes)))]
+        copies, nbytes = awq_copies(n, k)
         dense = [torch.randn(n, k, device="cuda", dtype=DT) for _ in range(2)]
         for m in (1, 2, 4, 8, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -565,11 +572,10 @@ def bench_awq(rows: Rows, sweep: set[str]) -> None:
             rows.add(f"awq_linear {name}", shape,
                      bench_graph([lambda c=c: awq_linear(x, *c, AWQ_GROUP)  # noqa: B023
                                   for c in copies]), nbytes=nbytes, target=0.7, note="cuda graph")
-            for label, kernel in (("awq_gemv", awq_gemv), ("awq_gemm", awq_gemm)):
-                if m > 1:  # both kernels at the rows where awq_linear picks one of them
-                    rows.add(f"{label} {name}", shape,
-                             bench_graph([lambda c=c, f=kernel: f(x, *c, AWQ_GROUP)  # noqa: B023
-                                          for c in copies]), nbytes=nbytes, note="cuda graph")
+            if m > 1:  # both kernels at the rows where awq_linear picks one of them
+                for label, kernel in (("awq_gemv", awq_gemv), ("awq_gemm", awq_gemm)):
+                    time_awq_decode(rows, f"{label} {name}", kernel, x, copies, shape, nbytes,
+                                    "cuda graph")
             if "gemv" in sweep and m == 1:
                 for bn, bk, w, st, per_sm in AWQ_GEMV_SWEEP:
                     sk = max(1, per_sm * torch.cuda.get_device_properties(0).multi_processor_count

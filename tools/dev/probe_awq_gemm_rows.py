@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 import torch  # noqa: E402
-from bench_kernels import AWQ_GROUP, AWQ_SHAPES, bench_graph, fits, random_awq  # noqa: E402
+from bench_kernels import AWQ_GROUP, AWQ_SHAPES, awq_copies, bench_graph, fits  # noqa: E402
 
 from echo_kernels.awq import awq_dequantize, awq_gemm  # noqa: E402
 
@@ -41,8 +41,7 @@ def main() -> None:
     parser.add_argument("--rows", default="8,16,32", help="row counts, comma-separated")
     rows = [int(m) for m in parser.parse_args().rows.split(",")]
     for name, (n, k) in AWQ_SHAPES.items():
-        nbytes = k * n // 2 + (k // AWQ_GROUP) * n * 5 // 2
-        copies = [random_awq(n, k) for _ in range(max(2, -(-160 * 2**20 // nbytes)))]
+        copies, _ = awq_copies(n, k)
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             for tile in [None] + (DECODE_TILES if m < 64 else PREFILL_TILES):
