@@ -12,15 +12,19 @@ Buffers are sized by bounds that do not depend on the routing (max_padded = M*k 
 sorted slots, max_padded // BLOCK_M tiles), so a CUDA graph can capture a step; tiles past the
 routing's padded length carry expert -1 and their programs exit at once.
 
-With few pairs (a decode step of one or two tokens) sorting buys nothing: every pair lands in a
-tile of its own anyway. Then each pair is its own tile (PAIR_TILES: row 0 is the pair, the rest
-masked, the expert read from topk_ids), which drops moe_align_block_size's three launches.
+With few pairs (a decode step of one or two tokens) sorting buys nothing: every pair would sit
+alone in a tile of 16 rows. Then fused_moe_pairs runs each pair as a GEMV on the CUDA cores (as
+echo_kernels.linear does for dense layers): one launch for gate_up, one for down, whose
+programs also sum a token's k rows: the last of a token's k pairs to finish a column block adds
+the k rows in slot order (an arrival count per token and block; the order of the sum does not
+depend on which pair arrives last, so the output stays deterministic).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from echo_kernels.linear import _weight_tile
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 # (most tokens, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)), first match wins. At E=128 and k=8 a
@@ -37,11 +41,12 @@ _GEMM_CONFIGS = (
 )
 
 
-# at most this many (token, expert) pairs, each pair is its own tile (no sorting launches)
-PAIR_TILE_MAX_PAIRS = 16
-# (BLOCK_N, BLOCK_K, num_warps) of pair tiles: narrow N tiles, so that the few pairs still
-# spread over enough programs to keep the memory system busy
-_PAIR_TILE_CONFIG = (32, 128, 4)
+# at most this many (token, expert) pairs, each pair is a GEMV of its own (fused_moe_pairs)
+PAIR_MAX = 16
+# (BLOCK_N, BLOCK_K, num_warps) of the pair GEMVs: the best of tools/dev/probe_moe_pair_gemv.py
+# at Qwen3-30B-A3B's shapes, one and two tokens (H200, 2026-12-04, docs/benchmarks.md Qwen3-MoE)
+PAIR_GATE_UP_CONFIG = (4, 512, 2)
+PAIR_DOWN_CONFIG = (8, 128, 2)
 
 
 def _gemm_config(num_tokens: int) -> tuple[int, int, int, int]:
@@ -284,13 +289,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int,
 
 
 @triton.jit
-def _tile_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr,
-                PAIR_TILES: tl.constexpr):
-    """The pair index of each row of tile pid_m and whether it is a pair (not the sentinel);
-    with PAIR_TILES, tile pid_m is pair pid_m alone, in row 0."""
-    if PAIR_TILES:
-        first = tl.arange(0, BLOCK_M) == 0
-        return tl.where(first, pid_m, num_pairs), first
+def _tile_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """The pair index of each row of tile pid_m and whether it is a pair (not the sentinel)."""
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     return pairs, pairs < num_pairs
 
@@ -300,8 +300,8 @@ def _moe_gate_up_kernel(
     hidden_ptr,  # [M, H]
     w13_ptr,  # [E, 2I, H]: gate rows 0..I-1, up rows I..2I-1
     act_ptr,  # [M*k, I] out: silu(gate) * up of each pair, in hidden's dtype
-    sorted_ids_ptr,  # [max_padded] int32 (unread with PAIR_TILES)
-    expert_ids_ptr,  # [max_padded // BLOCK_M] int32, -1 = skip (PAIR_TILES: topk_ids, [M*k])
+    sorted_ids_ptr,  # [max_padded] int32
+    expert_ids_ptr,  # [max_padded // BLOCK_M] int32, -1 = skip
     num_pairs,
     top_k,
     hidden_size,
@@ -313,7 +313,6 @@ def _moe_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,  # tl.dot's input_precision ("ieee" for float32 inputs)
-    PAIR_TILES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_inputs(USE_PDL)
@@ -324,7 +323,7 @@ def _moe_gate_up_kernel(
     expert = tl.load(expert_ids_ptr + pid_m)
     if expert < 0:
         return
-    pairs, is_pair = _tile_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M, PAIR_TILES)
+    pairs, is_pair = _tile_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M)
     tokens = tl.where(is_pair, pairs // top_k, 0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter_size
@@ -366,7 +365,6 @@ def _moe_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
-    PAIR_TILES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_inputs(USE_PDL)
@@ -376,7 +374,7 @@ def _moe_down_kernel(
     expert = tl.load(expert_ids_ptr + pid_m)
     if expert < 0:
         return
-    pairs, is_pair = _tile_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M, PAIR_TILES)
+    pairs, is_pair = _tile_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M)
     rows = tl.where(is_pair, pairs, 0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden_size
@@ -416,21 +414,164 @@ def _moe_sum_kernel(
     tl.store(out_ptr + token * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# ---------------------------------------------------------------------------------------------
+# a few pairs: a GEMV each
+
+
+@triton.jit
+def _moe_pair_gate_up_kernel(
+    hidden_ptr,  # [M, H]
+    w13_ptr,  # [E, 2I, H]
+    act_ptr,  # [M*k, I] out: silu(gate) * up of each pair, in hidden's dtype
+    ids_ptr,  # [M*k] int32, the flattened topk_ids
+    arrivals_ptr,  # [num_arrivals] int32 out: zeroed here for the down kernel
+    num_arrivals,
+    top_k,
+    hidden_size,
+    inter_size,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr,  # inter_size % BLOCK_N == 0 and hidden_size % BLOCK_K == 0
+    USE_PDL: tl.constexpr,
+):
+    num_n = tl.cdiv(inter_size, BLOCK_N)
+    pair = tl.program_id(0) // num_n
+    cols = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    wait_for_inputs(USE_PDL)
+    for a in range(tl.program_id(0), num_arrivals, tl.num_programs(0)):
+        tl.store(arrivals_ptr + a, 0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    token = (pair // top_k).to(tl.int64)
+    g_ptrs = (w13_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+              + offs_k[None, :])
+    u_ptrs = g_ptrs + inter_size * stride_wn
+    x_ptrs = hidden_ptr + token * stride_hm + offs_k
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, hidden_size, BLOCK_K):
+        x = tl.load(x_ptrs + k0, mask=k0 + offs_k < hidden_size, other=0.0)
+        x = x.to(tl.float32)[None, :]
+        acc_g += _weight_tile(g_ptrs, cols, offs_k, k0, inter_size, hidden_size, EVEN) * x
+        acc_u += _weight_tile(u_ptrs, cols, offs_k, k0, inter_size, hidden_size, EVEN) * x
+    g = tl.sum(acc_g, 1)
+    act = g / (1.0 + tl.math.exp2(-g * 1.4426950408889634)) * tl.sum(acc_u, 1)
+    tl.store(act_ptr + pair.to(tl.int64) * inter_size + cols, act.to(act_ptr.dtype.element_ty),
+             mask=cols < inter_size)
+
+
+@triton.jit
+def _moe_pair_down_kernel(
+    act_ptr,  # [M*k, I]
+    w2_ptr,  # [E, H, I]
+    weights_ptr,  # [M*k] float32 routing weights
+    ids_ptr,  # [M*k] int32
+    rows_ptr,  # [M*k, H] out: weight * (w2[e] @ act) of each pair, in hidden's dtype
+    arrivals_ptr,  # [M, cdiv(H, BLOCK_N)] int32, zero on entry and on exit
+    out_ptr,  # [M, H] out: the sum of each token's k rows
+    hidden_size,
+    inter_size,
+    stride_we,
+    stride_wn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr,  # hidden_size % BLOCK_N == 0 and inter_size % BLOCK_K == 0
+    USE_PDL: tl.constexpr,
+):
+    num_n = tl.cdiv(hidden_size, BLOCK_N)
+    pair = (tl.program_id(0) // num_n).to(tl.int64)
+    block = tl.program_id(0) % num_n
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # the routing finished before the gate_up kernel let this one launch (it waited for it), so
+    # the expert and the first weight tile load while gate_up is still finishing; past L1,
+    # which may hold an earlier routing's ids at the same address
+    expert = tl.load(ids_ptr + pair, cache_modifier=".cg").to(tl.int64)
+    w_ptrs = (w2_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+              + offs_k[None, :])
+    w_next = _weight_tile(w_ptrs, cols, offs_k, 0, hidden_size, inter_size, EVEN)
+    wait_for_inputs(USE_PDL)
+    a_ptrs = act_ptr + pair * inter_size + offs_k
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        w = w_next
+        # past the last tile the mask is all false: no memory is read
+        w_next = _weight_tile(w_ptrs, cols, offs_k, k0 + BLOCK_K, hidden_size, inter_size,
+                              False)
+        a = tl.load(a_ptrs + k0, mask=k0 + offs_k < inter_size, other=0.0)
+        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+    col_ok = cols < hidden_size
+    row = tl.sum(acc, 1) * tl.load(weights_ptr + pair)
+    tl.store(rows_ptr + pair * hidden_size + cols, row.to(rows_ptr.dtype.element_ty), mask=col_ok)
+    # every thread's stores before the arrival (the atomic releases them device-wide)
+    tl.debug_barrier()
+    token = pair // TOP_K
+    arrival = arrivals_ptr + token * num_n + block
+    if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == TOP_K - 1:
+        # the last of the token's pairs here: its k rows are written, sum them in slot order
+        total = tl.zeros([BLOCK_N], tl.float32)
+        for j in tl.static_range(TOP_K):
+            total += tl.load(rows_ptr + (token * TOP_K + j) * hidden_size + cols, mask=col_ok,
+                             other=0.0, cache_modifier=".cg").to(tl.float32)
+        tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty),
+                 mask=col_ok)
+        tl.store(arrival, 0)
+
+
+def fused_moe_pairs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    gate_up_config: tuple[int, int, int] = PAIR_GATE_UP_CONFIG,
+                    down_config: tuple[int, int, int] = PAIR_DOWN_CONFIG) -> torch.Tensor:
+    """fused_moe with each (token, expert) pair a GEMV (the arguments and the result as there);
+    the configs are (BLOCK_N, BLOCK_K, num_warps) of the gate_up and the down kernel."""
+    num_tokens, hidden_size = hidden.shape
+    inter_size = w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    num_pairs = topk_ids.numel()
+    ids = topk_ids.contiguous().view(-1)
+    device, dtype = hidden.device, hidden.dtype
+    out = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
+    act = torch.empty(num_pairs, inter_size, dtype=dtype, device=device)
+    rows = torch.empty(num_pairs, hidden_size, dtype=dtype, device=device)
+    pdl = pdl_options(device)
+    up_n, up_k, up_warps = gate_up_config
+    down_n, down_k, down_warps = down_config
+    up_k = min(up_k, triton.next_power_of_2(hidden_size))
+    down_k = min(down_k, triton.next_power_of_2(inter_size))
+    num_down_n = triton.cdiv(hidden_size, down_n)
+    arrivals = torch.empty(num_tokens, num_down_n, dtype=torch.int32, device=device)
+    _moe_pair_gate_up_kernel[(num_pairs * triton.cdiv(inter_size, up_n),)](
+        hidden, w13, act, ids, arrivals, arrivals.numel(), top_k, hidden_size, inter_size,
+        hidden.stride(0), w13.stride(0), w13.stride(1), BLOCK_N=up_n, BLOCK_K=up_k,
+        EVEN=inter_size % up_n == 0 and hidden_size % up_k == 0, num_warps=up_warps, **pdl)
+    _moe_pair_down_kernel[(num_pairs * num_down_n,)](
+        act, w2, topk_weights.contiguous().view(-1), ids, rows, arrivals, out, hidden_size,
+        inter_size, w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_N=down_n,
+        BLOCK_K=down_k, EVEN=hidden_size % down_n == 0 and inter_size % down_k == 0,
+        num_warps=down_warps, **pdl)
+    return out
+
+
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               block_m: int | None = None, block_n: int | None = None,
               block_k: int | None = None, num_warps: int | None = None,
-              num_stages: int | None = None, pair_tiles: bool | None = None) -> torch.Tensor:
+              num_stages: int | None = None, pairs: bool | None = None) -> torch.Tensor:
     """hidden [M, H], w13 [E, 2I, H] (gate rows, then up: transformers' Qwen3-MoE
     experts.gate_up_proj), w2 [E, H, I], topk_weights [M, k] float32, topk_ids [M, k] int32
     -> out [M, H] in hidden's dtype: out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)
     with [g; u] = w13[e] @ hidden[t], e = topk_ids[t, j].
 
     Products accumulate in float32; silu(g) * u and each pair's weighted row are rounded to
-    hidden's dtype (what the next tensor-core GEMM and the k-way sum read), the sum over k is
-    float32. The GEMMs' tiles (block_m, also the sorted groups' padding) default to a config
-    chosen by M; pair_tiles (each pair its own tile, no sorting) defaults to at most
-    PAIR_TILE_MAX_PAIRS pairs; the overrides are for bench_kernels' sweep and the tests.
+    hidden's dtype (what the next GEMM and the k-way sum read), the sum over k is float32.
+    `pairs` (each pair a GEMV, fused_moe_pairs) defaults to at most PAIR_MAX pairs; otherwise
+    the grouped GEMMs' tiles (block_m, also the sorted groups' padding) default to a config
+    chosen by M. The overrides are for bench_kernels' sweep and the tests.
     """
     assert hidden.dim() == 2 and hidden.stride(1) == 1
     num_tokens, hidden_size = hidden.shape
@@ -442,29 +583,23 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     assert topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens
     top_k = topk_ids.shape[1]
-    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    if not num_tokens:
-        return out
     num_pairs = topk_ids.numel()
-    if pair_tiles is None:
-        pair_tiles = num_pairs <= PAIR_TILE_MAX_PAIRS
-    if pair_tiles:
-        tile_m, (tile_n, tile_k, warps) = 16, _PAIR_TILE_CONFIG
-    else:
-        tile_m, tile_n, tile_k, warps = _gemm_config(num_tokens)
+    if not num_tokens:
+        return torch.empty(0, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    if pairs if pairs is not None else num_pairs <= PAIR_MAX:
+        return fused_moe_pairs(hidden, w13, w2, topk_weights, topk_ids)
+    tile_m, tile_n, tile_k, warps = _gemm_config(num_tokens)
     block_m, block_n, block_k = block_m or tile_m, block_n or tile_n, block_k or tile_k
-    if pair_tiles:  # tile t is pair t, its expert topk_ids' entry t
-        sorted_ids = expert_ids = topk_ids.contiguous().view(-1)
-    else:
-        sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids.contiguous(), block_m,
-                                                         num_experts)
+    sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids.contiguous(), block_m,
+                                                     num_experts)
     num_m = expert_ids.shape[0]
     act = torch.empty(num_pairs, inter_size, dtype=hidden.dtype, device=hidden.device)
     rows = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
     pdl = pdl_options(hidden.device)
     gemm = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "PRECISION": precision,
-            "PAIR_TILES": pair_tiles, "num_warps": num_warps or warps, **pdl}
+            "num_warps": num_warps or warps, **pdl}
     if num_stages is not None:
         gemm["num_stages"] = num_stages
     _moe_gate_up_kernel[(num_m * triton.cdiv(inter_size, block_n),)](

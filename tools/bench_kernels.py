@@ -456,13 +456,15 @@ MOE_SWEEP_LARGE = [(bm, bn, bk, w, st) for bm in (16, 32, 64, 128) for bn in (64
 
 
 def bench_moe(rows: Rows, sweep: set[str]) -> None:
-    """fused_moe over one layer's experts at M = 1 ... 4096 tokens (routing included). Small M
-    reads the weights of the experts its tokens picked: bytes = those experts' gate_up + down
-    (target 70% of copy bandwidth at M <= 16), timed in a CUDA graph (as decode runs) over
-    MOE_ROUTINGS inputs whose experts differ; large M is a grouped GEMM: flops = 2 x 3 x H x I
-    per token and expert (target 50% of the bf16 matmul rate); M <= 16 both with sorted tiles
-    and with each pair its own tile. --sweep also times tile configs (fused_moe's
-    _GEMM_CONFIGS): "small" at M <= 16, "large" above."""
+    """fused_moe over one layer's experts at M = 1 ... 4096 tokens, from the router's logits
+    (routing included; the router's own linear layer is a linear row's business: one more row
+    at M <= 16 times it too, "router + fused_moe"). Small M reads the weights of the experts its
+    tokens picked: bytes = those experts' gate_up + down (target 70% of copy bandwidth at M <=
+    16), timed in a CUDA graph (as decode runs) over MOE_ROUTINGS inputs whose experts differ;
+    large M is a grouped GEMM: flops = 2 x 3 x H x I per token and expert (target 50% of the
+    bf16 matmul rate); M <= 16 both with each pair a GEMV and with sorted tiles. --sweep also
+    times tile configs of the sorted tiles (fused_moe's _GEMM_CONFIGS): "small" at M <= 16,
+    "large" above."""
     e, k, h, i = MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTERMEDIATE
     w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=DT) * 0.02
     w2 = torch.randn(e, h, i, device="cuda", dtype=DT) * 0.02
@@ -470,40 +472,48 @@ def bench_moe(rows: Rows, sweep: set[str]) -> None:
     for m in (1, 2, 4, 8, 16, 64, 256, 1024, 4096):
         shape = f"M={m} E={e} k={k} {h}x{i}"
         xs = [torch.randn(m, h, device="cuda", dtype=DT) for _ in range(MOE_ROUTINGS)]
-        routed = [(x, *moe_routing(x @ gate, k, True)) for x in xs]
+        logits = [x @ gate for x in xs]
         if m <= 16:
-            touched = sum(int(torch.unique(ids).numel()) for _, _, ids in routed) / len(routed)
+            touched = sum(int(torch.unique(moe_routing(lg, k, True)[1]).numel())
+                          for lg in logits) / len(logits)
             measure = dict(nbytes=touched * 3 * h * i * 2, target=0.7)
             prefix = f"{touched:.1f} experts touched, cuda graph"
         else:
             measure = dict(flops=2 * 3 * h * i * m * k,
                            target=0.5 * rows.ceil["matmul_bf16_TFLOPs"])
             prefix = ""
-        # decode rows: sorted tiles and pair tiles (fused_moe picks by the pair count) both
-        configs = [{"pair_tiles": False}, {"pair_tiles": True}] if m <= 16 else [{}]
+        # decode rows: pair GEMVs and sorted tiles (fused_moe picks by the pair count) both
+        configs = [{"pairs": True}, {"pairs": False}] if m <= 16 else [{}]
         if ("small" if m <= 16 else "large") in sweep:
-            configs += [dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), c))
+            configs += [dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), c),
+                             pairs=False)
                         for c in (MOE_SWEEP_SMALL if m <= 16 else MOE_SWEEP_LARGE)]
         for tiles in configs:
             note = " ".join(f"{key}={value}" for key, value in tiles.items())
-            ms = fits(lambda: time_fused_moe(xs, gate, w13, w2, k, graph=m <= 16,  # noqa: B023
-                                             **tiles))  # noqa: B023
+            ms = fits(lambda: time_fused_moe(xs, logits, w13, w2, k,  # noqa: B023
+                                             graph=m <= 16, **tiles))  # noqa: B023
             if ms is not None:
-                swept = set(tiles) - {"pair_tiles"}
+                swept = set(tiles) - {"pairs"}
                 rows.add("fused_moe sweep" if swept else "fused_moe", shape, ms, **measure,
                          note=f"{prefix} {note}".strip())
+        if m <= 16:
+            ms = time_fused_moe(xs, [None] * len(xs), w13, w2, k, graph=True, gate=gate)
+            rows.add("router + fused_moe", shape, ms, **measure, note=f"{prefix} x @ gate")
         if m <= 64:  # the reference loops over experts: a point of comparison, not a target
-            x, weights, ids = routed[0]
+            x, (weights, ids) = xs[0], moe_routing(logits[0], k, True)
             rows.add("fused_moe_ref (torch)", shape,
                      bench(lambda: fused_moe_ref(x, w13, w2, weights, ids),  # noqa: B023
                            rep=20), flops=2 * 3 * h * i * m * k)
 
 
-def time_fused_moe(xs, gate, w13, w2, top_k: int, graph: bool, **tiles) -> float:
-    """ms per fused_moe call with its routing: in a CUDA graph over every x in turn, or with
-    do_bench on the first."""
-    fns = [functools.partial(lambda x: fused_moe(x, w13, w2, *moe_routing(x @ gate, top_k, True),
-                                                 **tiles), x) for x in xs]
+def time_fused_moe(xs, logits, w13, w2, top_k: int, graph: bool, gate=None, **tiles) -> float:
+    """ms per fused_moe call with its routing from `logits` (or from x @ gate where `gate` is
+    given): in a CUDA graph over every x in turn, or with do_bench on the first."""
+    def call(x, lg):
+        lg = x @ gate if gate is not None else lg
+        return fused_moe(x, w13, w2, *moe_routing(lg, top_k, True), **tiles)
+
+    fns = [functools.partial(call, x, lg) for x, lg in zip(xs, logits)]
     return bench_graph(fns) if graph else bench(fns[0])
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from echo_kernels import fused_moe, moe_align_block_size, moe_routing
+from echo_kernels.fused_moe import fused_moe_pairs
 from echo_kernels.reference import fused_moe_ref, moe_align_block_size_ref, moe_routing_ref
 
 
@@ -176,36 +177,47 @@ TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (5e-3, 1e-2)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows, pair_tiles", [(1, None), (3, None), (17, None), (1, False),
-                                              (17, True)])
-def test_fused_moe_matches_reference(device, dtype, rows, pair_tiles):
-    # None: by the pair count (1 and 3 rows of k=2 are pair tiles, 17 rows are sorted)
+@pytest.mark.parametrize("rows, pairs", [(1, None), (3, None), (17, None), (1, False),
+                                         (17, True)])
+def test_fused_moe_matches_reference(device, dtype, rows, pairs):
+    # None: by the pair count (1 and 3 rows of k=2 are pair GEMVs, 17 rows are sorted)
     inputs = moe_inputs(rows, 8, 2, 64, 32, dtype, device)
-    out = fused_moe(*inputs, pair_tiles=pair_tiles)
+    out = fused_moe(*inputs, pairs=pairs)
     assert out.shape == (rows, 64) and out.dtype == dtype
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(out, fused_moe_ref(*inputs), atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case, rows, hidden_size, inter, block_m, pair_tiles", [
+@pytest.mark.parametrize("case, rows, hidden_size, inter, block_m, pairs", [
     ("gaps", 17, 64, 32, None, False),
     ("one_expert", 17, 64, 32, None, False),  # two tiles of one expert (34 pairs), rest skipped
     ("one_expert", 17, 64, 32, 32, False),
     ("random", 5, 96, 48, 32, False),  # H and I not multiples of the tiles: masked K, N tails
-    ("one_expert", 3, 64, 32, None, True),  # every pair tile reads the same expert
-    ("random", 5, 96, 48, None, True),
+    ("one_expert", 3, 64, 32, None, True),  # every pair's GEMV reads the same expert
+    ("random", 5, 96, 48, None, True),  # masked K and N tails in both GEMVs
 ])
 def test_fused_moe_routing_cases(device, dtype, case, rows, hidden_size, inter, block_m,
-                                 pair_tiles):
+                                 pairs):
     inputs = moe_inputs(rows, 8, 2, hidden_size, inter, dtype, device, case, seed=1)
-    out = fused_moe(*inputs, block_m=block_m, pair_tiles=pair_tiles)
+    out = fused_moe(*inputs, block_m=block_m, pairs=pairs)
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(out, fused_moe_ref(*inputs), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("gate_up, down", [
+    ((32, 64, 2), (4, 16, 1)),  # 10 gate_up programs zero 80 arrival counts: several each
+    ((4, 16, 1), (32, 32, 2)),  # one down block a token: each token's k pairs meet once
+])
+def test_fused_moe_pairs_tiles(device, gate_up, down):
+    # 5 tokens, k = 3 of 8 experts: every token's sum waits for three pairs per column block
+    inputs = moe_inputs(5, 8, 3, 64, 32, torch.float32, device, seed=2)
+    out = fused_moe_pairs(*inputs, gate_up_config=gate_up, down_config=down)
+    torch.testing.assert_close(out, fused_moe_ref(*inputs), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 64, 1024])
+@pytest.mark.parametrize("rows", [1, 2, 64, 1024])
 def test_gpu_qwen3_30b_shapes(rows):
     # Qwen3-30B-A3B's MoE layer: 128 experts, 8 per token, H=2048, I=768; routing from logits
     hidden, w13, w2, _, _ = moe_inputs(rows, 128, 8, 2048, 768, torch.bfloat16, "cuda")
