@@ -45,7 +45,7 @@ _GEMM_CONFIGS = (
 PAIR_MAX = 16
 # (BLOCK_N, BLOCK_K, num_warps) of the pair GEMVs: the best of tools/dev/probe_moe_pair_gemv.py
 # at Qwen3-30B-A3B's shapes, one and two tokens (H200, 2026-12-04, docs/benchmarks.md Qwen3-MoE)
-PAIR_GATE_UP_CONFIG = (4, 512, 2)
+PAIR_GATE_UP_CONFIG = (2, 256, 1)
 PAIR_DOWN_CONFIG = (8, 128, 2)
 
 
@@ -110,8 +110,8 @@ def _moe_routing_kernel(
     tl.store(ids_ptr + out, id_out, mask=out_ok)
 
 
-def moe_routing(router_logits: torch.Tensor, top_k: int,
-                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [M, E] (any float dtype) -> (weights [M, top_k] float32, expert ids
     [M, top_k] int32): softmax over E in float32, the top_k experts in descending order (ties
     to the lower expert id), weights divided by their sum when `renormalize` (Qwen3-MoE's
@@ -130,7 +130,7 @@ def moe_routing(router_logits: torch.Tensor, top_k: int,
     _moe_routing_kernel[(triton.cdiv(num_rows, block_r),)](
         router_logits, weights, ids, num_rows, num_experts, router_logits.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_R=block_r, BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k), **pdl_options(device), num_warps=4)
+        BLOCK_K=triton.next_power_of_2(top_k), **pdl_options(device), num_warps=num_warps)
     return weights, ids
 
 

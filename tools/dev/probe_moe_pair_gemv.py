@@ -5,7 +5,7 @@
 Qwen3-30B-A3B's experts (bench_kernels' MOE_* shapes), bf16, CUDA graphs over MOE_ROUTINGS
 routings (bench_kernels' bench_graph). Every row but one starts from router logits computed
 beforehand (the router is the model's own linear layer):
-  fused_moe            moe_routing + fused_moe with its defaults
+  fused_moe            moe_routing + fused_moe with its defaults (and routing on fewer warps)
   fused_moe sorted     the same through the sorted tiles
   router + fused_moe   x @ gate (cuBLAS) first, as bench_kernels' fused_moe rows did to 57aa13f
   gemv, separate sum   the pair GEMVs as first measured: the down GEMV writes each pair's row,
@@ -152,6 +152,10 @@ def probe(m: int, w13, w2, gate, copy_tbs: float, gate_ups, downs) -> None:
         return lambda x, lg: fn(x, w13, w2, *moe_routing(lg, k, True), **kw)
 
     row("fused_moe", routed(fused_moe))
+    if fused_moe_pairs is not None:
+        for warps in (1, 2):
+            row(f"fused_moe, routing {warps} warps", lambda x, lg, w=warps: fused_moe(
+                x, w13, w2, *moe_routing(lg, k, True, num_warps=w)))
     row("fused_moe sorted", routed(fused_moe, **SORTED))
     row("router + fused_moe", lambda x, lg: routed(fused_moe)(x, x @ gate))
     row("gemv, separate sum", routed(gemv_moe, gate_up=(4, 512, 2), down=(8, 128, 2)))
