@@ -476,15 +476,16 @@ def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
              scales: torch.Tensor, group_size: int, *, block_n: int | None = None,
              block_k: int | None = None, split_k: int | None = None,
              num_warps: int = _GEMV_WARPS, num_stages: int = _GEMV_STAGES,
+             programs_per_sm: int = _GEMV_PROGRAMS_PER_SM,
              pair_rows: bool | None = None) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS) @ AWQ weight [K, N] -> [M, N] in x's dtype.
 
     CUDA-core math in float32 (see _awq_gemv_kernel); a program takes one row, or two with
     pair_rows (None: when M > 1), and each program reads the weight again (from L2 when they
     run together). block_n: output columns a program (a power of two >= 8); block_k: K per
-    step, a power of two dividing group_size; split_k: K ranges (None: enough to fill the GPU,
-    at most _GEMV_SPLIT_ROWS rows each; 1: one launch, no partial sums); num_stages: weight
-    tiles in flight.
+    step, a power of two dividing group_size; split_k: K ranges (None: enough for
+    programs_per_sm programs an SM, at most _GEMV_SPLIT_ROWS rows each; 1: one launch, no
+    partial sums); num_stages: weight tiles in flight.
     """
     m, k, n = _check(x, qweight, qzeros, scales, group_size)
     if not 1 <= m <= GEMV_MAX_ROWS:
@@ -497,7 +498,7 @@ def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     pair = m > 1 if pair_rows is None else pair_rows
     row_programs = triton.cdiv(m, 2) if pair else m
     programs = triton.cdiv(n, block_n) * row_programs
-    num_splits, tiles = _num_splits(split_k, programs, k // block_k, _GEMV_PROGRAMS_PER_SM,
+    num_splits, tiles = _num_splits(split_k, programs, k // block_k, programs_per_sm,
                                     x.device, at_least=k // _GEMV_SPLIT_ROWS)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = pdl_options(x.device)

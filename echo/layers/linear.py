@@ -49,7 +49,9 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        # row count -> a kernel that beat cuBLAS for this shape (worker/linear_tuning.py)
+        # row count -> a kernel that beat the default for this shape (worker/linear_tuning.py):
+        # fn(x, weight) in place of cuBLAS, or fn(x, qweight, qzeros, scales, group_size) in
+        # place of awq_linear
         self.small_m_kernels: dict[int, Callable] = {}
 
     def _param(self, shape, dtype, output_dim: int, input_dim: int, output_pack: int = 1,
@@ -79,13 +81,15 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight^T: cuBLAS, or the kernel start-up tuning picked for this many rows; AWQ
         layers through the W4A16 kernels (their PyTorch reference off the GPU)."""
-        if self.quant is not None:
-            return self._awq_matmul(x)
         kernel = self.small_m_kernels.get(x.shape[0]) if self.small_m_kernels else None
+        if self.quant is not None:
+            return self._awq_matmul(x, kernel)
         return F.linear(x, self.weight) if kernel is None else kernel(x, self.weight)
 
-    def _awq_matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def _awq_matmul(self, x: torch.Tensor, kernel: Callable | None) -> torch.Tensor:
         args = (self.qweight, self.qzeros, self.scales, self.quant.group_size)
+        if kernel is not None:
+            return kernel(x.contiguous(), *args)
         if x.is_cuda:
             from echo_kernels import awq_linear
 

@@ -1,14 +1,16 @@
-"""Pick, per linear-layer shape, the faster of cuBLAS and echo's GEMV for one-row decode steps.
+"""Pick, per linear-layer shape, the fastest kernel for one-row decode steps.
 
 At batch 1 a linear layer is a read of its weight, and cuBLAS streams the small decode shapes
 well below the H200's bandwidth (docs/benchmarks.md, History e20d1fd). `small_m_linear` beats it
 on some shapes and loses on others, by amounts that depend on the card and the shape, so the
 runner measures instead of guessing: for each distinct (N, K) it times F.linear and a few GEMV
 tiles over all the layers of that shape (the weights a decode step really streams, past the L2)
-and gives those layers the GEMV only where it is faster by a margin. On by default on CUDA
-(ECHO_TUNE_SMALL_M=0 turns it off): with PDL it made batch-1 Llama-3.1-8B and Qwen3-8B steps
-faster on an H200 (docs/benchmarks.md, History 6340cc9). The choice is per machine, so logits
-may differ in the last bits between machines, as they do between cuBLAS versions.
+and gives those layers the GEMV only where it is faster by a margin. AWQ layers get the same
+treatment with awq_gemv's default tiles in cuBLAS's place and a few other tiles as the
+candidates, per (N, K, group size). On by default on CUDA (ECHO_TUNE_SMALL_M=0 turns it off):
+with PDL it made batch-1 Llama-3.1-8B and Qwen3-8B steps faster on an H200 (docs/benchmarks.md,
+History 6340cc9). The choice is per machine, so logits may differ in the last bits between
+machines, as they do between cuBLAS versions.
 """
 
 import functools
@@ -28,29 +30,44 @@ from echo.layers.linear import LinearBase
 GEMV_CANDIDATES = ((8, 512, False, 4), (8, 512, True, 4), (4, 512, False, 4), (4, 512, True, 4),
                    (4, 1024, False, 4), (16, 256, False, 4), (4, 512, False, 2),
                    (4, 512, True, 2), (4, 512, True, 8))
-MIN_GAIN = 1.03  # the GEMV must be at least 3% faster: noise must not flip a choice
+# (block_n, block_k, programs_per_sm, num_stages) of awq_gemv, one warp: its sweep at
+# Llama-3.1-8B's layers put every layer's best at one warp, 512-1024 columns, 8-16 rows a step
+# and 8-16 programs an SM (docs/benchmarks.md AWQ, 090b1e5); the default is 512, 8, 8, 3
+AWQ_GEMV_CANDIDATES = ((1024, 8, 8, 3), (512, 16, 8, 3), (1024, 16, 8, 3), (512, 8, 16, 3),
+                       (1024, 8, 16, 3), (512, 16, 16, 3), (512, 8, 4, 3), (512, 8, 8, 5))
+MIN_GAIN = 1.03  # a candidate must be at least 3% faster: noise must not flip a choice
 
-Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# times one call of `fn(x, w)` per weight in `weights`, in microseconds per call
-Timer = Callable[[Matmul, torch.Tensor, list[torch.Tensor]], float]
+# a linear layer's operands after x: (weight,), or (qweight, qzeros, scales, group_size)
+Operands = tuple
+Matmul = Callable[..., torch.Tensor]  # fn(x, *operands)
+# times one call of `fn(x, *operands)` per layer's operands, in microseconds per call
+Timer = Callable[[Matmul, torch.Tensor, list[Operands]], float]
 
 
 @dataclass(frozen=True)
 class ShapeChoice:
     shape: tuple[int, int]  # (N, K)
     num_layers: int
-    cublas_us: float
+    baseline_us: float  # cuBLAS, or awq_gemv's default tiles for AWQ layers
     best_us: float
-    tile: tuple[int, int, bool, int] | None  # a GEMV_CANDIDATES entry; None: cuBLAS stays
+    tile: tuple | None  # a candidate; None: the baseline stays
+    awq_group: int | None = None  # the group size of AWQ layers
 
     def describe(self) -> str:
         n, k = self.shape
-        pick = "cuBLAS"
-        if self.tile:
+        name, baseline, pick = f"{n}x{k}", "cuBLAS", "cuBLAS"
+        if self.awq_group is not None:
+            name, baseline, pick = f"AWQ {n}x{k} group {self.awq_group}", "awq_gemv", "default"
+        if self.tile and self.awq_group is None:
             block_n, block_k, prefetch, num_warps = self.tile
             pick = (f"small_m_linear {block_n}x{block_k}{' prefetch' if prefetch else ''} "
                     f"{num_warps} warps {self.best_us:.1f} us")
-        return f"{n}x{k} ({self.num_layers} layers): cuBLAS {self.cublas_us:.1f} us -> {pick}"
+        elif self.tile:
+            block_n, block_k, per_sm, stages = self.tile
+            pick = (f"awq_gemv {block_k}x{block_n} {per_sm} programs an SM {stages} stages "
+                    f"{self.best_us:.1f} us")
+        return (f"{name} ({self.num_layers} layers): {baseline} {self.baseline_us:.1f} us -> "
+                f"{pick}")
 
 
 def gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int) -> Matmul:
@@ -60,43 +77,76 @@ def gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int) -> Matmul:
                              num_warps=num_warps, prefetch=prefetch)
 
 
+def awq_gemv(block_n: int, block_k: int, programs_per_sm: int, num_stages: int) -> Matmul:
+    from echo_kernels.awq import awq_gemv as kernel
+
+    return functools.partial(kernel, block_n=block_n, block_k=block_k,
+                             programs_per_sm=programs_per_sm, num_stages=num_stages)
+
+
+def awq_default(x, qweight, qzeros, scales, group_size) -> torch.Tensor:
+    from echo_kernels.awq import awq_linear
+
+    return awq_linear(x, qweight, qzeros, scales, group_size)
+
+
 def tune_one_row_linears(model: nn.Module, timer: Timer,
-                         candidates: Sequence[tuple[int, int, bool, int]] = GEMV_CANDIDATES,
-                         make_kernel: Callable[..., Matmul] = gemv) -> list[ShapeChoice]:
-    """Set `small_m_kernels[1]` on every bias-free linear layer whose shape the GEMV wins."""
-    by_shape: dict[tuple[int, int], list[LinearBase]] = defaultdict(list)
+                         candidates: Sequence[tuple] = GEMV_CANDIDATES,
+                         make_kernel: Callable[..., Matmul] = gemv,
+                         awq_candidates: Sequence[tuple] = AWQ_GEMV_CANDIDATES,
+                         make_awq_kernel: Callable[..., Matmul] = awq_gemv
+                         ) -> list[ShapeChoice]:
+    """Set `small_m_kernels[1]` on every bias-free linear layer whose shape a candidate wins
+    by MIN_GAIN over the baseline (cuBLAS; awq_linear's default for AWQ layers)."""
+    by_shape: dict[tuple[int, int, int | None], list[LinearBase]] = defaultdict(list)
     for module in model.modules():
-        if isinstance(module, LinearBase) and module.bias is None and module.quant is None:
-            by_shape[tuple(module.weight.shape)].append(module)
+        if isinstance(module, LinearBase) and module.bias is None:
+            by_shape[_shape(module)].append(module)
     choices = []
-    for shape, layers in by_shape.items():
-        weights = [layer.weight for layer in layers]
-        x = torch.randn(1, shape[1], dtype=weights[0].dtype, device=weights[0].device)
-        cublas_us = timer(F.linear, x, weights)
-        best_us, best_tile = cublas_us / MIN_GAIN, None
-        for tile in candidates:
-            us = timer(make_kernel(*tile), x, weights)
+    for (n, k, group), layers in by_shape.items():
+        operands = [_operands(layer) for layer in layers]
+        like = operands[0][0] if group is None else operands[0][2]  # weight or scales
+        x = torch.randn(1, k, dtype=like.dtype, device=like.device)
+        baseline, tiles, make = ((F.linear, candidates, make_kernel) if group is None else
+                                 (awq_default, awq_candidates, make_awq_kernel))
+        baseline_us = timer(baseline, x, operands)
+        best_us, best_tile = baseline_us / MIN_GAIN, None
+        for tile in tiles:
+            us = timer(make(*tile), x, operands)
             if us < best_us:
                 best_us, best_tile = us, tile
         if best_tile is not None:
-            kernel = make_kernel(*best_tile)
+            kernel = make(*best_tile)
             for layer in layers:
                 layer.small_m_kernels[1] = kernel
-        choices.append(ShapeChoice(shape, len(layers), cublas_us,
-                                   best_us if best_tile else cublas_us, best_tile))
+        choices.append(ShapeChoice((n, k), len(layers), baseline_us,
+                                   best_us if best_tile else baseline_us, best_tile, group))
     return choices
 
 
-def cuda_graph_timer(fn: Matmul, x: torch.Tensor, weights: list[torch.Tensor],
+def _shape(layer: LinearBase) -> tuple[int, int, int | None]:
+    """(N, K, the AWQ group size or None)."""
+    if layer.quant is None:
+        return (*layer.weight.shape, None)
+    return layer.scales.shape[1], layer.qweight.shape[0], layer.quant.group_size
+
+
+def _operands(layer: LinearBase) -> Operands:
+    if layer.quant is None:
+        return (layer.weight,)
+    return layer.qweight, layer.qzeros, layer.scales, layer.quant.group_size
+
+
+def cuda_graph_timer(fn: Matmul, x: torch.Tensor, operands: list[Operands],
                      replays: int = 10) -> float:
-    """Median time per call of fn(x, w) over `weights`, replayed from one CUDA graph (launch
-    overhead out, as in the engine's decode graphs)."""
-    fn(x, weights[0])  # compile before capture
+    """Median time per call of fn(x, *each layer's operands), replayed from one CUDA graph
+    (launch overhead out, as in the engine's decode graphs)."""
+    fn(x, *operands[0])  # compile before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for w in weights:
-            fn(x, w)
+        for layer_operands in operands:
+            fn(x, *layer_operands)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -104,5 +154,5 @@ def cuda_graph_timer(fn: Matmul, x: torch.Tensor, weights: list[torch.Tensor],
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(weights))
+        times.append(start.elapsed_time(end) * 1e3 / len(operands))
     return sorted(times)[len(times) // 2]

@@ -1,5 +1,6 @@
-"""tune_one_row_linears: per shape, the GEMV replaces cuBLAS only where it is timed faster by
-the margin, and a tuned layer then uses it for one-row inputs only."""
+"""tune_one_row_linears: per shape, the GEMV replaces cuBLAS (and an AWQ GEMV tile awq_gemv's
+default) only where it is timed faster by the margin, and a tuned layer then uses it for one-row
+inputs only."""
 
 import pytest
 import torch
@@ -7,7 +8,10 @@ import torch.nn.functional as F
 
 from echo.distributed.parallel_state import SINGLE
 from echo.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from echo.layers.quantization import AwqConfig
 from echo.worker.linear_tuning import MIN_GAIN, tune_one_row_linears
+from echo_kernels.reference import awq_linear_ref
+from tests.kernels.test_awq import awq_tensors
 
 
 class Net(torch.nn.Module):
@@ -33,10 +37,11 @@ def fake_timer(times):
     """Times by (shape, tile or 'cublas'); records which weights each call streamed."""
     seen = []
 
-    def timer(fn, x, weights):
-        seen.append((tuple(weights[0].shape), len(weights)))
-        assert x.shape == (1, weights[0].shape[1])
-        return times[(tuple(weights[0].shape), getattr(fn, "tile", "cublas"))]
+    def timer(fn, x, operands):
+        weight = operands[0][0]  # the weight [N, K], or AWQ's qweight [K, N / 8]
+        seen.append((tuple(weight.shape), len(operands)))
+        assert x.shape == (1, weight.shape[1] if len(operands[0]) == 1 else weight.shape[0])
+        return times[(tuple(weight.shape), getattr(fn, "tile", "cublas"))]
 
     return timer, seen
 
@@ -53,6 +58,7 @@ def test_faster_tiles_replace_cublas_only_beyond_the_margin():
     assert MIN_GAIN > 1.02
     assert set(choices) == {(16, 8), (8, 16)}  # the biased layer was not timed
     assert choices[(16, 8)].tile == tiles[1] and choices[(16, 8)].best_us == 8.0
+    assert choices[(16, 8)].baseline_us == 10.0
     assert choices[(16, 8)].num_layers == 2 and ((16, 8), 2) in seen  # both weights streamed
     assert choices[(8, 16)].tile is None and choices[(8, 16)].best_us == 10.0
     assert "cuBLAS 10.0 us -> small_m_linear 4x1024 prefetch 2 warps 8.0 us" in \
@@ -67,6 +73,57 @@ def test_faster_tiles_replace_cublas_only_beyond_the_margin():
     assert net.c.small_m_kernels == {}
 
 
+class AwqNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        group = AwqConfig(group_size=16)
+        self.a1 = ColumnParallelLinear(32, 16, quant=group)  # N = 16, K = 32, twice
+        self.a2 = ColumnParallelLinear(32, 16, quant=group)
+        self.b = RowParallelLinear(32, 8, quant=group)  # N = 8, K = 32
+        self.dense = ColumnParallelLinear(8, 16)  # a dense layer beside them, timed on its own
+        for seed, layer in enumerate((self.a1, self.a2, self.b)):
+            qweight, qzeros, scales = awq_tensors(32, layer.scales.shape[1], 16, "cpu", seed)
+            layer.qweight.data, layer.qzeros.data = qweight, qzeros
+            layer.scales.data = scales.float()
+        self.dense.weight.data.normal_()
+
+
+def awq_kernel_for(*tile):
+    def kernel(x, qweight, qzeros, scales, group_size):
+        return awq_linear_ref(x, qweight, qzeros, scales, group_size) + 1000.0
+
+    kernel.tile = tile
+    return kernel
+
+
+def test_awq_layers_take_a_faster_gemv_tile_by_shape():
+    net = AwqNet()
+    tiles = [(1024, 8, 8, 3), (512, 16, 16, 3)]
+    # keyed by qweight's shape [K, N / 8]: (32, 2) for N = 16, (32, 1) for N = 8
+    times = {((32, 2), "cublas"): 10.0, ((32, 2), tiles[0]): 9.0, ((32, 2), tiles[1]): 9.5,
+             ((32, 1), "cublas"): 10.0, ((32, 1), tiles[0]): 10.0 / 1.02,
+             ((32, 1), tiles[1]): 12.0, ((16, 8), "cublas"): 10.0}
+    timer, seen = fake_timer(times)
+    choices = tune_one_row_linears(net, timer, [], kernel_for, tiles, awq_kernel_for)
+    by_shape = {(c.shape, c.awq_group): c for c in choices}
+    assert set(by_shape) == {((16, 32), 16), ((8, 32), 16), ((16, 8), None)}
+    assert ((32, 2), 2) in seen  # both layers of that shape streamed
+    won = by_shape[((16, 32), 16)]
+    assert won.tile == tiles[0] and won.baseline_us == 10.0 and won.best_us == 9.0
+    assert "AWQ 16x32 group 16 (2 layers): awq_gemv 10.0 us -> awq_gemv 8x1024 8 programs " \
+        "an SM 3 stages 9.0 us" in won.describe()
+    assert by_shape[((8, 32), 16)].tile is None  # 2% faster: the default stays
+
+    one, two = torch.randn(1, 32), torch.randn(2, 32)
+    for layer in (net.a1, net.a2):
+        args = (layer.qweight, layer.qzeros, layer.scales, 16)
+        assert torch.allclose(layer(one), awq_linear_ref(one, *args) + 1000.0)
+        assert torch.allclose(layer(two), awq_linear_ref(two, *args))  # two rows: the default
+    args = (net.b.qweight, net.b.qzeros, net.b.scales, 16)
+    assert torch.allclose(net.b(one), awq_linear_ref(one, *args))
+    assert net.b.small_m_kernels == {} and net.dense.small_m_kernels == {}
+
+
 @pytest.mark.gpu
 def test_gpu_tuning_with_real_timings_keeps_outputs(monkeypatch, tiny_llama):
     from echo import LLM, SamplingParams
@@ -76,7 +133,7 @@ def test_gpu_tuning_with_real_timings_keeps_outputs(monkeypatch, tiny_llama):
 
     net = Net().cuda().to(torch.bfloat16)
     choices = tune_one_row_linears(net, cuda_graph_timer)
-    assert all(c.cublas_us > 0 and c.best_us <= c.cublas_us for c in choices)
+    assert all(c.baseline_us > 0 and c.best_us <= c.baseline_us for c in choices)
     x = torch.randn(1, 8, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(net.a1(x).float(), F.linear(x.float(), net.a1.weight.float()),
                                atol=2e-2, rtol=2e-2)
