@@ -12,12 +12,12 @@ Buffers are sized by bounds that do not depend on the routing (max_padded = M*k 
 sorted slots, max_padded // BLOCK_M tiles), so a CUDA graph can capture a step; tiles past the
 routing's padded length carry expert -1 and their programs exit at once.
 
-With few pairs (a decode step of one or two tokens) sorting buys nothing: every pair would sit
-alone in a tile of 16 rows. Then fused_moe_pairs runs each pair as a GEMV on the CUDA cores (as
-echo_kernels.linear does for dense layers): one launch for gate_up, one for down, whose
-programs also sum a token's k rows: the last of a token's k pairs to finish a column block adds
-the k rows in slot order (an arrival count per token and block; the order of the sum does not
-depend on which pair arrives last, so the output stays deterministic).
+With few pairs (a decode step of up to four tokens at k = 8) sorting buys little: most pairs
+would sit alone in a tile of 16 rows. Then fused_moe_pairs runs each pair as a GEMV on the CUDA
+cores (as echo_kernels.linear does for dense layers): one launch for gate_up, one for down,
+whose programs also sum a token's k rows: the last of a token's k pairs to finish a column
+block adds the k rows in slot order (an arrival count per token and block; the order of the
+sum does not depend on which pair arrives last, so the output stays deterministic).
 """
 
 import torch
@@ -41,8 +41,10 @@ _GEMM_CONFIGS = (
 )
 
 
-# at most this many (token, expert) pairs, each pair is a GEMV of its own (fused_moe_pairs)
-PAIR_MAX = 16
+# at most this many (token, expert) pairs, each pair is a GEMV of its own (fused_moe_pairs):
+# at Qwen3-30B-A3B's k = 8 up to 4 tokens (bench_kernels, H200, 2026-12-04: at 4 tokens 78.6
+# against 83.1 us sorted, at 8 149.0 against 135.7)
+PAIR_MAX = 32
 # (BLOCK_N, BLOCK_K, num_warps) of the pair GEMVs: the best of tools/dev/probe_moe_pair_gemv.py
 # at Qwen3-30B-A3B's shapes, one and two tokens (H200, 2026-12-04, docs/benchmarks.md Qwen3-MoE)
 PAIR_GATE_UP_CONFIG = (2, 256, 1)
