@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from echo_kernels.linear import _weight_tile
+from echo_kernels.linear import weight_tile
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 # (most tokens, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)), first match wins. At E=128 and k=8 a
@@ -461,8 +461,8 @@ def _moe_pair_gate_up_kernel(
     for k0 in range(0, hidden_size, BLOCK_K):
         x = tl.load(x_ptrs + k0, mask=k0 + offs_k < hidden_size, other=0.0)
         x = x.to(tl.float32)[None, :]
-        acc_g += _weight_tile(g_ptrs, cols, offs_k, k0, inter_size, hidden_size, EVEN) * x
-        acc_u += _weight_tile(u_ptrs, cols, offs_k, k0, inter_size, hidden_size, EVEN) * x
+        acc_g += weight_tile(g_ptrs, cols, offs_k, k0, inter_size, hidden_size, EVEN) * x
+        acc_u += weight_tile(u_ptrs, cols, offs_k, k0, inter_size, hidden_size, EVEN) * x
     g = tl.sum(acc_g, 1)
     act = g / (1.0 + tl.math.exp2(-g * 1.4426950408889634)) * tl.sum(acc_u, 1)
     tl.store(act_ptr + pair.to(tl.int64) * inter_size + cols, act.to(act_ptr.dtype.element_ty),
@@ -476,7 +476,7 @@ def _moe_pair_down_kernel(
     weights_ptr,  # [M*k] float32 routing weights
     ids_ptr,  # [M*k] int32
     rows_ptr,  # [M*k, H] out: weight * (w2[e] @ act) of each pair, in hidden's dtype
-    arrivals_ptr,  # [M, cdiv(H, BLOCK_N)] int32, zero on entry and on exit
+    arrivals_ptr,  # [M, cdiv(H, BLOCK_N)] int32, zeroed by the gate_up kernel
     out_ptr,  # [M, H] out: the sum of each token's k rows
     hidden_size,
     inter_size,
@@ -500,14 +500,14 @@ def _moe_pair_down_kernel(
     expert = tl.load(ids_ptr + pair, cache_modifier=".cg").to(tl.int64)
     w_ptrs = (w2_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
               + offs_k[None, :])
-    w_next = _weight_tile(w_ptrs, cols, offs_k, 0, hidden_size, inter_size, EVEN)
+    w_next = weight_tile(w_ptrs, cols, offs_k, 0, hidden_size, inter_size, EVEN)
     wait_for_inputs(USE_PDL)
     a_ptrs = act_ptr + pair * inter_size + offs_k
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
         w = w_next
         # past the last tile the mask is all false: no memory is read
-        w_next = _weight_tile(w_ptrs, cols, offs_k, k0 + BLOCK_K, hidden_size, inter_size,
+        w_next = weight_tile(w_ptrs, cols, offs_k, k0 + BLOCK_K, hidden_size, inter_size,
                               False)
         a = tl.load(a_ptrs + k0, mask=k0 + offs_k < inter_size, other=0.0)
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
@@ -526,7 +526,6 @@ def _moe_pair_down_kernel(
                              other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty),
                  mask=col_ok)
-        tl.store(arrival, 0)
 
 
 def fused_moe_pairs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -592,7 +591,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_pairs = topk_ids.numel()
     if not num_tokens:
         return torch.empty(0, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    if pairs if pairs is not None else num_pairs <= PAIR_MAX:
+    if pairs is None:
+        pairs = num_pairs <= PAIR_MAX
+    if pairs:
         return fused_moe_pairs(hidden, w13, w2, topk_weights, topk_ids)
     tile_m, tile_n, tile_k, warps = _gemm_config(num_tokens)
     block_m, block_n, block_k = block_m or tile_m, block_n or tile_n, block_k or tile_k

@@ -17,7 +17,9 @@ MAX_ROWS = 4  # beyond this the accumulator outgrows the registers: cuBLAS is th
 
 
 @triton.jit
-def _weight_tile(w_ptrs, cols, offs_k, k0, N, K, UNMASKED: tl.constexpr):
+def weight_tile(w_ptrs, cols, offs_k, k0, N, K, UNMASKED: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] tile of a row-major [N, K] weight at rows `cols`, columns k0 +
+    offs_k (w_ptrs: those of k0 = 0); zeros past N and K unless UNMASKED (also fused_moe's)."""
     if UNMASKED:
         return tl.load(w_ptrs + k0)
     return tl.load(w_ptrs + k0, mask=(cols[:, None] < N) & (k0 + offs_k[None, :] < K), other=0.0)
@@ -51,15 +53,15 @@ def _small_m_linear_kernel(
     # math, so PREFETCH double-buffers them in registers by hand to keep two tiles in flight
     if PREFETCH:
         # the weight is never written by a kernel: its first tile may load before the wait
-        w_next = _weight_tile(w_ptrs, cols, offs_k, 0, N, K, EVEN)
+        w_next = weight_tile(w_ptrs, cols, offs_k, 0, N, K, EVEN)
     wait_for_inputs(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
         if PREFETCH:
             w = w_next
             # past the last tile the mask is all false: no memory is read
-            w_next = _weight_tile(w_ptrs, cols, offs_k, k0 + BLOCK_K, N, K, False)
+            w_next = weight_tile(w_ptrs, cols, offs_k, k0 + BLOCK_K, N, K, False)
         else:
-            w = _weight_tile(w_ptrs, cols, offs_k, k0, N, K, EVEN)
+            w = weight_tile(w_ptrs, cols, offs_k, k0, N, K, EVEN)
         x = tl.load(x_ptrs + k0, mask=(rows[:, None] < M) & (k0 + offs_k[None, :] < K),
                     other=0.0)
         acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
