@@ -109,6 +109,8 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
         x = torch.randn(1, k, dtype=like.dtype, device=like.device)
         baseline, tiles, make = ((F.linear, candidates, make_kernel) if group is None else
                                  (awq_default, awq_candidates, make_awq_kernel))
+        if group is not None:  # awq_gemv's block_k must divide the group
+            tiles = [tile for tile in tiles if group % tile[1] == 0]
         baseline_us = timer(baseline, x, operands)
         best_us, best_tile = baseline_us / MIN_GAIN, None
         for tile in tiles:
