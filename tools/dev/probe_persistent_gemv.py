@@ -11,6 +11,8 @@ output), timed three ways in CUDA graphs:
                barrier (an arrival count, acquire/release atomics) between each two
   + prefetch   the same, each program's first weight tile of the next GEMV loaded before the
                barrier (weights do not depend on activations), so the stream does not stop
+  no barriers  the persistent kernel without them: its outputs are wrong (no GEMV waits for
+               its input), its time is the rate of its weight stream alone
 No norms, attention or activation functions: the GEMVs alone, to see what the barriers cost
 against the launches. Each variant's output is checked against a PyTorch chain first. The grid
 is sized to be co-resident (the barrier would otherwise wait forever); a spin that passes
@@ -33,14 +35,16 @@ from echo_kernels.linear import small_m_linear, weight_tile  # noqa: E402
 
 # (N, K) of Qwen3-0.6B's GEMVs in layer order; each reads the first K outputs of the one before
 SHAPES = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))
-SPIN_LIMIT = tl.constexpr(1 << 22)
+SPIN_LIMIT = tl.constexpr(1 << 18)
 BLOCK_N, BLOCK_K = 8, 512
 
 
 @triton.jit
-def _grid_barrier(arrivals_ptr, target, error_ptr):
+def _grid_barrier(arrivals_ptr, target, error_ptr, ON: tl.constexpr):
     """Wait until `target` programs have arrived in total (every program of the grid, once a
-    barrier); gives up after SPIN_LIMIT polls and flags error_ptr."""
+    barrier); gives up after SPIN_LIMIT polls and flags error_ptr. ON=False: no barrier."""
+    if not ON:
+        return
     tl.debug_barrier()  # this program's stores before its arrival (released by the atomic)
     tl.atomic_add(arrivals_ptr, 1, sem="release", scope="gpu")
     polls = 0
@@ -66,8 +70,10 @@ def _gemv_phase(w_ptr, x_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, w_first,
         for k0 in range(0, K, BLOCK_K):
             if k0 > 0:
                 w = weight_tile(w_ptrs, rows, offs_k, k0, N, K, True)
-            x = tl.load(x_ptr + k0 + offs_k, cache_modifier=".cg").to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
+            # x as a [1, BLOCK_K] row: it takes the weight tile's layout, no shuffle through
+            # shared memory
+            x = tl.load(x_ptr + k0 + offs_k[None, :], cache_modifier=".cg").to(tl.float32)
+            acc += w.to(tl.float32) * x
         tl.store(y_ptr + rows, tl.sum(acc, 1).to(y_ptr.dtype.element_ty))
         next_rows = (block + tl.num_programs(0)) * BLOCK_N + tl.arange(0, BLOCK_N)
         w = weight_tile(w_ptr + next_rows[:, None].to(tl.int64) * K + offs_k[None, :],
@@ -93,6 +99,7 @@ def _persistent_chain_kernel(
     N0: tl.constexpr, K0: tl.constexpr, N1: tl.constexpr, K1: tl.constexpr,
     N2: tl.constexpr, K2: tl.constexpr, N3: tl.constexpr, K3: tl.constexpr,
     PREFETCH: tl.constexpr,
+    BARRIERS: tl.constexpr,  # False: the GEMVs' stream alone (the outputs are then wrong)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -109,7 +116,7 @@ def _persistent_chain_kernel(
         if PREFETCH:
             w = _first_tile(base + N0 * K0, N1, K1, BLOCK_N, BLOCK_K)
         barriers += 1
-        _grid_barrier(arrivals_ptr, barriers * grid, error_ptr)
+        _grid_barrier(arrivals_ptr, barriers * grid, error_ptr, BARRIERS)
         if not PREFETCH:
             w = _first_tile(base + N0 * K0, N1, K1, BLOCK_N, BLOCK_K)
         _gemv_phase(base + N0 * K0, bufs_ptr + 8192, bufs_ptr + 2 * 8192, N1, K1, w, BLOCK_N,
@@ -117,7 +124,7 @@ def _persistent_chain_kernel(
         if PREFETCH:
             w = _first_tile(base + N0 * K0 + N1 * K1, N2, K2, BLOCK_N, BLOCK_K)
         barriers += 1
-        _grid_barrier(arrivals_ptr, barriers * grid, error_ptr)
+        _grid_barrier(arrivals_ptr, barriers * grid, error_ptr, BARRIERS)
         if not PREFETCH:
             w = _first_tile(base + N0 * K0 + N1 * K1, N2, K2, BLOCK_N, BLOCK_K)
         _gemv_phase(base + N0 * K0 + N1 * K1, bufs_ptr + 2 * 8192, bufs_ptr + 3 * 8192, N2, K2,
@@ -125,7 +132,7 @@ def _persistent_chain_kernel(
         if PREFETCH:
             w = _first_tile(base + N0 * K0 + N1 * K1 + N2 * K2, N3, K3, BLOCK_N, BLOCK_K)
         barriers += 1
-        _grid_barrier(arrivals_ptr, barriers * grid, error_ptr)
+        _grid_barrier(arrivals_ptr, barriers * grid, error_ptr, BARRIERS)
         if not PREFETCH:
             w = _first_tile(base + N0 * K0 + N1 * K1 + N2 * K2, N3, K3, BLOCK_N, BLOCK_K)
         _gemv_phase(base + N0 * K0 + N1 * K1 + N2 * K2, bufs_ptr + 3 * 8192, bufs_ptr + 4 * 8192,
@@ -134,7 +141,7 @@ def _persistent_chain_kernel(
         if PREFETCH & (layer + 1 < num_layers):
             w = _first_tile(next_base, N0, K0, BLOCK_N, BLOCK_K)
         barriers += 1
-        _grid_barrier(arrivals_ptr, barriers * grid, error_ptr)
+        _grid_barrier(arrivals_ptr, barriers * grid, error_ptr, BARRIERS)
         if (not PREFETCH) & (layer + 1 < num_layers):
             w = _first_tile(next_base, N0, K0, BLOCK_N, BLOCK_K)
     # the last program out zeroes the counts for the next launch: every program has passed
@@ -148,11 +155,11 @@ class PersistentChain:
     """The persistent kernel's buffers, allocated once (so a graph replay is the launch alone)."""
 
     def __init__(self, weights: torch.Tensor, x: torch.Tensor, num_layers: int, programs: int,
-                 prefetch: bool, shapes=SHAPES):
+                 prefetch: bool, shapes=SHAPES, barriers: bool = True):
         assert all(n <= 8192 and k <= 8192 for n, k in shapes)
         self.weights, self.num_layers, self.programs, self.prefetch = (weights, num_layers,
                                                                        programs, prefetch)
-        self.shapes = shapes
+        self.shapes, self.barriers = shapes, barriers
         self.bufs = torch.zeros(5, 8192, dtype=x.dtype, device=x.device)
         self.bufs[0, :x.numel()] = x
         self.arrivals = torch.zeros(2, dtype=torch.int32, device=x.device)
@@ -163,8 +170,8 @@ class PersistentChain:
         (n0, k0), (n1, k1), (n2, k2), (n3, k3) = self.shapes
         _persistent_chain_kernel[(self.programs,)](
             self.weights, self.bufs, self.arrivals, self.error, self.num_layers, N0=n0, K0=k0,
-            N1=n1, K1=k1, N2=n2, K2=k2, N3=n3, K3=k3, PREFETCH=self.prefetch, BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K, num_warps=4)
+            N1=n1, K1=k1, N2=n2, K2=k2, N3=n3, K3=k3, PREFETCH=self.prefetch,
+            BARRIERS=self.barriers, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
         return self.bufs[4, :n3]
 
 
@@ -231,8 +238,11 @@ def main() -> None:
     print(f"{args.layers} layers, {nbytes / 1e6:.0f} MB of weights; copy bandwidth "
           f"{copy_tbs:.2f} TB/s: {nbytes / copy_tbs / 1e6:.1f} us at it", flush=True)
 
-    def report(name, fn):
+    def report(name, fn, error=None):
         got = fn().float()
+        if error is not None and error.item():
+            print(f"{name}: a barrier gave up waiting (the grid was not co-resident)", flush=True)
+            return
         err = ((got - want).abs().max() / want.abs().max()).item()
         us = graph_us(fn)
         print(f"{name:<34} {us:8.1f} us  {nbytes / us / 1e6:5.2f} TB/s  "
@@ -243,9 +253,9 @@ def main() -> None:
     for per_sm in map(int, args.programs_per_sm.split(",")):
         for prefetch in (False, True):
             run = PersistentChain(weights, x, args.layers, sms * per_sm, prefetch)
-            report(f"persistent {per_sm}/SM{' + prefetch' if prefetch else ''}", run)
-            if run.error.item():
-                print("  a barrier gave up waiting: the grid was not co-resident", flush=True)
+            report(f"persistent {per_sm}/SM{' + prefetch' if prefetch else ''}", run, run.error)
+        run = PersistentChain(weights, x, args.layers, sms * per_sm, True, barriers=False)
+        report(f"no barriers {per_sm}/SM (rate only)", run)
 
 
 if __name__ == "__main__":
