@@ -29,6 +29,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from bench_kernels import bench_graph, measure_ceilings  # noqa: E402
 
 from echo_kernels.device import sm_count  # noqa: E402
 from echo_kernels.linear import small_m_linear, weight_tile  # noqa: E402
@@ -202,22 +203,9 @@ def reference(x: torch.Tensor, views) -> torch.Tensor:
     return chain(x, views, lambda y, w: (y.float() @ w.float().T).to(x.dtype))
 
 
-def graph_us(fn, reps: int = 20) -> float:
-    """Median µs of fn replayed from a CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
+def graph_us(fn) -> float:
+    """Median µs of fn replayed from a CUDA graph (bench_kernels' bench_graph, once a replay)."""
+    return bench_graph([fn], inner=1) * 1e3
 
 
 def main() -> None:
@@ -232,9 +220,7 @@ def main() -> None:
     x = torch.randn(SHAPES[0][1], device="cuda", dtype=torch.bfloat16)
     want = reference(x, views).float()
     nbytes = weights.numel() * 2
-    src = torch.empty(1 << 29, device="cuda", dtype=torch.bfloat16)
-    copy_us = graph_us(lambda: src.clone())
-    copy_tbs = 2 * src.numel() * 2 / copy_us / 1e6
+    copy_tbs = measure_ceilings()["copy_TBps"]
     print(f"{args.layers} layers, {nbytes / 1e6:.0f} MB of weights; copy bandwidth "
           f"{copy_tbs:.2f} TB/s: {nbytes / copy_tbs / 1e6:.1f} us at it", flush=True)
 
