@@ -27,7 +27,7 @@ nibbles become floats ORed into the mantissa of 2**23 (_as_float), and q - z is 
 subtraction. Past LINEAR_GEMM_ROWS rows (prefill, large batches) awq_linear dequantizes the
 whole weight to x's dtype (awq_dequantize, with the GEMV's offsets) and leaves the product to
 cuBLAS: the tile dequantization inside awq_gemm holds it to 41-44% of cuBLAS bf16, the weight's
-extra round trip through memory costs less than that from ~32 rows on.
+extra round trip through memory costs less than that from ~128-256 rows on.
 
 The K-major layout makes a weight row of one program's columns only BLOCK_N / 2 bytes, so at a
 few rows the output columns alone give too few programs to stream the weight at the memory's
@@ -56,10 +56,11 @@ GEMV_MAX_ROWS = 16  # the most rows awq_gemv takes
 LINEAR_GEMV_ROWS = 4
 # awq_linear's switch from awq_gemm to a dense weight (awq_dequantize) and cuBLAS: the
 # dequantization writes 2 bytes a weight and cuBLAS reads them back, a fixed cost (gate_up
-# ~145 us) that awq_gemm's row tiles pass by 32-48 rows (H200, Llama-3.1-8B's layers: ties at
-# 32, the dense weight 1.4-1.5x faster at 48, 1.9-2.5x at 1024, 89-95% of cuBLAS bf16 at 4096
-# against awq_gemm's 41-44%; docs/benchmarks.md AWQ, 2026-12-04)
-LINEAR_GEMM_ROWS = 32
+# ~145 us) that awq_gemm's row tiles pass between 128 and 256 rows (H200, Llama-3.1-8B's four
+# layers in CUDA graphs, tools/dev/probe_awq_gemm_rows.py: with one row tile of 64 or 128 rows
+# 212 against 272 us at 64 rows, 246 against 328 at 128, 444 against 331 at 256; 89-95% of
+# cuBLAS bf16 at 4096 against awq_gemm's 41-44%; docs/benchmarks.md AWQ, 2026-12-04)
+LINEAR_GEMM_ROWS = 128
 # rows and columns a program of awq_dequantize (8 KB read, 16 KB written in bf16); untuned
 _DEQUANTIZE_BLOCK_K, _DEQUANTIZE_BLOCK_N = 8, 1024
 # programs to aim for per SM: a decode GEMV needs several in flight to cover memory latency, and
@@ -83,12 +84,13 @@ _ONE_BITS = 0x3F800000  # float32 1.0
 # the group size. Decode rows from the H200: bench_kernels' sweep (2026-12-02: 16 x 128 x 64
 # best for all four Llama-3.1-8B shapes at 16 rows) and tools/dev/probe_awq_gemm_rows.py
 # (2026-12-04: at 32 rows one 32-row tile took a layer's four GEMMs in 194.4 us against 284.3
-# for two 16-row tiles); M = 4096 at 128 x 256 x 128 with 8 warps (1.41-1.46x the earlier
-# 128 x 128 x 64); the middle one untuned
+# for two 16-row tiles; at 64 rows one 64-row tile 212.1 against 335.9 for the 32-row one; at
+# 128 and 256 rows 128 x 256 x 128 on 8 warps, 246.4 and 443.7 against 415.0 and 723.4 for
+# 64 x 128 x 64); M = 4096 at 128 x 256 x 128 (1.41-1.46x the earlier 128 x 128 x 64)
 _GEMM_CONFIGS = (
     (16, (16, 128, 64, 4)),
-    (_DECODE_ROWS, (32, 128, 64, 4)),
-    (512, (64, 128, 64, 4)),
+    (32, (32, 128, 64, 4)),
+    (_DECODE_ROWS, (64, 128, 64, 4)),
     (None, (128, 256, 128, 8)),
 )
 _SUM_ELEMENTS = 2048  # partial sums a program of _split_sum_kernel adds

@@ -1,13 +1,13 @@
-"""AWQ rows through awq_gemm's tensor-core tiles, and past 32 rows through the dense weight.
+"""AWQ rows through awq_gemm's tensor-core tiles, and through the dense weight.
 
     python tools/dev/probe_awq_gemm_rows.py [--rows 8,16,32]
 
 Llama-3.1-8B's four layer shapes (bench_kernels' AWQ_SHAPES), fp16 x, each call in CUDA graphs
 over weight copies beyond the L2 (bench_kernels' bench_graph), so the figures compare with
 bench_kernels' decode rows. The default tile first, then the tiles named for that row count
-(block_m, block_n, block_k, num_warps) and, from 64 rows, awq_dequantize + cuBLAS ("dense",
-awq_linear's choice there). To compare two versions of the kernel, copy this file into the other
-tree and run it there as well: it imports the echo_kernels of the tree it sits in.
+(block_m, block_n, block_k, num_warps) and awq_dequantize + cuBLAS ("dense", awq_linear's
+choice past LINEAR_GEMM_ROWS). To compare two versions of the kernel, copy this file into the
+other tree and run it there as well: it imports the echo_kernels of the tree it sits in.
 """
 
 import argparse
@@ -44,7 +44,7 @@ def main() -> None:
         copies, _ = awq_copies(n, k)
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            for tile in [None] + (DECODE_TILES if m < 64 else PREFILL_TILES):
+            for tile in [None] + (DECODE_TILES + ["dense"] if m < 64 else PREFILL_TILES):
                 fn = call(x, tile)
                 ms = fits(lambda: bench_graph([lambda c=c: fn(*c) for c in copies]))  # noqa: B023
                 label = "default" if tile is None else \
