@@ -206,8 +206,8 @@ def test_fused_moe_routing_cases(device, dtype, case, rows, hidden_size, inter, 
 
 
 @pytest.mark.parametrize("gate_up, down", [
-    ((32, 64, 2), (4, 16, 1)),  # 10 gate_up programs zero 80 arrival counts: several each
-    ((4, 16, 1), (32, 32, 2)),  # one down block a token: each token's k pairs meet once
+    ((32, 64, 2), (4, 16, 1)),  # 15 gate_up programs zero 80 arrival counts: several each
+    ((4, 16, 1), (32, 32, 2)),  # two down blocks a token, 8 gate_up blocks a pair
 ])
 def test_fused_moe_pairs_tiles(device, gate_up, down):
     # 5 tokens, k = 3 of 8 experts: every token's sum waits for three pairs per column block
