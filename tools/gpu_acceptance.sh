@@ -2,9 +2,9 @@
 # The GPU measurements behind the open acceptance points, staged so each fits one device call:
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
 # Stages: tests kernels latency offline profile profile-tail serving int8-pool kv-offload
-# structured awq, and tp and profile-tp (two GPUs). Rough minutes on an H200: tests 11 (two
-# calls: tests/kernels, then the rest), kernels 2, latency 3, offline 5, profile 5,
-# profile-tail 2, serving 4, int8-pool 2, kv-offload 6, structured 4, awq 8, tp 6 (plus
+# structured awq moe, and tp and profile-tp (two GPUs). Rough minutes on an H200: tests 11
+# (two calls: tests/kernels, then the rest), kernels 2, latency 3, offline 5, profile 5,
+# profile-tail 2, serving 4, int8-pool 2, kv-offload 6, structured 4, awq 8, moe 6, tp 6 (plus
 # start-up):
 # pick what fits the device budget. Logs and JSON go to a scratch folder that is packed into
 # $OUT/STAGE.tar.gz (the device tool returns few files), and the key lines are printed. Every
@@ -150,6 +150,16 @@ stage_commands() {
         $PY tools/bench_offline.py --model $model --json "$dir/offline_$model.json" 2>&1 \
           | tail -1
       done ;;
+    moe)  # #28: the MoE tests, fused_moe's rows, batch-1 decode, offline, transformers' forward
+      $PY -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
+        tests/models/test_qwen3_moe.py 2>&1 | tail -2
+      $PY tools/bench_kernels.py --only moe --out "$dir/kernels_moe.json" 2>&1 \
+        | tee "$dir/kernels_moe.log" | grep -E "^(fused_moe|router)"
+      $PY tools/bench_latency.py --model qwen3-30b-a3b --iters 2 \
+        --json "$dir/latency_qwen3-30b-a3b.json" 2>&1 | grep -E "decode"
+      $PY tools/bench_offline.py --model qwen3-30b-a3b --json "$dir/offline_moe.json" 2>&1 \
+        | tail -1
+      $PY tools/bench_hf_reference.py --model qwen3-30b-a3b 2>&1 | tail -2 ;;
     *)
       echo "unknown stage $stage" >&2; return 2 ;;
   esac
