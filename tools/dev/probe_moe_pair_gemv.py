@@ -7,7 +7,7 @@ routings (bench_kernels' bench_graph). Every row but one starts from router logi
 beforehand (the router is the model's own linear layer):
   fused_moe            moe_routing + fused_moe with its defaults (and routing on fewer warps)
   fused_moe sorted     the same through the sorted tiles
-  router + fused_moe   x @ gate (cuBLAS) first, as bench_kernels' fused_moe rows did to 57aa13f
+  router + fused_moe   x @ gate (cuBLAS) first, as bench_kernels' fused_moe rows did to 32cfaf8
   gemv, separate sum   the pair GEMVs as first measured: the down GEMV writes each pair's row,
                        a third launch sums a token's k rows
   pairs g/d            fused_moe_pairs with (BLOCK_N, BLOCK_K, num_warps) g and d
@@ -103,7 +103,7 @@ QUICK = {"gate_up": [(4, 512, 2), (8, 256, 2)], "down": [(8, 128, 2), (4, 256, 2
 
 
 def gemv_moe(x, w13, w2, weights, ids, gate_up, down):
-    """The chain after routing as 57aa13f measured it: gate_up GEMV, down GEMV, the k-way sum."""
+    """The chain after routing as the first run measured it: gate_up GEMV, down GEMV, sum."""
     m, h = x.shape
     e, two_i, _ = w13.shape
     i, k = two_i // 2, ids.shape[1]
