@@ -1,0 +1,520 @@
+"""One decode step of a dense Llama/Qwen3 model at batch 1 in one persistent launch.
+
+At batch 1 a step reads every weight once, and each launch streams only a few MB: on an H200
+Qwen3-0.6B's 112 GEMVs reach under 40% of the copy bandwidth one launch at a time, and the
+step costs twice its weights' read time (docs/benchmarks.md, Decode latency at batch 1). Here
+a grid of co-resident programs walks every layer in one launch; five grid-wide barriers a layer
+separate the phases whose inputs are a whole vector that other programs wrote:
+
+  qkv        the residual sum, its RMSNorm (every program computes it: the vector is a few KB)
+             and the q/k/v GEMV
+  attention  per (KV head, key split): Qwen3's q/k norm, RoPE, the new K/V into the paged
+             cache (the last split, which reads that token), online softmax over the split;
+             the last split of a KV head to finish merges the splits (an arrival count)
+  o_proj     the GEMV plus the residual
+  gate_up    the norm again, the gate and up GEMVs, SwiGLU (a program's row block holds the
+             same rows of both)
+  down       the GEMV; the next layer's qkv phase adds the residual
+
+and a last phase norms the residual stream for the LM head (which stays a cuBLAS call). Every
+GEMV phase streams its rows in [BLOCK_N, BLOCK_K] tiles, and a program loads the first tile of
+its next phase before waiting at a barrier (weights never wait for activations). Rounding
+follows the separate kernels' (norm.py, activation.py, the attention kernels): the same points
+in the model dtype, float32 arithmetic.
+
+The grid must be co-resident, or a barrier would wait forever: PersistentDecoder sizes it from
+the compiled kernel's occupancy, and a barrier that polls past SPIN_LIMIT gives up and sets an
+error flag instead of hanging. Triton's interpreter runs programs one after another, so on the
+CPU the phases run as separate launches (`run_phases`), the same code without the barriers.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from echo_kernels.attention.common import LOG2E
+from echo_kernels.device import sm_count
+from echo_kernels.norm import apply_rms
+from echo_kernels.rope import rotated_rows
+
+# the pointer table's columns: each layer's tensors, by address
+IN_NORM, QKV, Q_NORM, K_NORM, O_PROJ, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE = range(10)
+NUM_POINTERS = 10
+PHASES_PER_LAYER = 5
+# sync buffer: barrier arrivals, programs done, error flag, then one arrival count per KV head
+SYNC_ARRIVALS, SYNC_DONE, SYNC_ERROR, SYNC_HEADS = 0, 1, 2, 3
+SPIN_LIMIT = tl.constexpr(1 << 24)
+
+
+@triton.jit
+def _grid_barrier(sync_ptr, target):
+    """Wait until `target` arrivals in all (every program once a barrier since the launch)."""
+    tl.debug_barrier()  # this program's stores before its arrival (the atomic releases them)
+    tl.atomic_add(sync_ptr + SYNC_ARRIVALS, 1, sem="release", scope="gpu")
+    polls = 0
+    while (tl.atomic_add(sync_ptr + SYNC_ARRIVALS, 0, sem="acquire", scope="gpu") < target) & (
+            polls < SPIN_LIMIT):
+        polls += 1
+    if polls >= SPIN_LIMIT:
+        tl.store(sync_ptr + SYNC_ERROR, 1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _pointer(table_ptr, layer, column, dtype: tl.constexpr):
+    """Column `column` of the layer's row of the pointer table, as a pointer to dtype."""
+    address = tl.load(table_ptr + layer * NUM_POINTERS + column)
+    return address.to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def _block_rows(block, N, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A row block's weight rows and which of them are real. GATED (gate_up, N = 2I): the first
+    half of the block are gate rows j, the second half the up rows I + j of the same j."""
+    offs = tl.arange(0, BLOCK_N)
+    if GATED:
+        HALF: tl.constexpr = BLOCK_N // 2
+        j = block * HALF + offs % HALF
+        return tl.where(offs < HALF, j, N // 2 + j), j < N // 2
+    rows = block * BLOCK_N + offs
+    return rows, rows < N
+
+
+@triton.jit
+def _first_tile(w_ptr, block, N, K: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """The block's first [BLOCK_N, BLOCK_K] weight tile; past the last block nothing is read."""
+    rows, ok = _block_rows(block, N, GATED, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    ptrs = w_ptr + rows[:, None].to(tl.int64) * K + offs_k[None, :]
+    return tl.load(ptrs, mask=ok[:, None] & (offs_k[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _gemv_block(w_ptr, x_ptr, rows, ok, K: tl.constexpr, w_first, EVEN: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[rows] = W[rows, :K] @ x[:K] in float32; w_first is the block's first tile, loaded."""
+    offs_k = tl.arange(0, BLOCK_K)
+    ptrs = w_ptr + rows[:, None].to(tl.int64) * K + offs_k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    w = w_first
+    for k0 in tl.range(0, K, BLOCK_K):
+        if k0 > 0:
+            if EVEN:
+                w = tl.load(ptrs + k0)
+            else:
+                w = tl.load(ptrs + k0, mask=ok[:, None] & (k0 + offs_k[None, :] < K), other=0.0)
+        # another program wrote x: read it from L2 (.cg), never a stale L1 line
+        x = tl.load(x_ptr + k0 + offs_k[None, :], mask=k0 + offs_k[None, :] < K, other=0.0,
+                    cache_modifier=".cg")
+        acc += w.to(tl.float32) * x.to(tl.float32)
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _normed_input(resid_ptr, delta_ptr, add_delta, w_ptr, xn_ptr, sum_ptr, eps,
+                  H: tl.constexpr, H_PAD: tl.constexpr, dtype: tl.constexpr):
+    """xn = RMSNorm(resid + delta) (delta when add_delta), written to xn_ptr by every program
+    (the same values: each needs all of it for its GEMV rows); the sum also to sum_ptr by
+    program 0 when sum_ptr is given. fused_add_rms_norm's rounding."""
+    cols = tl.arange(0, H_PAD)
+    mask = cols < H
+    r = tl.load(resid_ptr + cols, mask=mask, other=0.0, cache_modifier=".cg")
+    d = tl.load(delta_ptr + cols, mask=mask & add_delta, other=0.0, cache_modifier=".cg")
+    s = (r.to(tl.float32) + d.to(tl.float32)).to(dtype)
+    if sum_ptr is not None:
+        if tl.program_id(0) == 0:
+            tl.store(sum_ptr + cols, s, mask=mask)
+    sf = s.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(sf * sf, 0) / H + eps)
+    tl.store(xn_ptr + cols, apply_rms(sf, rstd, tl.load(w_ptr + cols, mask=mask), dtype),
+             mask=mask)
+    tl.debug_barrier()  # every thread's part of xn written before any thread reads it
+
+
+@triton.jit
+def _attention_item(table_ptr, layer, item, qkv_ptr, attn_ptr, part_ptr, sync_ptr,
+                    block_table_ptr, seq_len, pos, slot, cos_sin_ptr, stride_cos,
+                    stride_kb, stride_kt, stride_kh, qk_scale, eps, n_splits, per_split,
+                    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    GROUP_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+                    dtype: tl.constexpr, cache_dtype: tl.constexpr):
+    """One (KV head, key split) of the step's attention; the split that finishes last for its
+    KV head merges them all into attn_ptr."""
+    GROUP: tl.constexpr = HEADS // KV_HEADS
+    kv_head = item % KV_HEADS
+    split = item // KV_HEADS
+    g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_norm = _pointer(table_ptr, layer, Q_NORM, dtype)
+    k_norm = _pointer(table_ptr, layer, K_NORM, dtype)
+    k_cache = _pointer(table_ptr, layer, K_CACHE, cache_dtype)
+    v_cache = _pointer(table_ptr, layer, V_CACHE, cache_dtype)
+    q = rotated_rows(qkv_ptr, (kv_head * GROUP + g) * HEAD_DIM, g < GROUP, cos_sin_ptr,
+                     stride_cos, pos, q_norm, eps, HEAD_DIM, True, HAS_QK_NORM)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+    if (split == n_splits - 1) & (slot >= 0):
+        # the new token's K/V, which only this split reads: store, then read back as a key
+        one = tl.arange(0, 1)
+        k_new = rotated_rows(qkv_ptr, (HEADS + kv_head + one) * HEAD_DIM, one == 0,
+                             cos_sin_ptr, stride_cos, pos, k_norm, eps, HEAD_DIM, True,
+                             HAS_QK_NORM)
+        v_new = tl.load(qkv_ptr + (HEADS + KV_HEADS + kv_head) * HEAD_DIM + offs_d,
+                        cache_modifier=".cg")
+        at = (slot // BLOCK_SIZE).to(tl.int64) * stride_kb + (slot % BLOCK_SIZE) * stride_kt \
+            + kv_head * stride_kh
+        tl.store(k_cache + at + one[:, None] * 0 + offs_d[None, :], k_new.to(cache_dtype))
+        tl.store(v_cache + at + offs_d, v_new.to(cache_dtype))
+        tl.debug_barrier()
+    qf = q.to(tl.float32)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    offs_t = tl.arange(0, BLOCK_T)
+    for t0 in tl.range(lo, hi, BLOCK_T):
+        t = t0 + offs_t
+        in_range = t < hi
+        blk = tl.load(block_table_ptr + t // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        at = blk * stride_kb + (t % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+        k = tl.load(k_cache + at[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0,
+                    cache_modifier=".cg")
+        v = tl.load(v_cache + at[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0,
+                    cache_modifier=".cg")
+        qk = tl.sum(qf[:, None, :] * k.to(tl.float32)[None, :, :], 2) * qk_scale
+        qk = tl.where(in_range[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        # p rounded to the cache dtype, as the attention kernels' p @ V takes it
+        p = p.to(dtype).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+    # the split's unnormalised output, max and sum; then its arrival
+    part = part_ptr + ((kv_head * SPLITS_PAD + split) * GROUP_PAD + g) * (HEAD_DIM + 2)
+    tl.store(part[:, None] + offs_d[None, :], acc)
+    tl.store(part + HEAD_DIM, m_i)
+    tl.store(part + HEAD_DIM + 1, l_i)
+    tl.debug_barrier()  # every thread's stores before the arrival (the atomic releases them)
+    arrivals = sync_ptr + SYNC_HEADS + kv_head
+    if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+        tl.store(arrivals, 0)  # for the next layer: every split of this one has arrived
+        s = tl.arange(0, SPLITS_PAD)
+        parts = part_ptr + ((kv_head * SPLITS_PAD + s[:, None]) * GROUP_PAD + g[None, :]) \
+            * (HEAD_DIM + 2)  # [SPLITS_PAD, GROUP_PAD]
+        s_ok = (s < n_splits)[:, None]
+        m = tl.load(parts + HEAD_DIM, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(parts + HEAD_DIM + 1, mask=s_ok, other=0.0, cache_modifier=".cg")
+        m_max = tl.max(m, 0)
+        w = tl.where(s_ok, tl.math.exp2(m - m_max[None, :]), 0.0)
+        denom = tl.sum(w * l_s, 0)
+        a = tl.load(parts[:, :, None] + offs_d[None, None, :], mask=s_ok[:, :, None],
+                    other=0.0, cache_modifier=".cg")
+        out = tl.sum(a * w[:, :, None], 0) / tl.where(denom == 0.0, 1.0, denom)[:, None]
+        heads = kv_head * GROUP + g
+        tl.store(attn_ptr + heads[:, None] * HEAD_DIM + offs_d[None, :], out.to(dtype),
+                 mask=(g < GROUP)[:, None])
+
+
+@triton.jit
+def _persistent_decode_kernel(
+    table_ptr,  # int64 [num_layers, NUM_POINTERS]
+    final_norm_ptr,  # [H]
+    out_ptr,  # [H]: the last layer's residual stream, normed
+    resid_ptr,  # [2, H]: [0] the embedding on entry, then the stream after o_proj; [1] before
+    delta_ptr,  # [H]: the down projection's output, not yet added
+    xn_ptr,  # [H]: the normed input of the qkv and gate_up GEMVs
+    qkv_ptr,  # [(HEADS + 2 * KV_HEADS) * HEAD_DIM]
+    attn_ptr,  # [HEADS * HEAD_DIM]
+    act_ptr,  # [I]
+    part_ptr,  # float32 [KV_HEADS, SPLITS_PAD, GROUP_PAD, HEAD_DIM + 2]: split partials
+    sync_ptr,  # int32 [SYNC_HEADS + KV_HEADS], zero on entry and exit
+    block_table_ptr,  # [max_blocks] int32: the sequence's cache blocks
+    seq_len_ptr,  # [1] int32, the context including the new token
+    position_ptr,  # [1] the new token's position
+    slot_ptr,  # [1] where its K/V go (-1: not stored)
+    cos_sin_ptr,  # [max_position, HEAD_DIM] float32: cos, then sin
+    stride_cos,
+    stride_kb,  # the caches' strides: between blocks, tokens in a block, KV heads
+    stride_kt,
+    stride_kh,
+    eps,
+    qk_scale,  # softmax scale * log2(e)
+    num_layers,
+    phase_lo,  # the phases to run: [phase_lo, phase_hi) of num_layers * 5 + 1
+    phase_hi,
+    max_splits,  # key splits at most (<= SPLITS_PAD, at most the programs per KV head)
+    H: tl.constexpr,
+    H_PAD: tl.constexpr,
+    I: tl.constexpr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr,  # keys per split at least
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr,  # every GEMV's N and K are multiples of its row block and BLOCK_K
+    HAS_QK_NORM: tl.constexpr,
+    BARRIERS: tl.constexpr,  # False under the interpreter: a launch runs one phase
+):
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    cache_dtype: tl.constexpr = dtype
+    QKV_N: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    O_K: tl.constexpr = HEADS * HEAD_DIM
+    QKV_BLOCKS: tl.constexpr = (QKV_N + BLOCK_N - 1) // BLOCK_N
+    H_BLOCKS: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
+    GATED_BLOCKS: tl.constexpr = (I + BLOCK_N // 2 - 1) // (BLOCK_N // 2)
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    seq_len = tl.load(seq_len_ptr)
+    pos = tl.load(position_ptr)
+    slot = tl.load(slot_ptr)
+    # key splits: as many as the programs per KV head allow, SPLIT_TOKENS keys each at least
+    n_splits = tl.minimum(max_splits, tl.cdiv(seq_len, SPLIT_TOKENS))
+    per_split = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_T) * BLOCK_T
+    n_splits = tl.cdiv(seq_len, per_split)
+    barriers = 0
+    # each GEMV phase's first tile, loaded at the end of the phase before (before its barrier)
+    # or, in the launch's first phase, on entry
+    w = tl.zeros([BLOCK_N, BLOCK_K], dtype)
+    for layer in range(num_layers):
+        base = layer * PHASES_PER_LAYER
+        # --- qkv: residual + delta, the input norm, the GEMV ---
+        if (phase_lo <= base) & (base < phase_hi):
+            _normed_input(resid_ptr, delta_ptr, layer > 0, _pointer(table_ptr, layer, IN_NORM,
+                          dtype), xn_ptr, resid_ptr + H, eps, H, H_PAD, dtype)
+            w_ptr = _pointer(table_ptr, layer, QKV, dtype)
+            if phase_lo == base:
+                w = _first_tile(w_ptr, pid, QKV_N, H, False, BLOCK_N, BLOCK_K)
+            for block in range(pid, QKV_BLOCKS, grid):
+                rows, ok = _block_rows(block, QKV_N, False, BLOCK_N)
+                y = _gemv_block(w_ptr, xn_ptr, rows, ok, H, w, EVEN, BLOCK_N, BLOCK_K)
+                tl.store(qkv_ptr + rows, y.to(dtype), mask=ok)
+                w = _first_tile(w_ptr, block + grid, QKV_N, H, False, BLOCK_N, BLOCK_K)
+            if BARRIERS & (base + 1 < phase_hi):
+                barriers += 1
+                _grid_barrier(sync_ptr, barriers * grid)
+        # --- attention ---
+        if (phase_lo <= base + 1) & (base + 1 < phase_hi):
+            for item in range(pid, KV_HEADS * n_splits, grid):
+                _attention_item(table_ptr, layer, item, qkv_ptr, attn_ptr, part_ptr, sync_ptr,
+                                block_table_ptr, seq_len, pos, slot, cos_sin_ptr, stride_cos,
+                                stride_kb, stride_kt, stride_kh, qk_scale, eps, n_splits,
+                                per_split, HEADS, KV_HEADS, HEAD_DIM, GROUP_PAD, SPLITS_PAD,
+                                BLOCK_SIZE, BLOCK_T, HAS_QK_NORM, dtype, cache_dtype)
+            w = _first_tile(_pointer(table_ptr, layer, O_PROJ, dtype), pid, H, O_K, False,
+                            BLOCK_N, BLOCK_K)
+            if BARRIERS & (base + 2 < phase_hi):
+                barriers += 1
+                _grid_barrier(sync_ptr, barriers * grid)
+        # --- o_proj and the residual: resid[0] = o + resid[1] ---
+        if (phase_lo <= base + 2) & (base + 2 < phase_hi):
+            w_ptr = _pointer(table_ptr, layer, O_PROJ, dtype)
+            if phase_lo == base + 2:
+                w = _first_tile(w_ptr, pid, H, O_K, False, BLOCK_N, BLOCK_K)
+            for block in range(pid, H_BLOCKS, grid):
+                rows, ok = _block_rows(block, H, False, BLOCK_N)
+                y = _gemv_block(w_ptr, attn_ptr, rows, ok, O_K, w, EVEN, BLOCK_N, BLOCK_K)
+                r = tl.load(resid_ptr + H + rows, mask=ok, other=0.0, cache_modifier=".cg")
+                s = y.to(dtype).to(tl.float32) + r.to(tl.float32)
+                tl.store(resid_ptr + rows, s.to(dtype), mask=ok)
+                w = _first_tile(w_ptr, block + grid, H, O_K, False, BLOCK_N, BLOCK_K)
+            w = _first_tile(_pointer(table_ptr, layer, GATE_UP, dtype), pid, 2 * I, H, True,
+                            BLOCK_N, BLOCK_K)
+            if BARRIERS & (base + 3 < phase_hi):
+                barriers += 1
+                _grid_barrier(sync_ptr, barriers * grid)
+        # --- gate_up: the post-attention norm, both GEMVs, SwiGLU ---
+        if (phase_lo <= base + 3) & (base + 3 < phase_hi):
+            _normed_input(resid_ptr, delta_ptr, False, _pointer(table_ptr, layer, POST_NORM,
+                          dtype), xn_ptr, None, eps, H, H_PAD, dtype)
+            w_ptr = _pointer(table_ptr, layer, GATE_UP, dtype)
+            if phase_lo == base + 3:
+                w = _first_tile(w_ptr, pid, 2 * I, H, True, BLOCK_N, BLOCK_K)
+            for block in range(pid, GATED_BLOCKS, grid):
+                rows, ok = _block_rows(block, 2 * I, True, BLOCK_N)
+                y = _gemv_block(w_ptr, xn_ptr, rows, ok, H, w, EVEN, BLOCK_N, BLOCK_K)
+                # [gate rows, up rows] -> (gate, up) of the same HALF outputs
+                gate, up = tl.split(tl.trans(tl.reshape(y.to(dtype), [2, BLOCK_N // 2])))
+                gf = gate.to(tl.float32)
+                act = (gf / (1.0 + tl.math.exp2(-gf * 1.4426950408889634))).to(dtype)
+                j = block * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+                tl.store(act_ptr + j, (act.to(tl.float32) * up.to(tl.float32)).to(dtype),
+                         mask=j < I)
+                w = _first_tile(w_ptr, block + grid, 2 * I, H, True, BLOCK_N, BLOCK_K)
+            w = _first_tile(_pointer(table_ptr, layer, DOWN, dtype), pid, H, I, False,
+                            BLOCK_N, BLOCK_K)
+            if BARRIERS & (base + 4 < phase_hi):
+                barriers += 1
+                _grid_barrier(sync_ptr, barriers * grid)
+        # --- down: delta = W_down @ act ---
+        if (phase_lo <= base + 4) & (base + 4 < phase_hi):
+            w_ptr = _pointer(table_ptr, layer, DOWN, dtype)
+            if phase_lo == base + 4:
+                w = _first_tile(w_ptr, pid, H, I, False, BLOCK_N, BLOCK_K)
+            for block in range(pid, H_BLOCKS, grid):
+                rows, ok = _block_rows(block, H, False, BLOCK_N)
+                y = _gemv_block(w_ptr, act_ptr, rows, ok, I, w, EVEN, BLOCK_N, BLOCK_K)
+                tl.store(delta_ptr + rows, y.to(dtype), mask=ok)
+                w = _first_tile(w_ptr, block + grid, H, I, False, BLOCK_N, BLOCK_K)
+            if layer + 1 < num_layers:
+                w = _first_tile(_pointer(table_ptr, layer + 1, QKV, dtype), pid, QKV_N, H, False,
+                                BLOCK_N, BLOCK_K)
+            if BARRIERS & (base + 5 < phase_hi):
+                barriers += 1
+                _grid_barrier(sync_ptr, barriers * grid)
+    # --- the final norm of resid[0] + delta, one program ---
+    last = num_layers * PHASES_PER_LAYER
+    if (phase_lo <= last) & (last < phase_hi) & (pid == 0):
+        _normed_input(resid_ptr, delta_ptr, num_layers > 0, final_norm_ptr, out_ptr, None, eps,
+                      H, H_PAD, dtype)
+    if BARRIERS:
+        # the last program out zeroes the counts for the next launch: every program has
+        # passed the last barrier, so none reads them again
+        if tl.atomic_add(sync_ptr + SYNC_DONE, 1, sem="acq_rel", scope="gpu") == grid - 1:
+            tl.store(sync_ptr + SYNC_ARRIVALS, 0)
+            tl.store(sync_ptr + SYNC_DONE, 0)
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """What the kernel specialises on: a dense Llama/Qwen3 decoder's sizes."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    block_size: int  # the paged cache's tokens per block
+    eps: float  # every RMSNorm's (the model's rms_norm_eps)
+    qk_norm: bool  # Qwen3's per-head q/k RMSNorm
+
+    @property
+    def qkv_size(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+
+@dataclass(frozen=True)
+class PersistentTiles:
+    """The launch's tile sizes. NOTE: not yet tuned on a GPU: block_n x block_k are the probe's
+    (tools/dev/probe_persistent_gemv.py), programs_per_sm its fastest setting."""
+
+    block_n: int = 8  # GEMV rows a block (gate_up: half gate, half up)
+    block_k: int = 512
+    block_t: int = 16  # keys a step of the attention loop
+    split_tokens: int = 64  # keys a split at least
+    programs_per_sm: int = 3  # at most: fewer when the compiled kernel's occupancy says so
+    num_warps: int = 4
+
+
+class PersistentDecode:
+    """The kernel's scratch buffers and launch for one model: `table` holds each layer's
+    tensors by address (columns IN_NORM ... V_CACHE), so it must outlive none of them."""
+
+    def __init__(self, shape: DecodeShape, table: torch.Tensor, final_norm: torch.Tensor,
+                 cos_sin: torch.Tensor, cache_strides: tuple[int, int, int],
+                 max_blocks: int, tiles: PersistentTiles = PersistentTiles(),
+                 programs: int | None = None):
+        if tiles.block_n % 2 or shape.num_heads % shape.num_kv_heads:
+            raise ValueError("persistent decode: block_n must be even and num_heads a "
+                             "multiple of num_kv_heads")
+        self.shape, self.table, self.final_norm, self.cos_sin = shape, table, final_norm, cos_sin
+        self.cache_strides, self.tiles = cache_strides, tiles
+        device, dtype = final_norm.device, final_norm.dtype
+        h, kv_heads = shape.hidden_size, shape.num_kv_heads
+        self.group_pad = triton.next_power_of_2(shape.num_heads // kv_heads)
+        self.on_gpu = device.type == "cuda"
+        self.programs = programs or (sm_count(device, without_gpu=3) * tiles.programs_per_sm)
+        # splits a KV head: every program busy at long contexts, as the split kernel does
+        self.max_splits = max(1, min(self.programs // kv_heads,
+                                     triton.cdiv(max_blocks * shape.block_size,
+                                                 tiles.split_tokens)))
+        self.splits_pad = triton.next_power_of_2(self.max_splits)
+
+        def empty(*size, dtype=dtype):
+            return torch.zeros(*size, dtype=dtype, device=device)
+
+        self.resid = empty(2, h)
+        self.delta, self.xn, self.out = empty(h), empty(h), empty(h)
+        self.qkv = empty(shape.qkv_size)
+        self.attn = empty(shape.num_heads * shape.head_dim)
+        self.act = empty(shape.intermediate_size)
+        self.parts = empty(kv_heads, self.splits_pad, self.group_pad, shape.head_dim + 2,
+                           dtype=torch.float32)
+        self.sync = empty(SYNC_HEADS + kv_heads, dtype=torch.int32)
+        gemv_sizes = ((shape.qkv_size, h), (h, shape.num_heads * shape.head_dim),
+                      (2 * shape.intermediate_size, h), (h, shape.intermediate_size))
+        self.even = (all(n % tiles.block_n == 0 and k % tiles.block_k == 0
+                         for n, k in gemv_sizes)
+                     and shape.intermediate_size % (tiles.block_n // 2) == 0)
+        if self.on_gpu:
+            self.programs = self._co_resident(self.programs)
+
+    def __call__(self, embedding: torch.Tensor, block_table: torch.Tensor,
+                 seq_len: torch.Tensor, position: torch.Tensor,
+                 slot: torch.Tensor) -> torch.Tensor:
+        """The last layer's residual stream, normed ([hidden], a buffer reused by every call):
+        embedding [hidden] of the token at `position`, whose K/V go to cache slot `slot` of a
+        sequence of seq_len tokens (it included) in the blocks of block_table."""
+        self.resid[0].copy_(embedding)
+        last = self.shape.num_layers * PHASES_PER_LAYER + 1
+        if self.on_gpu:
+            self._launch(block_table, seq_len, position, slot, 0, last, True)
+        else:  # the interpreter runs programs in turn: a launch a phase, no barriers
+            for phase in range(last):
+                self._launch(block_table, seq_len, position, slot, phase, phase + 1, False)
+        return self.out
+
+    def error(self) -> bool:
+        """Whether a barrier gave up waiting (the grid was not co-resident): the outputs of
+        that launch are wrong."""
+        return bool(self.sync[SYNC_ERROR].item())
+
+    def _args(self, block_table, seq_len, position, slot, phase_lo, phase_hi, barriers):
+        shape, tiles = self.shape, self.tiles
+        stride_kb, stride_kt, stride_kh = self.cache_strides
+        args = (self.table, self.final_norm, self.out, self.resid, self.delta, self.xn, self.qkv,
+                self.attn, self.act, self.parts, self.sync, block_table, seq_len, position, slot,
+                self.cos_sin, self.cos_sin.stride(0), stride_kb, stride_kt, stride_kh,
+                shape.eps, shape.head_dim**-0.5 * LOG2E, shape.num_layers, phase_lo, phase_hi,
+                self.max_splits)
+        constexprs = dict(
+            H=shape.hidden_size, H_PAD=triton.next_power_of_2(shape.hidden_size),
+            I=shape.intermediate_size, HEADS=shape.num_heads, KV_HEADS=shape.num_kv_heads,
+            HEAD_DIM=shape.head_dim, GROUP_PAD=self.group_pad, SPLITS_PAD=self.splits_pad,
+            SPLIT_TOKENS=tiles.split_tokens, BLOCK_SIZE=shape.block_size,
+            BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            EVEN=self.even, HAS_QK_NORM=shape.qk_norm, BARRIERS=barriers,
+            num_warps=tiles.num_warps)
+        return args, constexprs
+
+    def _launch(self, *step_args) -> None:
+        args, constexprs = self._args(*step_args)
+        _persistent_decode_kernel[(self.programs,)](*args, **constexprs)
+
+    def _co_resident(self, wanted: int) -> int:
+        """At most `wanted` programs, as many an SM as the compiled kernel's registers, shared
+        memory and threads let be resident at once (a barrier needs every program running)."""
+        device = self.out.device
+        one = torch.zeros(1, dtype=torch.int32, device=device)
+        args, constexprs = self._args(one, one, one, one, 0, 1, True)
+        kernel = _persistent_decode_kernel.warmup(*args, **constexprs, grid=(wanted,))
+        props = torch.cuda.get_device_properties(device)
+        threads = 32 * self.tiles.num_warps
+        regs = -(-max(kernel.n_regs, 1) // 8) * 8 * threads
+        per_sm = min(props.max_threads_per_multi_processor // threads,
+                     props.regs_per_multiprocessor // regs,
+                     props.shared_memory_per_multiprocessor // max(kernel.metadata.shared, 1))
+        programs = min(wanted, per_sm * props.multi_processor_count)
+        if programs < 1:
+            raise RuntimeError("persistent decode: the kernel does not fit an SM")
+        return programs

@@ -1,0 +1,216 @@
+"""The persistent batch-1 decode kernel against a PyTorch decode step built from the references.
+
+On the CPU the interpreter runs each phase as its own launch (no barriers); on a GPU the whole
+step is one launch, so the `gpu` case also checks the barriers and the split merge's atomics.
+"""
+
+import math
+
+import pytest
+import torch
+from kernel_utils import HAS_CUDA
+
+from echo_kernels.persistent_decode import (
+    DOWN,
+    GATE_UP,
+    IN_NORM,
+    K_CACHE,
+    K_NORM,
+    NUM_POINTERS,
+    O_PROJ,
+    POST_NORM,
+    Q_NORM,
+    QKV,
+    SYNC_HEADS,
+    V_CACHE,
+    DecodeShape,
+    PersistentDecode,
+    PersistentTiles,
+)
+from echo_kernels.reference import (
+    fused_add_rms_norm_ref,
+    paged_attention_ref,
+    rms_norm_ref,
+    rotary_embedding_ref,
+    silu_and_mul_ref,
+    store_kv_cache_ref,
+)
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+class RandomDecoder:
+    """Random layer weights, a paged cache holding `context` earlier tokens of one sequence
+    in scattered blocks (NaN everywhere else), and a rotary table."""
+
+    def __init__(self, shape: DecodeShape, context: int, dtype, seed=0, num_blocks=None):
+        gen = torch.Generator().manual_seed(seed)
+        self.shape, self.dtype, self.context = shape, dtype, context
+        h, i, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
+
+        def rand(*size, scale=1.0, offset=0.0):
+            return (torch.randn(*size, generator=gen) * scale + offset).to(dtype).to(DEVICE)
+
+        self.layers = [{
+            IN_NORM: rand(h, scale=0.1, offset=1.0),
+            QKV: rand(shape.qkv_size, h, scale=h**-0.5),
+            Q_NORM: rand(d, scale=0.1, offset=1.0),
+            K_NORM: rand(d, scale=0.1, offset=1.0),
+            O_PROJ: rand(h, shape.num_heads * d, scale=(shape.num_heads * d)**-0.5),
+            POST_NORM: rand(h, scale=0.1, offset=1.0),
+            GATE_UP: rand(2 * i, h, scale=h**-0.5),
+            DOWN: rand(h, i, scale=i**-0.5),
+        } for _ in range(shape.num_layers)]
+        self.final_norm = rand(h, scale=0.1, offset=1.0)
+        bs = shape.block_size
+        blocks = -(-(context + 1) // bs)
+        num_blocks = num_blocks or 2 * blocks + 3
+        cache_shape = (shape.num_layers, 2, num_blocks, bs, shape.num_kv_heads, d)
+        self.cache = torch.full(cache_shape, float("nan"), dtype=dtype, device=DEVICE)
+        # the sequence's blocks scattered over the pool; spare table entries point at NaN
+        perm = torch.randperm(num_blocks, generator=gen)
+        self.block_table = torch.cat((perm[:blocks], perm[blocks:blocks + 2])).to(
+            torch.int32).to(DEVICE)
+        slots = (self.block_table[torch.arange(context) // bs].long() * bs
+                 + torch.arange(context) % bs).to(DEVICE)
+        for layer in range(shape.num_layers):
+            kv = torch.randn(2, context, shape.num_kv_heads, d, generator=gen).to(dtype)
+            store_kv_cache_ref(kv[0].to(DEVICE), kv[1].to(DEVICE), self.cache[layer, 0],
+                               self.cache[layer, 1], slots)
+        self.position = context
+        self.slot = int(self.block_table[context // bs]) * bs + context % bs
+        inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+        freqs = torch.outer(torch.arange(context + 8).float(), inv)
+        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), -1).to(DEVICE)
+        self.embedding = rand(h)
+
+    def kernel(self, tiles=PersistentTiles(), programs=None) -> PersistentDecode:
+        table = torch.zeros(self.shape.num_layers, NUM_POINTERS, dtype=torch.int64)
+        for layer, weights in enumerate(self.layers):
+            for column, tensor in weights.items():
+                table[layer, column] = tensor.data_ptr()
+            table[layer, K_CACHE] = self.cache[layer, 0].data_ptr()
+            table[layer, V_CACHE] = self.cache[layer, 1].data_ptr()
+        k = self.cache[0, 0]
+        return PersistentDecode(self.shape, table.to(DEVICE), self.final_norm, self.cos_sin,
+                                (k.stride(0), k.stride(1), k.stride(2)),
+                                max_blocks=self.block_table.numel(), tiles=tiles,
+                                programs=programs)
+
+    def run(self, decode: PersistentDecode) -> torch.Tensor:
+        def scalar(value):
+            return torch.tensor([value], dtype=torch.int32, device=DEVICE)
+
+        return decode(self.embedding, self.block_table, scalar(self.context + 1),
+                      scalar(self.position), scalar(self.slot)).clone()
+
+    def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normed hidden state and the cache after the step, from the references, in the
+        model's order (the engine's separate kernels' rounding points)."""
+        shape, dtype = self.shape, self.dtype
+        cache = self.cache.clone()
+        positions = torch.tensor([self.position], device=DEVICE)
+        slots = torch.tensor([self.slot], device=DEVICE)
+        hidden, residual = None, self.embedding[None]
+        q_size = shape.num_heads * shape.head_dim
+        kv_size = shape.num_kv_heads * shape.head_dim
+        for layer, w in enumerate(self.layers):
+            if hidden is None:
+                x = rms_norm_ref(residual, w[IN_NORM], shape.eps)
+            else:
+                x, residual = fused_add_rms_norm_ref(hidden, residual, w[IN_NORM], shape.eps)
+            qkv = (x.float() @ w[QKV].float().T).to(dtype)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], -1)
+            q = q.view(1, shape.num_heads, shape.head_dim)
+            k = k.view(1, shape.num_kv_heads, shape.head_dim)
+            v = v.view(1, shape.num_kv_heads, shape.head_dim)
+            norms = (w[Q_NORM], w[K_NORM]) if shape.qk_norm else (None, None)
+            q, k = rotary_embedding_ref(positions, q, k, self.cos_sin, True, *norms, shape.eps)
+            q, k = q.to(dtype), k.to(dtype)
+            store_kv_cache_ref(k, v, cache[layer, 0], cache[layer, 1], slots)
+            attn = paged_attention_ref(
+                q, cache[layer, 0], cache[layer, 1], self.block_table[None],
+                torch.tensor([0, 1], device=DEVICE), torch.tensor([self.context + 1]),
+                shape.head_dim**-0.5).to(dtype).view(1, -1)
+            o = (attn.float() @ w[O_PROJ].float().T).to(dtype)
+            x, residual = fused_add_rms_norm_ref(o, residual, w[POST_NORM], shape.eps)
+            gate_up = (x.float() @ w[GATE_UP].float().T).to(dtype)
+            act = silu_and_mul_ref(gate_up).to(dtype)
+            hidden = (act.float() @ w[DOWN].float().T).to(dtype)
+        out, _ = fused_add_rms_norm_ref(hidden, residual, self.final_norm, shape.eps)
+        return out[0], cache
+
+
+def qwen3_like(**overrides) -> DecodeShape:
+    sizes = dict(hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
+                 head_dim=16, num_layers=2, block_size=4, eps=1e-6, qk_norm=True)
+    return DecodeShape(**{**sizes, **overrides})
+
+
+def check(decoder: RandomDecoder, decode: PersistentDecode, atol: float) -> None:
+    want, want_cache = decoder.reference()
+    got = decoder.run(decode)
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
+    # the new token's K/V landed at its slot in every layer; nothing else changed
+    torch.testing.assert_close(decoder.cache.float(), want_cache.float(), atol=atol, rtol=atol,
+                               equal_nan=True)
+    assert not decode.error()
+    # the counts are back at zero for the next launch
+    assert not decode.sync.any()
+
+
+@pytest.mark.parametrize("context,max_splits", [(0, 2), (5, 2), (37, 4)])
+def test_qwen3_shapes_float32(context, max_splits):
+    # tiles smaller than the GEMVs, several blocks per program, several key splits
+    decoder = RandomDecoder(qwen3_like(), context, torch.float32)
+    tiles = PersistentTiles(block_n=4, block_k=32, block_t=4, split_tokens=8)
+    decode = decoder.kernel(tiles, programs=9)
+    assert decode.max_splits == max_splits and decode.even
+    check(decoder, decode, atol=1e-4)
+
+
+def test_llama_shapes_ragged_tiles():
+    """No q/k norm, a GQA group of 3 (padded to 4), sizes no tile divides (masked tiles), a
+    block size the keys' step does not divide."""
+    shape = qwen3_like(hidden_size=48, intermediate_size=40, num_heads=6, num_kv_heads=2,
+                       qk_norm=False, block_size=8, num_layers=3)
+    decoder = RandomDecoder(shape, 29, torch.float32, seed=1)
+    tiles = PersistentTiles(block_n=4, block_k=32, block_t=4, split_tokens=4)
+    decode = decoder.kernel(tiles, programs=3)
+    assert not decode.even
+    check(decoder, decode, atol=1e-4)
+
+
+def test_repeated_steps_reuse_the_buffers():
+    """A second step over the first's cache: the split counts and scratch left by the first
+    do not leak into it."""
+    decoder = RandomDecoder(qwen3_like(num_layers=1), 11, torch.float32, seed=2)
+    decode = decoder.kernel(PersistentTiles(block_n=4, block_k=32, block_t=4, split_tokens=4),
+                            programs=4)
+    decoder.run(decode)
+    decoder.context, decoder.position = 12, 12
+    bs = decoder.shape.block_size
+    decoder.slot = int(decoder.block_table[12 // bs]) * bs + 12 % bs
+    decoder.embedding = decoder.embedding.flip(0)
+    check(decoder, decode, atol=1e-4)
+
+
+def test_bfloat16_close_to_the_reference():
+    decoder = RandomDecoder(qwen3_like(), 21, torch.bfloat16, seed=3)
+    decode = decoder.kernel(PersistentTiles(block_n=4, block_k=32, block_t=4, split_tokens=8),
+                            programs=4)
+    check(decoder, decode, atol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context", [1, 300, 4000])
+def test_one_launch_on_the_gpu(context):
+    """Qwen3-0.6B's per-layer shapes over 4 layers, one launch with the grid barriers."""
+    shape = DecodeShape(hidden_size=1024, intermediate_size=3072, num_heads=16, num_kv_heads=8,
+                        head_dim=128, num_layers=4, block_size=16, eps=1e-6, qk_norm=True)
+    decoder = RandomDecoder(shape, context, torch.bfloat16, seed=4)
+    decode = decoder.kernel()
+    assert decode.programs >= decode.max_splits * shape.num_kv_heads
+    check(decoder, decode, atol=3e-2)
+    assert math.isfinite(decode.out.float().sum().item())
+    assert decode.sync[SYNC_HEADS:].eq(0).all()
