@@ -260,11 +260,16 @@ class DeviceConfig:
         "auto", "attention kernels; auto: triton on cuda, torch elsewhere",
         choices=ATTENTION_BACKENDS)
     enforce_eager: bool = _arg(False, "run the model eagerly, without CUDA graphs")
+    persistent_decode: bool = _arg(
+        False, "batch-1 decode steps of a dense Llama/Qwen3 model in one persistent kernel "
+        "launch (CUDA graphs, one GPU, no int8 KV or quantized weights; other models and "
+        "batches run as usual)")
 
     def __post_init__(self):
         _check_choice(self.device, "device", DEVICES)
         _check_choice(self.attention_backend, "attention_backend", ATTENTION_BACKENDS)
         _check_bool(self.enforce_eager, "enforce_eager")
+        _check_bool(self.persistent_decode, "persistent_decode")
 
 
 # "oracle" is for benchmarking only (tools/bench_spec.py)
@@ -530,7 +535,7 @@ def _create(model: str | None, **kwargs) -> EngineConfig:
     backend = device_cfg.attention_backend
     if backend == "auto":
         backend = "triton" if device == "cuda" else "torch"
-    device_cfg = DeviceConfig(device, backend, device_cfg.enforce_eager)
+    device_cfg = replace(device_cfg, device=device, attention_backend=backend)
 
     max_model_len = model_kwargs.get("max_model_len", arch.max_position_embeddings)
     _check(max_model_len <= arch.max_position_embeddings or arch.rope_scaling is not None,

@@ -39,13 +39,16 @@ from echo_kernels.device import sm_count
 from echo_kernels.norm import apply_rms
 from echo_kernels.rope import rotated_rows
 
-# the pointer table's columns: each layer's tensors, by address
-IN_NORM, QKV, Q_NORM, K_NORM, O_PROJ, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE = range(10)
-NUM_POINTERS = 10
-PHASES_PER_LAYER = 5
+# the pointer table's columns (pointer_table): each layer's tensors, by address
+COLUMNS = ("in_norm", "qkv", "q_norm", "k_norm", "o_proj", "post_norm", "gate_up", "down",
+           "k_cache", "v_cache")
+IN_NORM, QKV, Q_NORM, K_NORM, O_PROJ, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE = (
+    tl.constexpr(column) for column in range(len(COLUMNS)))
+NUM_POINTERS = tl.constexpr(len(COLUMNS))
+PHASES_PER_LAYER = tl.constexpr(5)
 # sync buffer: barrier arrivals, programs done, error flag, then one arrival count per KV head
-SYNC_ARRIVALS, SYNC_DONE, SYNC_ERROR, SYNC_HEADS = 0, 1, 2, 3
-SPIN_LIMIT = tl.constexpr(1 << 24)
+SYNC_ARRIVALS, SYNC_DONE, SYNC_ERROR, SYNC_HEADS = (tl.constexpr(i) for i in range(4))
+SPIN_LIMIT = tl.constexpr(1 << 22)
 
 
 @triton.jit
@@ -114,23 +117,36 @@ def _gemv_block(w_ptr, x_ptr, rows, ok, K: tl.constexpr, w_first, EVEN: tl.const
 
 
 @triton.jit
-def _normed_input(resid_ptr, delta_ptr, add_delta, w_ptr, xn_ptr, sum_ptr, eps,
-                  H: tl.constexpr, H_PAD: tl.constexpr, dtype: tl.constexpr):
-    """xn = RMSNorm(resid + delta) (delta when add_delta), written to xn_ptr by every program
-    (the same values: each needs all of it for its GEMV rows); the sum also to sum_ptr by
-    program 0 when sum_ptr is given. fused_add_rms_norm's rounding."""
-    cols = tl.arange(0, H_PAD)
+def _residual_sum(resid_ptr, delta_ptr, add_delta, cols, H: tl.constexpr, dtype: tl.constexpr):
+    """resid + delta (delta when add_delta) at cols, rounded to dtype as the model's sum is."""
     mask = cols < H
     r = tl.load(resid_ptr + cols, mask=mask, other=0.0, cache_modifier=".cg")
     d = tl.load(delta_ptr + cols, mask=mask & add_delta, other=0.0, cache_modifier=".cg")
-    s = (r.to(tl.float32) + d.to(tl.float32)).to(dtype)
-    if sum_ptr is not None:
-        if tl.program_id(0) == 0:
-            tl.store(sum_ptr + cols, s, mask=mask)
-    sf = s.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(sf * sf, 0) / H + eps)
-    tl.store(xn_ptr + cols, apply_rms(sf, rstd, tl.load(w_ptr + cols, mask=mask), dtype),
-             mask=mask)
+    return (r.to(tl.float32) + d.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _normed_input(resid_ptr, delta_ptr, add_delta, w_ptr, xn_ptr, sum_ptr, eps,
+                  H: tl.constexpr, BLOCK: tl.constexpr, dtype: tl.constexpr):
+    """xn = RMSNorm(resid + delta) (delta when add_delta), written to xn_ptr by every program
+    (the same values: each needs all of it for its GEMV rows); the sum also to sum_ptr by
+    program 0 when sum_ptr is given. fused_add_rms_norm's rounding. Two passes of BLOCK
+    columns (the sum is recomputed from L2 rather than held: registers bound the grid)."""
+    offs = tl.arange(0, BLOCK)
+    squares = tl.zeros([BLOCK], tl.float32)
+    for c0 in tl.range(0, H, BLOCK):
+        s = _residual_sum(resid_ptr, delta_ptr, add_delta, c0 + offs, H, dtype)
+        if sum_ptr is not None:
+            if tl.program_id(0) == 0:
+                tl.store(sum_ptr + c0 + offs, s, mask=c0 + offs < H)
+        sf = s.to(tl.float32)
+        squares += sf * sf
+    rstd = tl.math.rsqrt(tl.sum(squares, 0) / H + eps)
+    for c0 in tl.range(0, H, BLOCK):
+        cols = c0 + offs
+        s = _residual_sum(resid_ptr, delta_ptr, add_delta, cols, H, dtype)
+        w = tl.load(w_ptr + cols, mask=cols < H)
+        tl.store(xn_ptr + cols, apply_rms(s.to(tl.float32), rstd, w, dtype), mask=cols < H)
     tl.debug_barrier()  # every thread's part of xn written before any thread reads it
 
 
@@ -212,9 +228,15 @@ def _attention_item(table_ptr, layer, item, qkv_ptr, attn_ptr, part_ptr, sync_pt
         m_max = tl.max(m, 0)
         w = tl.where(s_ok, tl.math.exp2(m - m_max[None, :]), 0.0)
         denom = tl.sum(w * l_s, 0)
-        a = tl.load(parts[:, :, None] + offs_d[None, None, :], mask=s_ok[:, :, None],
-                    other=0.0, cache_modifier=".cg")
-        out = tl.sum(a * w[:, :, None], 0) / tl.where(denom == 0.0, 1.0, denom)[:, None]
+        # the outputs a split at a time: [SPLITS_PAD, GROUP_PAD, HEAD_DIM] at once would
+        # take more registers than the rest of the kernel
+        out = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for i in tl.range(0, n_splits):
+            part_i = part_ptr + ((kv_head * SPLITS_PAD + i) * GROUP_PAD + g) * (HEAD_DIM + 2)
+            a = tl.load(part_i[:, None] + offs_d[None, :], cache_modifier=".cg")
+            w_i = tl.sum(tl.where(s[:, None] == i, w, 0.0), 0)
+            out += a * w_i[:, None]
+        out = out / tl.where(denom == 0.0, 1.0, denom)[:, None]
         heads = kv_head * GROUP + g
         tl.store(attn_ptr + heads[:, None] * HEAD_DIM + offs_d[None, :], out.to(dtype),
                  mask=(g < GROUP)[:, None])
@@ -230,7 +252,7 @@ def _persistent_decode_kernel(
     xn_ptr,  # [H]: the normed input of the qkv and gate_up GEMVs
     qkv_ptr,  # [(HEADS + 2 * KV_HEADS) * HEAD_DIM]
     attn_ptr,  # [HEADS * HEAD_DIM]
-    act_ptr,  # [I]
+    act_ptr,  # [INTER]
     part_ptr,  # float32 [KV_HEADS, SPLITS_PAD, GROUP_PAD, HEAD_DIM + 2]: split partials
     sync_ptr,  # int32 [SYNC_HEADS + KV_HEADS], zero on entry and exit
     block_table_ptr,  # [max_blocks] int32: the sequence's cache blocks
@@ -249,8 +271,7 @@ def _persistent_decode_kernel(
     phase_hi,
     max_splits,  # key splits at most (<= SPLITS_PAD, at most the programs per KV head)
     H: tl.constexpr,
-    H_PAD: tl.constexpr,
-    I: tl.constexpr,
+    INTER: tl.constexpr,  # the MLP's intermediate size
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -271,7 +292,7 @@ def _persistent_decode_kernel(
     O_K: tl.constexpr = HEADS * HEAD_DIM
     QKV_BLOCKS: tl.constexpr = (QKV_N + BLOCK_N - 1) // BLOCK_N
     H_BLOCKS: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
-    GATED_BLOCKS: tl.constexpr = (I + BLOCK_N // 2 - 1) // (BLOCK_N // 2)
+    GATED_BLOCKS: tl.constexpr = (INTER + BLOCK_N // 2 - 1) // (BLOCK_N // 2)
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     seq_len = tl.load(seq_len_ptr)
@@ -290,7 +311,7 @@ def _persistent_decode_kernel(
         # --- qkv: residual + delta, the input norm, the GEMV ---
         if (phase_lo <= base) & (base < phase_hi):
             _normed_input(resid_ptr, delta_ptr, layer > 0, _pointer(table_ptr, layer, IN_NORM,
-                          dtype), xn_ptr, resid_ptr + H, eps, H, H_PAD, dtype)
+                          dtype), xn_ptr, resid_ptr + H, eps, H, BLOCK_K, dtype)
             w_ptr = _pointer(table_ptr, layer, QKV, dtype)
             if phase_lo == base:
                 w = _first_tile(w_ptr, pid, QKV_N, H, False, BLOCK_N, BLOCK_K)
@@ -327,7 +348,7 @@ def _persistent_decode_kernel(
                 s = y.to(dtype).to(tl.float32) + r.to(tl.float32)
                 tl.store(resid_ptr + rows, s.to(dtype), mask=ok)
                 w = _first_tile(w_ptr, block + grid, H, O_K, False, BLOCK_N, BLOCK_K)
-            w = _first_tile(_pointer(table_ptr, layer, GATE_UP, dtype), pid, 2 * I, H, True,
+            w = _first_tile(_pointer(table_ptr, layer, GATE_UP, dtype), pid, 2 * INTER, H, True,
                             BLOCK_N, BLOCK_K)
             if BARRIERS & (base + 3 < phase_hi):
                 barriers += 1
@@ -335,12 +356,12 @@ def _persistent_decode_kernel(
         # --- gate_up: the post-attention norm, both GEMVs, SwiGLU ---
         if (phase_lo <= base + 3) & (base + 3 < phase_hi):
             _normed_input(resid_ptr, delta_ptr, False, _pointer(table_ptr, layer, POST_NORM,
-                          dtype), xn_ptr, None, eps, H, H_PAD, dtype)
+                          dtype), xn_ptr, None, eps, H, BLOCK_K, dtype)
             w_ptr = _pointer(table_ptr, layer, GATE_UP, dtype)
             if phase_lo == base + 3:
-                w = _first_tile(w_ptr, pid, 2 * I, H, True, BLOCK_N, BLOCK_K)
+                w = _first_tile(w_ptr, pid, 2 * INTER, H, True, BLOCK_N, BLOCK_K)
             for block in range(pid, GATED_BLOCKS, grid):
-                rows, ok = _block_rows(block, 2 * I, True, BLOCK_N)
+                rows, ok = _block_rows(block, 2 * INTER, True, BLOCK_N)
                 y = _gemv_block(w_ptr, xn_ptr, rows, ok, H, w, EVEN, BLOCK_N, BLOCK_K)
                 # [gate rows, up rows] -> (gate, up) of the same HALF outputs
                 gate, up = tl.split(tl.trans(tl.reshape(y.to(dtype), [2, BLOCK_N // 2])))
@@ -348,9 +369,9 @@ def _persistent_decode_kernel(
                 act = (gf / (1.0 + tl.math.exp2(-gf * 1.4426950408889634))).to(dtype)
                 j = block * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
                 tl.store(act_ptr + j, (act.to(tl.float32) * up.to(tl.float32)).to(dtype),
-                         mask=j < I)
-                w = _first_tile(w_ptr, block + grid, 2 * I, H, True, BLOCK_N, BLOCK_K)
-            w = _first_tile(_pointer(table_ptr, layer, DOWN, dtype), pid, H, I, False,
+                         mask=j < INTER)
+                w = _first_tile(w_ptr, block + grid, 2 * INTER, H, True, BLOCK_N, BLOCK_K)
+            w = _first_tile(_pointer(table_ptr, layer, DOWN, dtype), pid, H, INTER, False,
                             BLOCK_N, BLOCK_K)
             if BARRIERS & (base + 4 < phase_hi):
                 barriers += 1
@@ -359,12 +380,12 @@ def _persistent_decode_kernel(
         if (phase_lo <= base + 4) & (base + 4 < phase_hi):
             w_ptr = _pointer(table_ptr, layer, DOWN, dtype)
             if phase_lo == base + 4:
-                w = _first_tile(w_ptr, pid, H, I, False, BLOCK_N, BLOCK_K)
+                w = _first_tile(w_ptr, pid, H, INTER, False, BLOCK_N, BLOCK_K)
             for block in range(pid, H_BLOCKS, grid):
                 rows, ok = _block_rows(block, H, False, BLOCK_N)
-                y = _gemv_block(w_ptr, act_ptr, rows, ok, I, w, EVEN, BLOCK_N, BLOCK_K)
+                y = _gemv_block(w_ptr, act_ptr, rows, ok, INTER, w, EVEN, BLOCK_N, BLOCK_K)
                 tl.store(delta_ptr + rows, y.to(dtype), mask=ok)
-                w = _first_tile(w_ptr, block + grid, H, I, False, BLOCK_N, BLOCK_K)
+                w = _first_tile(w_ptr, block + grid, H, INTER, False, BLOCK_N, BLOCK_K)
             if layer + 1 < num_layers:
                 w = _first_tile(_pointer(table_ptr, layer + 1, QKV, dtype), pid, QKV_N, H, False,
                                 BLOCK_N, BLOCK_K)
@@ -375,7 +396,7 @@ def _persistent_decode_kernel(
     last = num_layers * PHASES_PER_LAYER
     if (phase_lo <= last) & (last < phase_hi) & (pid == 0):
         _normed_input(resid_ptr, delta_ptr, num_layers > 0, final_norm_ptr, out_ptr, None, eps,
-                      H, H_PAD, dtype)
+                      H, BLOCK_K, dtype)
     if BARRIERS:
         # the last program out zeroes the counts for the next launch: every program has
         # passed the last barrier, so none reads them again
@@ -414,11 +435,25 @@ class PersistentTiles:
     split_tokens: int = 64  # keys a split at least
     programs_per_sm: int = 3  # at most: fewer when the compiled kernel's occupancy says so
     num_warps: int = 4
+    # registers a thread at most (ptxas' maxnreg): unbounded, sm_90 code takes 217-255 at
+    # Qwen3-0.6B/8B shapes, two programs an SM; 168 spills nothing and lets three in (offline
+    # compiles, cuobjdump -res-usage)
+    max_registers: int | None = 168
+
+
+def pointer_table(layers: list[dict[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """int64 [num_layers, len(COLUMNS)]: each layer's tensors (named as in COLUMNS) by address.
+    Columns a model lacks (Llama's q/k norms) may be left out: the kernel never reads them."""
+    table = torch.zeros(len(layers), len(COLUMNS), dtype=torch.int64)
+    for layer, tensors in enumerate(layers):
+        for name, tensor in tensors.items():
+            table[layer, COLUMNS.index(name)] = tensor.data_ptr()
+    return table.to(device)
 
 
 class PersistentDecode:
-    """The kernel's scratch buffers and launch for one model: `table` holds each layer's
-    tensors by address (columns IN_NORM ... V_CACHE), so it must outlive none of them."""
+    """The kernel's scratch buffers and launch for one model. `table` (pointer_table) holds
+    each layer's tensors by address: they must live as long as this object is called."""
 
     def __init__(self, shape: DecodeShape, table: torch.Tensor, final_norm: torch.Tensor,
                  cos_sin: torch.Tensor, cache_strides: tuple[int, int, int],
@@ -450,7 +485,7 @@ class PersistentDecode:
         self.act = empty(shape.intermediate_size)
         self.parts = empty(kv_heads, self.splits_pad, self.group_pad, shape.head_dim + 2,
                            dtype=torch.float32)
-        self.sync = empty(SYNC_HEADS + kv_heads, dtype=torch.int32)
+        self.sync = empty(SYNC_HEADS.value + kv_heads, dtype=torch.int32)
         gemv_sizes = ((shape.qkv_size, h), (h, shape.num_heads * shape.head_dim),
                       (2 * shape.intermediate_size, h), (h, shape.intermediate_size))
         self.even = (all(n % tiles.block_n == 0 and k % tiles.block_k == 0
@@ -466,7 +501,7 @@ class PersistentDecode:
         embedding [hidden] of the token at `position`, whose K/V go to cache slot `slot` of a
         sequence of seq_len tokens (it included) in the blocks of block_table."""
         self.resid[0].copy_(embedding)
-        last = self.shape.num_layers * PHASES_PER_LAYER + 1
+        last = self.shape.num_layers * PHASES_PER_LAYER.value + 1
         if self.on_gpu:
             self._launch(block_table, seq_len, position, slot, 0, last, True)
         else:  # the interpreter runs programs in turn: a launch a phase, no barriers
@@ -477,7 +512,7 @@ class PersistentDecode:
     def error(self) -> bool:
         """Whether a barrier gave up waiting (the grid was not co-resident): the outputs of
         that launch are wrong."""
-        return bool(self.sync[SYNC_ERROR].item())
+        return bool(self.sync[SYNC_ERROR.value].item())
 
     def _args(self, block_table, seq_len, position, slot, phase_lo, phase_hi, barriers):
         shape, tiles = self.shape, self.tiles
@@ -488,13 +523,15 @@ class PersistentDecode:
                 shape.eps, shape.head_dim**-0.5 * LOG2E, shape.num_layers, phase_lo, phase_hi,
                 self.max_splits)
         constexprs = dict(
-            H=shape.hidden_size, H_PAD=triton.next_power_of_2(shape.hidden_size),
-            I=shape.intermediate_size, HEADS=shape.num_heads, KV_HEADS=shape.num_kv_heads,
+            H=shape.hidden_size,
+            INTER=shape.intermediate_size, HEADS=shape.num_heads, KV_HEADS=shape.num_kv_heads,
             HEAD_DIM=shape.head_dim, GROUP_PAD=self.group_pad, SPLITS_PAD=self.splits_pad,
             SPLIT_TOKENS=tiles.split_tokens, BLOCK_SIZE=shape.block_size,
             BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
             EVEN=self.even, HAS_QK_NORM=shape.qk_norm, BARRIERS=barriers,
             num_warps=tiles.num_warps)
+        if self.on_gpu and tiles.max_registers is not None:
+            constexprs["maxnreg"] = tiles.max_registers
         return args, constexprs
 
     def _launch(self, *step_args) -> None:
@@ -508,6 +545,7 @@ class PersistentDecode:
         one = torch.zeros(1, dtype=torch.int32, device=device)
         args, constexprs = self._args(one, one, one, one, 0, 1, True)
         kernel = _persistent_decode_kernel.warmup(*args, **constexprs, grid=(wanted,))
+        _ = kernel.run  # loads the binary, which sets n_regs
         props = torch.cuda.get_device_properties(device)
         threads = 32 * self.tiles.num_warps
         regs = -(-max(kernel.n_regs, 1) // 8) * 8 * threads

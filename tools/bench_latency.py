@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--persistent-decode", action="store_true",
+                        help="batch-1 decode steps in one persistent launch")
     parser.add_argument("--num-scheduler-steps", type=int, default=1,
                         help="decode steps per launch (the engine argument)")
     parser.add_argument("--tp", type=int, default=1)
@@ -92,7 +94,8 @@ def measure(args, model: str) -> None:
     llm = LLM(model, load_format=args.load_format, max_model_len=args.max_model_len,
               max_num_seqs=max(args.batch_size, 1), enable_prefix_caching=False,
               kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
-              tensor_parallel_size=args.tp, num_scheduler_steps=args.num_scheduler_steps)
+              tensor_parallel_size=args.tp, num_scheduler_steps=args.num_scheduler_steps,
+              persistent_decode=args.persistent_decode)
     runner = getattr(llm.engine.executor, "runner", None) if llm.engine else None
     rng = random.Random(0)
     vocab = llm.config.model.arch.vocab_size
@@ -124,6 +127,7 @@ def measure(args, model: str) -> None:
     result = {"model": args.model, "batch_size": args.batch_size, "input_len": args.input_len,
               "output_len": args.output_len, "kv_cache_dtype": args.kv_cache_dtype,
               "enforce_eager": args.enforce_eager, "tp": args.tp,
+              "persistent_decode": args.persistent_decode,
               "rank_share_of": args.rank_share_of,
               "prefill_ms": round(statistics.median(prefill_s) * 1e3, 2),
               "decode_ms_per_step": round(ms, 3),

@@ -5,11 +5,16 @@ graph removes it. Graphs read their inputs from the StepBuffers' persistent tens
 captured largest first into one memory pool (smaller graphs reuse the larger ones' memory).
 Attention is captured with max_seqlen_k = max_model_len, so its split count covers any context.
 
+With persistent_decode the batch-1 decode graph captures the persistent decoder
+(persistent_decoder.py) in place of the model's forward.
+
 Under speculative decoding a step whose every request verifies k drafts is a uniform batch of
 1 + k query tokens per sequence: those get graphs of their own (query_len 1 + k), for the batch
 sizes up to the one where drafting stops (speculative_config.disable_by_batch_size) whose tokens
 fit a step.
 """
+
+from collections.abc import Callable
 
 import torch
 
@@ -34,8 +39,11 @@ class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
                  kv_caches: list[KVCache], buffers: StepBuffers, max_num_seqs: int,
                  max_model_len: int, verify_query_len: int | None = None,
-                 max_verify_seqs: int = 0, max_num_tokens: int = 0):
+                 max_verify_seqs: int = 0, max_num_tokens: int = 0,
+                 batch1_forward: Callable | None = None):
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
+        # the forward of the batch-1 decode graph, when not the model's
+        self.batch1_forward = batch1_forward
         self.buffers = buffers
         self.max_model_len = max_model_len
         self.sizes = bucket_sizes(max_num_seqs)
@@ -65,11 +73,14 @@ class CudaGraphRunner:
         for _, bs, q in sorted(shapes, reverse=True):  # the most tokens first
             ids, positions, meta = self.buffers.load_padding(bs, self.max_model_len, q)
             ctx = ForwardContext(self.backend, meta, self.kv_caches)
-            self.model(ids, positions, ctx)  # warm-up: compile and autotune outside capture
+            forward = self.model
+            if (bs, q) == (1, 1) and self.batch1_forward is not None:
+                forward = self.batch1_forward
+            forward(ids, positions, ctx)  # warm-up: compile and autotune outside capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(ids, positions, ctx)
+                hidden = forward(ids, positions, ctx)
             pool = pool or graph.pool()
             self.graphs[bs, q] = (graph, hidden)
             inner = getattr(self.model, "model", None)  # a drafter's head has none

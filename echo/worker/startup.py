@@ -91,7 +91,8 @@ def prepare_step_path(runner) -> CudaGraphRunner | None:
             sched.max_model_len,
             verify_query_len=None if spec is None else 1 + spec.num_speculative_tokens,
             max_verify_seqs=(spec and spec.disable_by_batch_size) or sched.max_num_seqs,
-            max_num_tokens=sched.max_num_batched_tokens)
+            max_num_tokens=sched.max_num_batched_tokens,
+            batch1_forward=persistent_decoder(runner))
         graphs.capture()
     if runner.device.type == "cuda":
         if runner.backend.name == "triton":
@@ -99,6 +100,23 @@ def prepare_step_path(runner) -> CudaGraphRunner | None:
             warm_up_kernel_variants(runner)
         warm_up_logits(runner, sched.max_num_seqs)
     return graphs
+
+
+def persistent_decoder(runner):
+    """The persistent batch-1 decode step when asked for and the model allows it (else None,
+    with the reason on stderr: the usual step runs)."""
+    if not runner.config.device.persistent_decode:
+        return None
+    from echo.worker.persistent_decoder import PersistentDecoder, unsupported_reason
+
+    reason = unsupported_reason(runner.model, runner.kv_caches, runner.tp.size)
+    if reason is not None:
+        if runner.tp.rank == 0:
+            print(f"echo: persistent_decode is off: {reason}", file=sys.stderr, flush=True)
+        return None
+    block_size = runner.config.cache.block_size
+    max_blocks = -(-runner.config.scheduler.max_model_len // block_size) + 1
+    return PersistentDecoder(runner.model, runner.kv_caches, block_size, max_blocks)
 
 
 def prepare_multi_step(runner):

@@ -11,21 +11,10 @@ import torch
 from kernel_utils import HAS_CUDA
 
 from echo_kernels.persistent_decode import (
-    DOWN,
-    GATE_UP,
-    IN_NORM,
-    K_CACHE,
-    K_NORM,
-    NUM_POINTERS,
-    O_PROJ,
-    POST_NORM,
-    Q_NORM,
-    QKV,
-    SYNC_HEADS,
-    V_CACHE,
     DecodeShape,
     PersistentDecode,
     PersistentTiles,
+    pointer_table,
 )
 from echo_kernels.reference import (
     fused_add_rms_norm_ref,
@@ -52,14 +41,14 @@ class RandomDecoder:
             return (torch.randn(*size, generator=gen) * scale + offset).to(dtype).to(DEVICE)
 
         self.layers = [{
-            IN_NORM: rand(h, scale=0.1, offset=1.0),
-            QKV: rand(shape.qkv_size, h, scale=h**-0.5),
-            Q_NORM: rand(d, scale=0.1, offset=1.0),
-            K_NORM: rand(d, scale=0.1, offset=1.0),
-            O_PROJ: rand(h, shape.num_heads * d, scale=(shape.num_heads * d)**-0.5),
-            POST_NORM: rand(h, scale=0.1, offset=1.0),
-            GATE_UP: rand(2 * i, h, scale=h**-0.5),
-            DOWN: rand(h, i, scale=i**-0.5),
+            "in_norm": rand(h, scale=0.1, offset=1.0),
+            "qkv": rand(shape.qkv_size, h, scale=h**-0.5),
+            "q_norm": rand(d, scale=0.1, offset=1.0),
+            "k_norm": rand(d, scale=0.1, offset=1.0),
+            "o_proj": rand(h, shape.num_heads * d, scale=(shape.num_heads * d)**-0.5),
+            "post_norm": rand(h, scale=0.1, offset=1.0),
+            "gate_up": rand(2 * i, h, scale=h**-0.5),
+            "down": rand(h, i, scale=i**-0.5),
         } for _ in range(shape.num_layers)]
         self.final_norm = rand(h, scale=0.1, offset=1.0)
         bs = shape.block_size
@@ -84,17 +73,15 @@ class RandomDecoder:
         self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), -1).to(DEVICE)
         self.embedding = rand(h)
 
-    def kernel(self, tiles=PersistentTiles(), programs=None) -> PersistentDecode:
-        table = torch.zeros(self.shape.num_layers, NUM_POINTERS, dtype=torch.int64)
-        for layer, weights in enumerate(self.layers):
-            for column, tensor in weights.items():
-                table[layer, column] = tensor.data_ptr()
-            table[layer, K_CACHE] = self.cache[layer, 0].data_ptr()
-            table[layer, V_CACHE] = self.cache[layer, 1].data_ptr()
+    def kernel(self, tiles=None, programs=None) -> PersistentDecode:
+        table = pointer_table([{**weights, "k_cache": self.cache[layer, 0],
+                                "v_cache": self.cache[layer, 1]}
+                               for layer, weights in enumerate(self.layers)], DEVICE)
         k = self.cache[0, 0]
-        return PersistentDecode(self.shape, table.to(DEVICE), self.final_norm, self.cos_sin,
+        return PersistentDecode(self.shape, table, self.final_norm, self.cos_sin,
                                 (k.stride(0), k.stride(1), k.stride(2)),
-                                max_blocks=self.block_table.numel(), tiles=tiles,
+                                max_blocks=self.block_table.numel(),
+                                tiles=tiles or PersistentTiles(),
                                 programs=programs)
 
     def run(self, decode: PersistentDecode) -> torch.Tensor:
@@ -116,15 +103,15 @@ class RandomDecoder:
         kv_size = shape.num_kv_heads * shape.head_dim
         for layer, w in enumerate(self.layers):
             if hidden is None:
-                x = rms_norm_ref(residual, w[IN_NORM], shape.eps)
+                x = rms_norm_ref(residual, w["in_norm"], shape.eps)
             else:
-                x, residual = fused_add_rms_norm_ref(hidden, residual, w[IN_NORM], shape.eps)
-            qkv = (x.float() @ w[QKV].float().T).to(dtype)
+                x, residual = fused_add_rms_norm_ref(hidden, residual, w["in_norm"], shape.eps)
+            qkv = (x.float() @ w["qkv"].float().T).to(dtype)
             q, k, v = qkv.split([q_size, kv_size, kv_size], -1)
             q = q.view(1, shape.num_heads, shape.head_dim)
             k = k.view(1, shape.num_kv_heads, shape.head_dim)
             v = v.view(1, shape.num_kv_heads, shape.head_dim)
-            norms = (w[Q_NORM], w[K_NORM]) if shape.qk_norm else (None, None)
+            norms = (w["q_norm"], w["k_norm"]) if shape.qk_norm else (None, None)
             q, k = rotary_embedding_ref(positions, q, k, self.cos_sin, True, *norms, shape.eps)
             q, k = q.to(dtype), k.to(dtype)
             store_kv_cache_ref(k, v, cache[layer, 0], cache[layer, 1], slots)
@@ -132,11 +119,11 @@ class RandomDecoder:
                 q, cache[layer, 0], cache[layer, 1], self.block_table[None],
                 torch.tensor([0, 1], device=DEVICE), torch.tensor([self.context + 1]),
                 shape.head_dim**-0.5).to(dtype).view(1, -1)
-            o = (attn.float() @ w[O_PROJ].float().T).to(dtype)
-            x, residual = fused_add_rms_norm_ref(o, residual, w[POST_NORM], shape.eps)
-            gate_up = (x.float() @ w[GATE_UP].float().T).to(dtype)
+            o = (attn.float() @ w["o_proj"].float().T).to(dtype)
+            x, residual = fused_add_rms_norm_ref(o, residual, w["post_norm"], shape.eps)
+            gate_up = (x.float() @ w["gate_up"].float().T).to(dtype)
             act = silu_and_mul_ref(gate_up).to(dtype)
-            hidden = (act.float() @ w[DOWN].float().T).to(dtype)
+            hidden = (act.float() @ w["down"].float().T).to(dtype)
         out, _ = fused_add_rms_norm_ref(hidden, residual, self.final_norm, shape.eps)
         return out[0], cache
 
@@ -213,4 +200,3 @@ def test_one_launch_on_the_gpu(context):
     assert decode.programs >= decode.max_splits * shape.num_kv_heads
     check(decoder, decode, atol=3e-2)
     assert math.isfinite(decode.out.float().sum().item())
-    assert decode.sync[SYNC_HEADS:].eq(0).all()

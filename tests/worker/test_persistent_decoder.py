@@ -1,0 +1,70 @@
+"""The persistent decode step inside the engine's model: a prompt's last token decoded over the
+cache its prefix left, against transformers' logits for the whole prompt (float32, CPU: the
+kernel's phases through Triton's interpreter)."""
+
+import pytest
+import torch
+
+from echo.core.sched_output import CachedRequestData, SchedulerOutput
+from echo.layers.attention import ForwardContext
+from echo.worker.persistent_decoder import PersistentDecoder, unsupported_reason
+from tests.helpers import echo_greedy_tokens, hf_greedy_tokens, load_hf
+from tests.models.test_logits_vs_transformers import (
+    BLOCK,
+    PROMPTS,
+    echo_logits,
+    hf_logits,
+    make_runner,
+    prefill_output,
+)
+from tests.models.test_qwen3_moe import write_tiny_moe
+
+
+def decode_last_token(runner, prompt: list[int]) -> torch.Tensor:
+    """The prefix through the runner's own forward, then the last token as a one-token step
+    through the persistent decoder: its logits [vocab]."""
+    echo_logits(runner, prefill_output([prompt], chunk=len(prompt) - 1))
+    step = SchedulerOutput(
+        step_id=1, scheduled_cached_reqs=CachedRequestData(["r0"], [[]], [len(prompt) - 1]),
+        num_scheduled_tokens={"r0": 1}, total_num_scheduled_tokens=1)
+    runner.input_batch.update(step, runner.vocab_size)
+    input_ids, positions, meta = runner.buffers.load(runner.input_batch.prepare(step))
+    decoder = PersistentDecoder(runner.model, runner.kv_caches, BLOCK,
+                                meta.block_table.shape[1])
+    with torch.inference_mode():
+        hidden = decoder(input_ids, positions,
+                         ForwardContext(runner.backend, meta, runner.kv_caches))
+        return runner.model.compute_logits(hidden)[0]
+
+
+@pytest.mark.parametrize("fixture,prompt", [
+    ("tiny_qwen3", PROMPTS[1]),
+    ("tiny_qwen3_untied", PROMPTS[2]),  # 75 tokens: two key splits
+    ("tiny_llama", PROMPTS[2]),  # llama3 rope scaling, no q/k norm
+    ("tiny_llama_tied", [1, 2]),  # one key before the new one
+])
+def test_decode_step_matches_transformers(fixture, prompt, request):
+    folder = request.getfixturevalue(fixture)
+    runner, hf = make_runner(folder), load_hf(folder)
+    assert unsupported_reason(runner.model, runner.kv_caches, 1) is None
+    logits = decode_last_token(runner, prompt)
+    torch.testing.assert_close(logits, hf_logits(hf, prompt)[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_unsupported_models_are_named(tiny_qwen3, tmp_path):
+    runner = make_runner(tiny_qwen3)
+    assert unsupported_reason(runner.model, runner.kv_caches, 2) == "tensor parallelism"
+    moe = make_runner(write_tiny_moe(tmp_path))
+    assert unsupported_reason(moe.model, moe.kv_caches, 1) == (
+        "Qwen3MoeForCausalLM is not a dense Llama/Qwen3 model")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("steps", [1, 8])
+def test_gpu_graphs_give_transformers_greedy_tokens(tiny_qwen3, steps):
+    """The batch-1 decode graph captures the persistent launch (one step per launch, or
+    eight with the sampling graphs over it); float32, so the tokens compare exactly."""
+    prompt = PROMPTS[2]
+    expected = hf_greedy_tokens(load_hf(tiny_qwen3), prompt, 32)
+    assert echo_greedy_tokens(tiny_qwen3, [prompt], 32, device="cuda", dtype="float32",
+                              persistent_decode=True, num_scheduler_steps=steps) == [expected]
