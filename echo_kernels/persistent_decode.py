@@ -67,9 +67,11 @@ def _grid_barrier(sync_ptr, target):
 
 @triton.jit
 def _pointer(table_ptr, layer, column, dtype: tl.constexpr):
-    """Column `column` of the layer's row of the pointer table, as a pointer to dtype."""
+    """Column `column` of the layer's row of the pointer table, as a pointer to dtype. Torch
+    allocations start 16-byte aligned (pointer_table checks): said here, Triton vectorises the
+    loads through it (16-bit loads otherwise, from a pointer it knows nothing about)."""
     address = tl.load(table_ptr + layer * NUM_POINTERS + column)
-    return address.to(tl.pointer_type(dtype))
+    return tl.multiple_of(address.to(tl.pointer_type(dtype)), 16)
 
 
 @triton.jit
@@ -104,15 +106,22 @@ def _gemv_block(w_ptr, x_ptr, rows, ok, K: tl.constexpr, w_first, EVEN: tl.const
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     w = w_first
     for k0 in tl.range(0, K, BLOCK_K):
-        if k0 > 0:
-            if EVEN:
-                w = tl.load(ptrs + k0)
-            else:
-                w = tl.load(ptrs + k0, mask=ok[:, None] & (k0 + offs_k[None, :] < K), other=0.0)
+        # the next tile is requested before this one is used: two tiles a program in flight
+        # (Triton's pipeliner stages only loads that feed tl.dot; small_m_linear's PREFETCH)
+        ahead = k0 + BLOCK_K
+        if EVEN:
+            w_next = tl.load(ptrs + ahead, mask=(ahead < K) & ok[:, None], other=0.0)
+        else:
+            w_next = tl.load(ptrs + ahead, mask=ok[:, None] & (ahead + offs_k[None, :] < K),
+                             other=0.0)
         # another program wrote x: read it from L2 (.cg), never a stale L1 line
-        x = tl.load(x_ptr + k0 + offs_k[None, :], mask=k0 + offs_k[None, :] < K, other=0.0,
-                    cache_modifier=".cg")
+        if EVEN:
+            x = tl.load(x_ptr + k0 + offs_k[None, :], cache_modifier=".cg")
+        else:
+            x = tl.load(x_ptr + k0 + offs_k[None, :], mask=k0 + offs_k[None, :] < K, other=0.0,
+                        cache_modifier=".cg")
         acc += w.to(tl.float32) * x.to(tl.float32)
+        w = w_next
     return tl.sum(acc, 1)
 
 
@@ -447,6 +456,9 @@ def pointer_table(layers: list[dict[str, torch.Tensor]], device: torch.device) -
     table = torch.zeros(len(layers), len(COLUMNS), dtype=torch.int64)
     for layer, tensors in enumerate(layers):
         for name, tensor in tensors.items():
+            if tensor.data_ptr() % 16 or not tensor.is_contiguous():
+                raise ValueError(f"persistent decode: layer {layer}'s {name} must be "
+                                 "contiguous and 16-byte aligned")
             table[layer, COLUMNS.index(name)] = tensor.data_ptr()
     return table.to(device)
 
