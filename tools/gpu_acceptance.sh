@@ -165,6 +165,10 @@ stage_commands() {
       timeout 300 $PY -m pytest -m gpu -q -p no:cacheprovider \
         tests/kernels/test_persistent_decode.py tests/worker/test_persistent_decoder.py \
         2>&1 | tail -3
+      for model in qwen3-0.6b stories110m; do  # the kernel alone, a few tile settings
+        timeout 300 $PY tools/dev/probe_persistent_decode.py --model $model 2>&1 \
+          | tee "$dir/probe_persistent_$model.log"
+      done
       for model in stories110m qwen3-0.6b llama-3.1-8b; do
         for flags in "" "--persistent-decode" "--num-scheduler-steps 8" \
                      "--num-scheduler-steps 8 --persistent-decode"; do

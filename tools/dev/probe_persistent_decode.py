@@ -1,0 +1,132 @@
+"""Which tiles make the persistent decode step fastest, and how far is it from its read time?
+
+    python tools/dev/probe_persistent_decode.py [--model qwen3-0.6b] [--context 256] [--sweep]
+
+#27's kernel (echo_kernels/persistent_decode.py) at a preset's real shapes with random bf16
+weights, one sequence whose `context` keys are in a paged cache: each tile setting's step
+(every layer and the final norm; not the embedding or the LM head) replayed from a CUDA graph
+and timed with bench_kernels' bench_graph. Each output is checked against the first
+setting's, and a barrier that gave up (a grid that was not co-resident) is reported. Printed:
+µs a step, the programs the grid got, and the layer weights' bytes over the time against the
+copy bandwidth measured in the same run.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+
+import torch  # noqa: E402
+from bench_kernels import bench_graph, measure_ceilings  # noqa: E402
+
+from echo_kernels.persistent_decode import (  # noqa: E402
+    DecodeShape,
+    PersistentDecode,
+    PersistentTiles,
+    pointer_table,
+)
+
+PRESETS = ROOT / "echo" / "models" / "presets"
+BLOCK_SIZE = 16
+DEFAULT_SETTINGS = [dict(), dict(block_n=4), dict(block_n=16), dict(block_k=256),
+                    dict(programs_per_sm=2), dict(max_registers=128, programs_per_sm=4)]
+SWEEP = [dict(block_n=n, block_k=k, programs_per_sm=p, max_registers=r)
+         for n in (4, 8, 16) for k in (256, 512) for p, r in ((2, None), (3, 168), (4, 128))]
+
+
+def shape_of(preset: str, layers: int | None) -> DecodeShape:
+    config = json.loads((PRESETS / f"{preset}.json").read_text())
+    heads = config["num_attention_heads"]
+    return DecodeShape(
+        hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+        num_heads=heads, num_kv_heads=config.get("num_key_value_heads", heads),
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        num_layers=layers or config["num_hidden_layers"], block_size=BLOCK_SIZE,
+        eps=config["rms_norm_eps"], qk_norm=config["architectures"][0].startswith("Qwen3"))
+
+
+class Step:
+    """Random weights and a cache holding `context` keys; `decode(tiles)` builds the kernel."""
+
+    def __init__(self, shape: DecodeShape, context: int):
+        torch.manual_seed(0)
+        h, i, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
+
+        def rand(*size, scale):
+            return torch.randn(*size, device="cuda", dtype=torch.bfloat16) * scale
+
+        def norm(n):
+            return 1 + rand(n, scale=0.1)
+
+        blocks = -(-(context + 1) // BLOCK_SIZE)
+        self.cache = torch.randn(shape.num_layers, 2, blocks + 1, BLOCK_SIZE, shape.num_kv_heads,
+                                 d, device="cuda", dtype=torch.bfloat16)
+        self.layers = [{
+            "in_norm": norm(h), "qkv": rand(shape.qkv_size, h, scale=h**-0.5),
+            "q_norm": norm(d), "k_norm": norm(d),
+            "o_proj": rand(h, shape.num_heads * d, scale=(shape.num_heads * d)**-0.5),
+            "post_norm": norm(h), "gate_up": rand(2 * i, h, scale=h**-0.5),
+            "down": rand(h, i, scale=i**-0.5),
+            "k_cache": self.cache[layer, 0], "v_cache": self.cache[layer, 1],
+        } for layer in range(shape.num_layers)]
+        self.weight_bytes = sum(t.numel() * t.element_size() for layer in self.layers
+                                for name, t in layer.items() if not name.endswith("cache"))
+        self.shape, self.final_norm = shape, norm(h)
+        inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+        freqs = torch.outer(torch.arange(context + 1, device="cuda").float(), inv)
+        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), -1)
+        self.embedding = rand(h, scale=1.0)
+        self.block_table = torch.arange(blocks + 1, dtype=torch.int32, device="cuda")
+
+        def scalar(value):
+            return torch.tensor([value], dtype=torch.int32, device="cuda")
+
+        self.inputs = (scalar(context + 1), scalar(context), scalar(context))
+
+    def decode(self, tiles: PersistentTiles) -> PersistentDecode:
+        k = self.cache[0, 0]
+        return PersistentDecode(self.shape, pointer_table(self.layers, k.device),
+                                self.final_norm, self.cos_sin,
+                                (k.stride(0), k.stride(1), k.stride(2)),
+                                self.block_table.numel(), tiles)
+
+    def run(self, decode: PersistentDecode) -> torch.Tensor:
+        return decode(self.embedding, self.block_table, *self.inputs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--layers", type=int, help="fewer layers than the preset's")
+    parser.add_argument("--sweep", action="store_true", help=f"{len(SWEEP)} settings")
+    args = parser.parse_args()
+    shape = shape_of(args.model, args.layers)
+    step = Step(shape, args.context)
+    copy_tbs = measure_ceilings()["copy_TBps"]
+    floor_us = step.weight_bytes / copy_tbs / 1e6
+    print(f"{args.model}: {shape.num_layers} layers, {step.weight_bytes / 1e6:.0f} MB of "
+          f"layer weights; copy bandwidth {copy_tbs:.2f} TB/s: {floor_us:.1f} us at it",
+          flush=True)
+    want = None
+    for setting in SWEEP if args.sweep else DEFAULT_SETTINGS:
+        tiles = PersistentTiles(**setting)
+        decode = step.decode(tiles)
+        got = step.run(decode).float().clone()
+        if decode.error():
+            print(f"{setting}: a barrier gave up waiting ({decode.programs} programs)",
+                  flush=True)
+            continue
+        want = got if want is None else want
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        us = bench_graph([lambda decode=decode: step.run(decode)], inner=1) * 1e3
+        print(f"{str(setting):<60} {us:8.1f} us  {decode.programs:4d} programs  "
+              f"{step.weight_bytes / us / 1e6:5.2f} TB/s ({floor_us / us:5.1%} of copy)  "
+              f"vs first {err:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
