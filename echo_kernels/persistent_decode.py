@@ -505,6 +505,8 @@ class PersistentDecode:
                      and shape.intermediate_size % (tiles.block_n // 2) == 0)
         if self.on_gpu:
             self.programs = self._co_resident(self.programs)
+            # fewer programs than asked: fewer splits (SPLITS_PAD, compiled in, still bounds it)
+            self.max_splits = max(1, min(self.max_splits, self.programs // kv_heads))
 
     def __call__(self, embedding: torch.Tensor, block_table: torch.Tensor,
                  seq_len: torch.Tensor, position: torch.Tensor,
@@ -563,7 +565,8 @@ class PersistentDecode:
         regs = -(-max(kernel.n_regs, 1) // 8) * 8 * threads
         per_sm = min(props.max_threads_per_multi_processor // threads,
                      props.regs_per_multiprocessor // regs,
-                     props.shared_memory_per_multiprocessor // max(kernel.metadata.shared, 1))
+                     # an SM's shared memory is at least one block's opt-in maximum
+                     props.shared_memory_per_block_optin // max(kernel.metadata.shared, 1))
         programs = min(wanted, per_sm * props.multi_processor_count)
         if programs < 1:
             raise RuntimeError("persistent decode: the kernel does not fit an SM")
