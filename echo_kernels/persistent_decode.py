@@ -28,7 +28,7 @@ error flag instead of hanging. Triton's interpreter runs programs one after anot
 CPU the phases run as separate launches (`run_phases`), the same code without the barriers.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -40,12 +40,12 @@ from echo_kernels.norm import apply_rms
 from echo_kernels.rope import rotated_rows
 
 # the pointer table's columns (pointer_table): each layer's tensors, by address
+# (a mixture of experts: gate_up and down are the stacked experts [E, 2I, H] and [E, H, I])
 COLUMNS = ("in_norm", "qkv", "q_norm", "k_norm", "o_proj", "post_norm", "gate_up", "down",
-           "k_cache", "v_cache")
-IN_NORM, QKV, Q_NORM, K_NORM, O_PROJ, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE = (
+           "k_cache", "v_cache", "router")
+IN_NORM, QKV, Q_NORM, K_NORM, O_PROJ, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE, ROUTER = (
     tl.constexpr(column) for column in range(len(COLUMNS)))
 NUM_POINTERS = tl.constexpr(len(COLUMNS))
-PHASES_PER_LAYER = tl.constexpr(5)
 # sync buffer: barrier arrivals, programs done, error flag, then one arrival count per KV head
 SYNC_ARRIVALS, SYNC_DONE, SYNC_ERROR, SYNC_HEADS = (tl.constexpr(i) for i in range(4))
 SPIN_LIMIT = tl.constexpr(1 << 22)
@@ -252,16 +252,68 @@ def _attention_item(table_ptr, layer, item, qkv_ptr, attn_ptr, part_ptr, sync_pt
 
 
 @triton.jit
+def _after_phase(sync_ptr, barriers, next_phase, phase_hi, BARRIERS: tl.constexpr):
+    """The grid barrier between a phase and the next when this launch runs the next (the
+    count of barriers so far, updated)."""
+    if BARRIERS & (next_phase < phase_hi):
+        barriers += 1
+        _grid_barrier(sync_ptr, barriers * tl.num_programs(0))
+    return barriers
+
+
+@triton.jit
+def _store_swiglu(y, block, act_ptr, INTER: tl.constexpr, BLOCK_N: tl.constexpr,
+                  dtype: tl.constexpr):
+    """silu(gate) * up of a gated row block's GEMV outputs y ([gate rows, up rows]) into
+    act_ptr; activation.py's rounding."""
+    gate, up = tl.split(tl.trans(tl.reshape(y.to(dtype), [2, BLOCK_N // 2])))
+    gf = gate.to(tl.float32)
+    act = (gf / (1.0 + tl.math.exp2(-gf * 1.4426950408889634))).to(dtype)
+    j = block * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(act_ptr + j, (act.to(tl.float32) * up.to(tl.float32)).to(dtype), mask=j < INTER)
+
+
+@triton.jit
+def _route(logits_ptr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+           BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+    """(weights [BLOCK_TOPK] float32, expert ids [BLOCK_TOPK] int32) of the token: softmax,
+    top-k by logit with ties to the lower id, renormalized; fused_moe.moe_routing's rule. Every
+    program computes it from the router's logits (a few hundred bytes)."""
+    experts = tl.arange(0, BLOCK_E)
+    slots = tl.arange(0, BLOCK_TOPK)
+    in_e = experts < EXPERTS
+    x = tl.load(logits_ptr + experts, mask=in_e, other=0.0, cache_modifier=".cg")
+    x = tl.where(in_e, x.to(tl.float32), float("-inf"))
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    taken = ~in_e
+    weights = tl.zeros([BLOCK_TOPK], tl.float32)
+    ids = tl.zeros([BLOCK_TOPK], tl.int32)
+    for j in tl.static_range(TOP_K):
+        candidates = tl.where(taken, float("-inf"), x)
+        best = tl.max(candidates, 0)
+        pick = tl.min(tl.where((candidates == best) & ~taken, experts, BLOCK_E), 0)
+        chosen = experts == pick
+        weights = tl.where(slots == j, tl.sum(tl.where(chosen, p, 0.0), 0), weights)
+        ids = tl.where(slots == j, pick, ids)
+        taken = taken | chosen
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, 0)
+    return weights, ids
+
+
+@triton.jit
 def _persistent_decode_kernel(
     table_ptr,  # int64 [num_layers, NUM_POINTERS]
     final_norm_ptr,  # [H]
     out_ptr,  # [H]: the last layer's residual stream, normed
     resid_ptr,  # [2, H]: [0] the embedding on entry, then the stream after o_proj; [1] before
-    delta_ptr,  # [H]: the down projection's output, not yet added
-    xn_ptr,  # [H]: the normed input of the qkv and gate_up GEMVs
+    delta_ptr,  # [H]: the MLP's output, not yet added
+    xn_ptr,  # [H]: the normed input of the qkv and gate_up (router, experts) GEMVs
     qkv_ptr,  # [(HEADS + 2 * KV_HEADS) * HEAD_DIM]
     attn_ptr,  # [HEADS * HEAD_DIM]
-    act_ptr,  # [INTER]
+    act_ptr,  # [INTER], a mixture of experts [TOP_K, INTER]: SwiGLU's output
+    logits_ptr,  # [EXPERTS]: the router's (IS_MOE)
     part_ptr,  # float32 [KV_HEADS, SPLITS_PAD, GROUP_PAD, HEAD_DIM + 2]: split partials
     sync_ptr,  # int32 [SYNC_HEADS + KV_HEADS], zero on entry and exit
     block_table_ptr,  # [max_blocks] int32: the sequence's cache blocks
@@ -276,11 +328,11 @@ def _persistent_decode_kernel(
     eps,
     qk_scale,  # softmax scale * log2(e)
     num_layers,
-    phase_lo,  # the phases to run: [phase_lo, phase_hi) of num_layers * 5 + 1
+    phase_lo,  # the phases to run: [phase_lo, phase_hi) of num_layers * LAYER_PHASES + 1
     phase_hi,
     max_splits,  # key splits at most (<= SPLITS_PAD, at most the programs per KV head)
     H: tl.constexpr,
-    INTER: tl.constexpr,  # the MLP's intermediate size
+    INTER: tl.constexpr,  # the MLP's (an expert's) intermediate size
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -293,15 +345,24 @@ def _persistent_decode_kernel(
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # every GEMV's N and K are multiples of its row block and BLOCK_K
     HAS_QK_NORM: tl.constexpr,
+    IS_MOE: tl.constexpr,  # every layer's MLP is a mixture of experts (router, experts)
+    EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,  # EXPERTS and TOP_K rounded up to powers of two
+    BLOCK_TOPK: tl.constexpr,
     BARRIERS: tl.constexpr,  # False under the interpreter: a launch runs one phase
 ):
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     cache_dtype: tl.constexpr = dtype
+    # qkv, attention, o_proj, then gate_up and down, or router, experts' gate_up, their down
+    LAYER_PHASES: tl.constexpr = 5 + IS_MOE
     QKV_N: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_DIM
     O_K: tl.constexpr = HEADS * HEAD_DIM
     QKV_BLOCKS: tl.constexpr = (QKV_N + BLOCK_N - 1) // BLOCK_N
     H_BLOCKS: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
     GATED_BLOCKS: tl.constexpr = (INTER + BLOCK_N // 2 - 1) // (BLOCK_N // 2)
+    ROUTER_BLOCKS: tl.constexpr = (EXPERTS + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     seq_len = tl.load(seq_len_ptr)
@@ -316,7 +377,7 @@ def _persistent_decode_kernel(
     # or, in the launch's first phase, on entry
     w = tl.zeros([BLOCK_N, BLOCK_K], dtype)
     for layer in range(num_layers):
-        base = layer * PHASES_PER_LAYER
+        base = layer * LAYER_PHASES
         # --- qkv: residual + delta, the input norm, the GEMV ---
         if (phase_lo <= base) & (base < phase_hi):
             _normed_input(resid_ptr, delta_ptr, layer > 0, _pointer(table_ptr, layer, IN_NORM,
@@ -329,9 +390,7 @@ def _persistent_decode_kernel(
                 y = _gemv_block(w_ptr, xn_ptr, rows, ok, H, w, EVEN, BLOCK_N, BLOCK_K)
                 tl.store(qkv_ptr + rows, y.to(dtype), mask=ok)
                 w = _first_tile(w_ptr, block + grid, QKV_N, H, False, BLOCK_N, BLOCK_K)
-            if BARRIERS & (base + 1 < phase_hi):
-                barriers += 1
-                _grid_barrier(sync_ptr, barriers * grid)
+            barriers = _after_phase(sync_ptr, barriers, base + 1, phase_hi, BARRIERS)
         # --- attention ---
         if (phase_lo <= base + 1) & (base + 1 < phase_hi):
             for item in range(pid, KV_HEADS * n_splits, grid):
@@ -342,9 +401,7 @@ def _persistent_decode_kernel(
                                 BLOCK_SIZE, BLOCK_T, HAS_QK_NORM, dtype, cache_dtype)
             w = _first_tile(_pointer(table_ptr, layer, O_PROJ, dtype), pid, H, O_K, False,
                             BLOCK_N, BLOCK_K)
-            if BARRIERS & (base + 2 < phase_hi):
-                barriers += 1
-                _grid_barrier(sync_ptr, barriers * grid)
+            barriers = _after_phase(sync_ptr, barriers, base + 2, phase_hi, BARRIERS)
         # --- o_proj and the residual: resid[0] = o + resid[1] ---
         if (phase_lo <= base + 2) & (base + 2 < phase_hi):
             w_ptr = _pointer(table_ptr, layer, O_PROJ, dtype)
@@ -357,52 +414,97 @@ def _persistent_decode_kernel(
                 s = y.to(dtype).to(tl.float32) + r.to(tl.float32)
                 tl.store(resid_ptr + rows, s.to(dtype), mask=ok)
                 w = _first_tile(w_ptr, block + grid, H, O_K, False, BLOCK_N, BLOCK_K)
-            w = _first_tile(_pointer(table_ptr, layer, GATE_UP, dtype), pid, 2 * INTER, H, True,
-                            BLOCK_N, BLOCK_K)
-            if BARRIERS & (base + 3 < phase_hi):
-                barriers += 1
-                _grid_barrier(sync_ptr, barriers * grid)
-        # --- gate_up: the post-attention norm, both GEMVs, SwiGLU ---
-        if (phase_lo <= base + 3) & (base + 3 < phase_hi):
-            _normed_input(resid_ptr, delta_ptr, False, _pointer(table_ptr, layer, POST_NORM,
-                          dtype), xn_ptr, None, eps, H, BLOCK_K, dtype)
-            w_ptr = _pointer(table_ptr, layer, GATE_UP, dtype)
-            if phase_lo == base + 3:
-                w = _first_tile(w_ptr, pid, 2 * INTER, H, True, BLOCK_N, BLOCK_K)
-            for block in range(pid, GATED_BLOCKS, grid):
-                rows, ok = _block_rows(block, 2 * INTER, True, BLOCK_N)
-                y = _gemv_block(w_ptr, xn_ptr, rows, ok, H, w, EVEN, BLOCK_N, BLOCK_K)
-                # [gate rows, up rows] -> (gate, up) of the same HALF outputs
-                gate, up = tl.split(tl.trans(tl.reshape(y.to(dtype), [2, BLOCK_N // 2])))
-                gf = gate.to(tl.float32)
-                act = (gf / (1.0 + tl.math.exp2(-gf * 1.4426950408889634))).to(dtype)
-                j = block * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-                tl.store(act_ptr + j, (act.to(tl.float32) * up.to(tl.float32)).to(dtype),
-                         mask=j < INTER)
-                w = _first_tile(w_ptr, block + grid, 2 * INTER, H, True, BLOCK_N, BLOCK_K)
-            w = _first_tile(_pointer(table_ptr, layer, DOWN, dtype), pid, H, INTER, False,
-                            BLOCK_N, BLOCK_K)
-            if BARRIERS & (base + 4 < phase_hi):
-                barriers += 1
-                _grid_barrier(sync_ptr, barriers * grid)
-        # --- down: delta = W_down @ act ---
-        if (phase_lo <= base + 4) & (base + 4 < phase_hi):
-            w_ptr = _pointer(table_ptr, layer, DOWN, dtype)
-            if phase_lo == base + 4:
-                w = _first_tile(w_ptr, pid, H, INTER, False, BLOCK_N, BLOCK_K)
-            for block in range(pid, H_BLOCKS, grid):
-                rows, ok = _block_rows(block, H, False, BLOCK_N)
-                y = _gemv_block(w_ptr, act_ptr, rows, ok, INTER, w, EVEN, BLOCK_N, BLOCK_K)
-                tl.store(delta_ptr + rows, y.to(dtype), mask=ok)
-                w = _first_tile(w_ptr, block + grid, H, INTER, False, BLOCK_N, BLOCK_K)
-            if layer + 1 < num_layers:
-                w = _first_tile(_pointer(table_ptr, layer + 1, QKV, dtype), pid, QKV_N, H, False,
+            if IS_MOE:
+                w = _first_tile(_pointer(table_ptr, layer, ROUTER, dtype), pid, EXPERTS, H,
+                                False, BLOCK_N, BLOCK_K)
+            else:
+                w = _first_tile(_pointer(table_ptr, layer, GATE_UP, dtype), pid, 2 * INTER, H,
+                                True, BLOCK_N, BLOCK_K)
+            barriers = _after_phase(sync_ptr, barriers, base + 3, phase_hi, BARRIERS)
+        if IS_MOE:
+            # --- the router: the post-attention norm, the router's logits ---
+            if (phase_lo <= base + 3) & (base + 3 < phase_hi):
+                _normed_input(resid_ptr, delta_ptr, False, _pointer(table_ptr, layer,
+                              POST_NORM, dtype), xn_ptr, None, eps, H, BLOCK_K, dtype)
+                w_ptr = _pointer(table_ptr, layer, ROUTER, dtype)
+                if phase_lo == base + 3:
+                    w = _first_tile(w_ptr, pid, EXPERTS, H, False, BLOCK_N, BLOCK_K)
+                for block in range(pid, ROUTER_BLOCKS, grid):
+                    rows, ok = _block_rows(block, EXPERTS, False, BLOCK_N)
+                    y = _gemv_block(w_ptr, xn_ptr, rows, ok, H, w, EVEN, BLOCK_N, BLOCK_K)
+                    tl.store(logits_ptr + rows, y.to(dtype), mask=ok)
+                    w = _first_tile(w_ptr, block + grid, EXPERTS, H, False, BLOCK_N, BLOCK_K)
+                barriers = _after_phase(sync_ptr, barriers, base + 4, phase_hi, BARRIERS)
+            # --- the chosen experts' gate_up and SwiGLU: [TOP_K, INTER] ---
+            if (phase_lo <= base + 4) & (base + 4 < phase_hi):
+                route_w, route_ids = _route(logits_ptr, EXPERTS, TOP_K, RENORMALIZE, BLOCK_E,
+                                            BLOCK_TOPK)
+                w13 = _pointer(table_ptr, layer, GATE_UP, dtype)
+                slots = tl.arange(0, BLOCK_TOPK)
+                for block in range(pid, TOP_K * GATED_BLOCKS, grid):
+                    j = block // GATED_BLOCKS
+                    b = block % GATED_BLOCKS
+                    expert = tl.sum(tl.where(slots == j, route_ids, 0)).to(tl.int64)
+                    w_ptr = w13 + expert * (2 * INTER * H)
+                    rows, ok = _block_rows(b, 2 * INTER, True, BLOCK_N)
+                    w = _first_tile(w_ptr, b, 2 * INTER, H, True, BLOCK_N, BLOCK_K)
+                    y = _gemv_block(w_ptr, xn_ptr, rows, ok, H, w, EVEN, BLOCK_N, BLOCK_K)
+                    _store_swiglu(y, b, act_ptr + j * INTER, INTER, BLOCK_N, dtype)
+                barriers = _after_phase(sync_ptr, barriers, base + 5, phase_hi, BARRIERS)
+            # --- their down projections, weighted and summed: delta ---
+            if (phase_lo <= base + 5) & (base + 5 < phase_hi):
+                route_w, route_ids = _route(logits_ptr, EXPERTS, TOP_K, RENORMALIZE, BLOCK_E,
+                                            BLOCK_TOPK)
+                w2 = _pointer(table_ptr, layer, DOWN, dtype)
+                slots = tl.arange(0, BLOCK_TOPK)
+                for block in range(pid, H_BLOCKS, grid):
+                    rows, ok = _block_rows(block, H, False, BLOCK_N)
+                    total = tl.zeros([BLOCK_N], tl.float32)
+                    for j in tl.range(0, TOP_K):
+                        expert = tl.sum(tl.where(slots == j, route_ids, 0)).to(tl.int64)
+                        weight = tl.sum(tl.where(slots == j, route_w, 0.0))
+                        w_ptr = w2 + expert * (H * INTER)
+                        w = _first_tile(w_ptr, block, H, INTER, False, BLOCK_N, BLOCK_K)
+                        y = _gemv_block(w_ptr, act_ptr + j * INTER, rows, ok, INTER, w, EVEN,
+                                        BLOCK_N, BLOCK_K)
+                        total += weight * y
+                    tl.store(delta_ptr + rows, total.to(dtype), mask=ok)
+                if layer + 1 < num_layers:
+                    w = _first_tile(_pointer(table_ptr, layer + 1, QKV, dtype), pid, QKV_N, H,
+                                    False, BLOCK_N, BLOCK_K)
+                barriers = _after_phase(sync_ptr, barriers, base + 6, phase_hi, BARRIERS)
+        else:
+            # --- gate_up: the post-attention norm, both GEMVs, SwiGLU ---
+            if (phase_lo <= base + 3) & (base + 3 < phase_hi):
+                _normed_input(resid_ptr, delta_ptr, False, _pointer(table_ptr, layer,
+                              POST_NORM, dtype), xn_ptr, None, eps, H, BLOCK_K, dtype)
+                w_ptr = _pointer(table_ptr, layer, GATE_UP, dtype)
+                if phase_lo == base + 3:
+                    w = _first_tile(w_ptr, pid, 2 * INTER, H, True, BLOCK_N, BLOCK_K)
+                for block in range(pid, GATED_BLOCKS, grid):
+                    rows, ok = _block_rows(block, 2 * INTER, True, BLOCK_N)
+                    y = _gemv_block(w_ptr, xn_ptr, rows, ok, H, w, EVEN, BLOCK_N, BLOCK_K)
+                    _store_swiglu(y, block, act_ptr, INTER, BLOCK_N, dtype)
+                    w = _first_tile(w_ptr, block + grid, 2 * INTER, H, True, BLOCK_N, BLOCK_K)
+                w = _first_tile(_pointer(table_ptr, layer, DOWN, dtype), pid, H, INTER, False,
                                 BLOCK_N, BLOCK_K)
-            if BARRIERS & (base + 5 < phase_hi):
-                barriers += 1
-                _grid_barrier(sync_ptr, barriers * grid)
+                barriers = _after_phase(sync_ptr, barriers, base + 4, phase_hi, BARRIERS)
+            # --- down: delta = W_down @ act ---
+            if (phase_lo <= base + 4) & (base + 4 < phase_hi):
+                w_ptr = _pointer(table_ptr, layer, DOWN, dtype)
+                if phase_lo == base + 4:
+                    w = _first_tile(w_ptr, pid, H, INTER, False, BLOCK_N, BLOCK_K)
+                for block in range(pid, H_BLOCKS, grid):
+                    rows, ok = _block_rows(block, H, False, BLOCK_N)
+                    y = _gemv_block(w_ptr, act_ptr, rows, ok, INTER, w, EVEN, BLOCK_N, BLOCK_K)
+                    tl.store(delta_ptr + rows, y.to(dtype), mask=ok)
+                    w = _first_tile(w_ptr, block + grid, H, INTER, False, BLOCK_N, BLOCK_K)
+                if layer + 1 < num_layers:
+                    w = _first_tile(_pointer(table_ptr, layer + 1, QKV, dtype), pid, QKV_N, H,
+                                    False, BLOCK_N, BLOCK_K)
+                barriers = _after_phase(sync_ptr, barriers, base + 5, phase_hi, BARRIERS)
     # --- the final norm of resid[0] + delta, one program ---
-    last = num_layers * PHASES_PER_LAYER
+    last = num_layers * LAYER_PHASES
     if (phase_lo <= last) & (last < phase_hi) & (pid == 0):
         _normed_input(resid_ptr, delta_ptr, num_layers > 0, final_norm_ptr, out_ptr, None, eps,
                       H, BLOCK_K, dtype)
@@ -416,10 +518,11 @@ def _persistent_decode_kernel(
 
 @dataclass(frozen=True)
 class DecodeShape:
-    """What the kernel specialises on: a dense Llama/Qwen3 decoder's sizes."""
+    """What the kernel specialises on: a Llama/Qwen3 decoder's sizes, or Qwen3-MoE's (every
+    layer's MLP a mixture of experts)."""
 
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # a mixture of experts: each expert's
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -427,10 +530,22 @@ class DecodeShape:
     block_size: int  # the paged cache's tokens per block
     eps: float  # every RMSNorm's (the model's rms_norm_eps)
     qk_norm: bool  # Qwen3's per-head q/k RMSNorm
+    num_experts: int = 0  # 0: a dense MLP
+    top_k: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalized to sum to 1
 
     @property
     def qkv_size(self) -> int:
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def layer_phases(self) -> int:
+        """qkv, attention, o_proj, gate_up, down; or router, experts' gate_up, their down."""
+        return 6 if self.is_moe else 5
 
 
 @dataclass(frozen=True)
@@ -439,8 +554,12 @@ class PersistentTiles:
     (tools/dev/probe_persistent_gemv.py), programs_per_sm its fastest setting."""
 
     block_n: int = 8  # GEMV rows a block (gate_up: half gate, half up)
-    block_k: int = 512
-    block_t: int = 16  # keys a step of the attention loop
+    # None: the largest of 512, 256, 128 that divides every GEMV's K (no masked tiles)
+    block_k: int | None = None
+    # keys a step of the attention loop; None: 16, fewer for larger GQA groups, so the
+    # [group, keys, head_dim] products stay at 4096 floats (8 x 16 x 128 spilled registers in
+    # offline sm_90 compiles of Qwen3-30B-A3B's attention)
+    block_t: int | None = None
     split_tokens: int = 64  # keys a split at least
     programs_per_sm: int = 3  # at most: fewer when the compiled kernel's occupancy says so
     num_warps: int = 4
@@ -474,11 +593,20 @@ class PersistentDecode:
         if tiles.block_n % 2 or shape.num_heads % shape.num_kv_heads:
             raise ValueError("persistent decode: block_n must be even and num_heads a "
                              "multiple of num_kv_heads")
+        h, kv_heads = shape.hidden_size, shape.num_kv_heads
+        self.group_pad = triton.next_power_of_2(shape.num_heads // kv_heads)
+        gemv_sizes = ((shape.qkv_size, h), (h, shape.num_heads * shape.head_dim),
+                      (2 * shape.intermediate_size, h), (h, shape.intermediate_size),
+                      (shape.num_experts or tiles.block_n, h))
+        if tiles.block_k is None:
+            tiles = replace(tiles, block_k=next(
+                (b for b in (512, 256, 128) if all(k % b == 0 for _, k in gemv_sizes)), 512))
+        if tiles.block_t is None:
+            tiles = replace(tiles, block_t=max(1, min(
+                16, 4096 // (self.group_pad * triton.next_power_of_2(shape.head_dim)))))
         self.shape, self.table, self.final_norm, self.cos_sin = shape, table, final_norm, cos_sin
         self.cache_strides, self.tiles = cache_strides, tiles
         device, dtype = final_norm.device, final_norm.dtype
-        h, kv_heads = shape.hidden_size, shape.num_kv_heads
-        self.group_pad = triton.next_power_of_2(shape.num_heads // kv_heads)
         self.on_gpu = device.type == "cuda"
         self.programs = programs or (sm_count(device, without_gpu=3) * tiles.programs_per_sm)
         # splits a KV head: every program busy at long contexts, as the split kernel does
@@ -494,12 +622,11 @@ class PersistentDecode:
         self.delta, self.xn, self.out = empty(h), empty(h), empty(h)
         self.qkv = empty(shape.qkv_size)
         self.attn = empty(shape.num_heads * shape.head_dim)
-        self.act = empty(shape.intermediate_size)
+        self.act = empty(max(shape.top_k, 1) * shape.intermediate_size)
+        self.logits = empty(max(shape.num_experts, 1))
         self.parts = empty(kv_heads, self.splits_pad, self.group_pad, shape.head_dim + 2,
                            dtype=torch.float32)
         self.sync = empty(SYNC_HEADS.value + kv_heads, dtype=torch.int32)
-        gemv_sizes = ((shape.qkv_size, h), (h, shape.num_heads * shape.head_dim),
-                      (2 * shape.intermediate_size, h), (h, shape.intermediate_size))
         self.even = (all(n % tiles.block_n == 0 and k % tiles.block_k == 0
                          for n, k in gemv_sizes)
                      and shape.intermediate_size % (tiles.block_n // 2) == 0)
@@ -515,7 +642,7 @@ class PersistentDecode:
         embedding [hidden] of the token at `position`, whose K/V go to cache slot `slot` of a
         sequence of seq_len tokens (it included) in the blocks of block_table."""
         self.resid[0].copy_(embedding)
-        last = self.shape.num_layers * PHASES_PER_LAYER.value + 1
+        last = self.shape.num_layers * self.shape.layer_phases + 1
         if self.on_gpu:
             self._launch(block_table, seq_len, position, slot, 0, last, True)
         else:  # the interpreter runs programs in turn: a launch a phase, no barriers
@@ -532,7 +659,8 @@ class PersistentDecode:
         shape, tiles = self.shape, self.tiles
         stride_kb, stride_kt, stride_kh = self.cache_strides
         args = (self.table, self.final_norm, self.out, self.resid, self.delta, self.xn, self.qkv,
-                self.attn, self.act, self.parts, self.sync, block_table, seq_len, position, slot,
+                self.attn, self.act, self.logits, self.parts, self.sync, block_table, seq_len,
+                position, slot,
                 self.cos_sin, self.cos_sin.stride(0), stride_kb, stride_kt, stride_kh,
                 shape.eps, shape.head_dim**-0.5 * LOG2E, shape.num_layers, phase_lo, phase_hi,
                 self.max_splits)
@@ -542,7 +670,10 @@ class PersistentDecode:
             HEAD_DIM=shape.head_dim, GROUP_PAD=self.group_pad, SPLITS_PAD=self.splits_pad,
             SPLIT_TOKENS=tiles.split_tokens, BLOCK_SIZE=shape.block_size,
             BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            EVEN=self.even, HAS_QK_NORM=shape.qk_norm, BARRIERS=barriers,
+            EVEN=self.even, HAS_QK_NORM=shape.qk_norm, IS_MOE=shape.is_moe,
+            EXPERTS=shape.num_experts, TOP_K=shape.top_k, RENORMALIZE=shape.norm_topk_prob,
+            BLOCK_E=triton.next_power_of_2(max(shape.num_experts, 1)),
+            BLOCK_TOPK=triton.next_power_of_2(max(shape.top_k, 1)), BARRIERS=barriers,
             num_warps=tiles.num_warps)
         if self.on_gpu and tiles.max_registers is not None:
             constexprs["maxnreg"] = tiles.max_registers

@@ -2,16 +2,28 @@
 # The GPU measurements behind the open acceptance points, staged so each fits one device call:
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
 # Stages: tests kernels latency offline profile profile-tail serving int8-pool kv-offload
-# structured awq moe persistent, and tp and profile-tp (two GPUs). Rough minutes on an H200:
-# tests 11 (two calls: tests/kernels, then the rest), kernels 2, latency 3, offline 5, profile
-# 5, profile-tail 2, serving 4, int8-pool 2, kv-offload 6, structured 4, awq 8, moe 6,
-# persistent 8 (not yet run), tp 6 (plus start-up):
+# structured awq moe persistent persistent-models, and tp and profile-tp (two GPUs). Rough
+# minutes on an H200: tests 11 (two calls: tests/kernels, then the rest), kernels 2, latency
+# 3, offline 5, profile 5, profile-tail 2, serving 4, int8-pool 2, kv-offload 6, structured 4,
+# awq 8, moe 6, persistent 6 and persistent-models 8 (guesses: not yet run), tp 6 (plus
+# start-up):
 # pick what fits the device budget. Logs and JSON go to a scratch folder that is packed into
 # $OUT/STAGE.tar.gz (the device tool returns few files), and the key lines are printed. Every
 # process started here is ended here, by PID. The probes' runs: tools/dev/gpu_probes.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/gpu_stages.sh
+
+persistent_latency() {  # DIR MODEL FLAGS...: bench_latency once per set of flags
+  local dir=$1 model=$2 flags
+  shift 2
+  for flags in "$@"; do
+    echo "$model $flags"
+    # shellcheck disable=SC2086
+    timeout 300 $PY tools/bench_latency.py --model "$model" --max-model-len 2048 --iters 2 \
+      $flags --json "$dir/latency_${model}${flags// /_}.json" 2>&1 | tail -1
+  done
+}
 
 stage_commands() {
   local stage=$1 dir=$2
@@ -160,24 +172,23 @@ stage_commands() {
       $PY tools/bench_offline.py --model qwen3-30b-a3b --json "$dir/offline_moe.json" 2>&1 \
         | tail -1
       $PY tools/bench_hf_reference.py --model qwen3-30b-a3b 2>&1 | tail -2 ;;
-    persistent)  # #27: the persistent decode step's tests, then batch 1 with it and without,
-      # alternating, one and eight steps a launch (tests first: a hang shows before the benches)
+    persistent)  # #27: the persistent decode step's tests (first: a hang shows before the
+      # benches), the kernel alone over tile settings, then Qwen3-0.6B batch 1 with it and
+      # without, one and eight steps a launch
       timeout 300 $PY -m pytest -m gpu -q -p no:cacheprovider \
         tests/kernels/test_persistent_decode.py tests/worker/test_persistent_decoder.py \
         2>&1 | tail -3
-      for model in qwen3-0.6b stories110m; do  # the kernel alone, a few tile settings
-        timeout 300 $PY tools/dev/probe_persistent_decode.py --model $model 2>&1 \
-          | tee "$dir/probe_persistent_$model.log"
+      timeout 240 $PY tools/dev/probe_persistent_decode.py --model qwen3-0.6b 2>&1 \
+        | tee "$dir/probe_persistent_qwen3-0.6b.log"
+      persistent_latency "$dir" qwen3-0.6b "" "--persistent-decode" "--num-scheduler-steps 8" \
+        "--num-scheduler-steps 8 --persistent-decode" ;;
+    persistent-models)  # #27, #28: the other models, eight steps a launch, with it and without
+      for model in stories110m llama-3.1-8b qwen3-30b-a3b; do
+        persistent_latency "$dir" $model "--num-scheduler-steps 8" \
+          "--num-scheduler-steps 8 --persistent-decode"
       done
-      for model in stories110m qwen3-0.6b llama-3.1-8b; do
-        for flags in "" "--persistent-decode" "--num-scheduler-steps 8" \
-                     "--num-scheduler-steps 8 --persistent-decode"; do
-          echo "$model $flags"
-          # shellcheck disable=SC2086
-          timeout 300 $PY tools/bench_latency.py --model $model --max-model-len 2048 \
-            --iters 2 $flags --json "$dir/latency_${model}${flags// /_}.json" 2>&1 | tail -1
-        done
-      done ;;
+      timeout 240 $PY tools/dev/probe_persistent_decode.py --model qwen3-30b-a3b 2>&1 \
+        | tee "$dir/probe_persistent_qwen3-30b-a3b.log" ;;
     *)
       echo "unknown stage $stage" >&2; return 2 ;;
   esac

@@ -1,4 +1,5 @@
-"""The model's batch-1 decode forward as one persistent launch (echo_kernels.persistent_decode).
+"""The model's batch-1 decode forward as one persistent launch (echo_kernels.persistent_decode):
+dense Llama/Qwen3, and Qwen3-MoE whose every layer is sparse.
 
 `persistent_decoder` builds it for a model it can run, or says why not; the decode CUDA graph
 of batch size 1 then captures it in place of the model's forward (cuda_graphs.py), so graph
@@ -12,24 +13,27 @@ from echo.attention.backend import KVCache
 from echo.layers.attention import ForwardContext
 from echo.models.llama import LlamaForCausalLM, LlamaMLP
 from echo.models.qwen3 import Qwen3ForCausalLM
+from echo.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSparseBlock
 from echo_kernels.persistent_decode import DecodeShape, PersistentDecode, pointer_table
 
 
 def unsupported_reason(model: torch.nn.Module, kv_caches: list[KVCache],
                        tp_size: int) -> str | None:
     """Why the persistent kernel cannot run this model's decode step, or None if it can."""
-    if type(model) not in (LlamaForCausalLM, Qwen3ForCausalLM):
-        return f"{type(model).__name__} is not a dense Llama/Qwen3 model"
+    if type(model) not in (LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM):
+        return f"{type(model).__name__} is not a Llama, Qwen3 or Qwen3-MoE model"
     if tp_size != 1:
         return "tensor parallelism"
     inner = model.model
     if inner.aux_layers:
         return "an EAGLE-3 head reads the model's hidden states"
+    mlp_type = LlamaMLP if type(model) is not Qwen3MoeForCausalLM else Qwen3MoeSparseBlock
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if type(mlp) is not LlamaMLP:
-            return "a layer without the dense MLP"
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if type(mlp) is not mlp_type:
+            return "dense layers among sparse ones"
+        linears = [attn.qkv_proj, attn.o_proj]
+        linears += ([mlp.gate_up_proj, mlp.down_proj] if mlp_type is LlamaMLP else [mlp.gate])
         if any(linear.quant is not None for linear in linears):
             return "quantized weights"
         if any(linear.bias is not None for linear in linears):
@@ -48,23 +52,30 @@ class PersistentDecoder:
         arch, inner = model.arch, model.model
         attn = inner.layers[0].self_attn
         qk_norm = isinstance(model, Qwen3ForCausalLM)
+        moe = isinstance(model, Qwen3MoeForCausalLM)
         self.shape = DecodeShape(
-            hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
+            hidden_size=arch.hidden_size,
+            intermediate_size=arch.moe_intermediate_size if moe else arch.intermediate_size,
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             num_layers=arch.num_layers, block_size=block_size, eps=arch.rms_norm_eps,
-            qk_norm=qk_norm)
+            qk_norm=qk_norm, num_experts=arch.num_experts if moe else 0,
+            top_k=arch.num_experts_per_tok if moe else 0, norm_topk_prob=arch.norm_topk_prob)
         layers = []
         for layer, cache in zip(inner.layers, kv_caches, strict=True):
+            mlp = layer.mlp
             tensors = {
                 "in_norm": layer.input_layernorm.weight,
                 "qkv": layer.self_attn.qkv_proj.weight,
                 "o_proj": layer.self_attn.o_proj.weight,
                 "post_norm": layer.post_attention_layernorm.weight,
-                "gate_up": layer.mlp.gate_up_proj.weight,
-                "down": layer.mlp.down_proj.weight,
                 "k_cache": cache.k,
                 "v_cache": cache.v,
             }
+            if moe:
+                tensors.update(router=mlp.gate.weight, gate_up=mlp.experts.w13,
+                               down=mlp.experts.w2)
+            else:
+                tensors.update(gate_up=mlp.gate_up_proj.weight, down=mlp.down_proj.weight)
             if qk_norm:
                 tensors["q_norm"] = layer.self_attn.q_norm.weight
                 tensors["k_norm"] = layer.self_attn.k_norm.weight

@@ -18,6 +18,8 @@ from echo_kernels.persistent_decode import (
 )
 from echo_kernels.reference import (
     fused_add_rms_norm_ref,
+    fused_moe_ref,
+    moe_routing_ref,
     paged_attention_ref,
     rms_norm_ref,
     rotary_embedding_ref,
@@ -40,6 +42,7 @@ class RandomDecoder:
         def rand(*size, scale=1.0, offset=0.0):
             return (torch.randn(*size, generator=gen) * scale + offset).to(dtype).to(DEVICE)
 
+        experts = (shape.num_experts,) if shape.is_moe else ()
         self.layers = [{
             "in_norm": rand(h, scale=0.1, offset=1.0),
             "qkv": rand(shape.qkv_size, h, scale=h**-0.5),
@@ -47,8 +50,9 @@ class RandomDecoder:
             "k_norm": rand(d, scale=0.1, offset=1.0),
             "o_proj": rand(h, shape.num_heads * d, scale=(shape.num_heads * d)**-0.5),
             "post_norm": rand(h, scale=0.1, offset=1.0),
-            "gate_up": rand(2 * i, h, scale=h**-0.5),
-            "down": rand(h, i, scale=i**-0.5),
+            "gate_up": rand(*experts, 2 * i, h, scale=h**-0.5),
+            "down": rand(*experts, h, i, scale=i**-0.5),
+            **({"router": rand(shape.num_experts, h)} if shape.is_moe else {}),
         } for _ in range(shape.num_layers)]
         self.final_norm = rand(h, scale=0.1, offset=1.0)
         bs = shape.block_size
@@ -121,6 +125,11 @@ class RandomDecoder:
                 shape.head_dim**-0.5).to(dtype).view(1, -1)
             o = (attn.float() @ w["o_proj"].float().T).to(dtype)
             x, residual = fused_add_rms_norm_ref(o, residual, w["post_norm"], shape.eps)
+            if shape.is_moe:
+                logits = (x.float() @ w["router"].float().T).to(dtype)
+                weights, ids = moe_routing_ref(logits, shape.top_k, shape.norm_topk_prob)
+                hidden = fused_moe_ref(x, w["gate_up"], w["down"], weights, ids)
+                continue
             gate_up = (x.float() @ w["gate_up"].float().T).to(dtype)
             act = silu_and_mul_ref(gate_up).to(dtype)
             hidden = (act.float() @ w["down"].float().T).to(dtype)
@@ -182,6 +191,18 @@ def test_repeated_steps_reuse_the_buffers():
     check(decoder, decode, atol=1e-4)
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_mixture_of_experts_float32(renormalize):
+    """Qwen3-MoE's layers: router, top-k routing, the chosen experts' GEMVs summed by their
+    weights; more experts than the routing picks, and several row blocks an expert."""
+    shape = qwen3_like(num_experts=8, top_k=3, norm_topk_prob=renormalize,
+                       intermediate_size=24)
+    decoder = RandomDecoder(shape, 13, torch.float32, seed=5)
+    decode = decoder.kernel(PersistentTiles(block_n=4, block_k=32, block_t=4, split_tokens=4),
+                            programs=5)
+    check(decoder, decode, atol=1e-4)
+
+
 def test_bfloat16_close_to_the_reference():
     decoder = RandomDecoder(qwen3_like(), 21, torch.bfloat16, seed=3)
     decode = decoder.kernel(PersistentTiles(block_n=4, block_k=32, block_t=4, split_tokens=8),
@@ -200,3 +221,15 @@ def test_one_launch_on_the_gpu(context):
     assert decode.programs >= decode.max_splits * shape.num_kv_heads
     check(decoder, decode, atol=3e-2)
     assert math.isfinite(decode.out.float().sum().item())
+
+
+@pytest.mark.gpu
+def test_one_launch_mixture_of_experts_on_the_gpu():
+    """Qwen3-30B-A3B's per-layer shapes (128 experts, top-8, GQA group 8) over 2 layers."""
+    shape = DecodeShape(hidden_size=2048, intermediate_size=768, num_heads=32, num_kv_heads=4,
+                        head_dim=128, num_layers=2, block_size=16, eps=1e-6, qk_norm=True,
+                        num_experts=128, top_k=8, norm_topk_prob=True)
+    decoder = RandomDecoder(shape, 700, torch.bfloat16, seed=6)
+    decode = decoder.kernel()
+    assert decode.tiles.block_k == 256 and decode.tiles.block_t == 4 and decode.even
+    check(decoder, decode, atol=3e-2)

@@ -18,14 +18,15 @@ from tests.models.test_logits_vs_transformers import (
 )
 
 
-def write_tiny_moe(folder, norm_topk_prob: bool = True, seed: int = 0):
+def write_tiny_moe(folder, norm_topk_prob: bool = True, seed: int = 0,
+                   mlp_only_layers: tuple[int, ...] = (1,)):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
-        decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=512,
+        decoder_sparse_step=1, mlp_only_layers=list(mlp_only_layers), max_position_embeddings=512,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         rms_norm_eps=1e-6, rope_theta=10000.0)
     torch.manual_seed(seed)

@@ -51,12 +51,21 @@ def test_decode_step_matches_transformers(fixture, prompt, request):
     torch.testing.assert_close(logits, hf_logits(hf, prompt)[-1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_mixture_of_experts_decode_step_matches_transformers(tmp_path, renormalize):
+    """Qwen3-MoE with every layer sparse: router, top-2 of 8 experts, in the same launch."""
+    folder = write_tiny_moe(tmp_path, norm_topk_prob=renormalize, mlp_only_layers=())
+    runner, hf = make_runner(folder), load_hf(folder)
+    assert unsupported_reason(runner.model, runner.kv_caches, 1) is None
+    logits = decode_last_token(runner, PROMPTS[1])
+    torch.testing.assert_close(logits, hf_logits(hf, PROMPTS[1])[-1], atol=1e-4, rtol=1e-4)
+
+
 def test_unsupported_models_are_named(tiny_qwen3, tmp_path):
     runner = make_runner(tiny_qwen3)
     assert unsupported_reason(runner.model, runner.kv_caches, 2) == "tensor parallelism"
-    moe = make_runner(write_tiny_moe(tmp_path))
-    assert unsupported_reason(moe.model, moe.kv_caches, 1) == (
-        "Qwen3MoeForCausalLM is not a dense Llama/Qwen3 model")
+    moe = make_runner(write_tiny_moe(tmp_path))  # layer 1 keeps a dense MLP
+    assert unsupported_reason(moe.model, moe.kv_caches, 1) == "dense layers among sparse ones"
 
 
 @pytest.mark.gpu
@@ -68,3 +77,12 @@ def test_gpu_graphs_give_transformers_greedy_tokens(tiny_qwen3, steps):
     expected = hf_greedy_tokens(load_hf(tiny_qwen3), prompt, 32)
     assert echo_greedy_tokens(tiny_qwen3, [prompt], 32, device="cuda", dtype="float32",
                               persistent_decode=True, num_scheduler_steps=steps) == [expected]
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_give_transformers_greedy_tokens_with_experts(tmp_path):
+    folder = write_tiny_moe(tmp_path, mlp_only_layers=())
+    prompt = PROMPTS[1]
+    expected = hf_greedy_tokens(load_hf(folder), prompt, 32)
+    assert echo_greedy_tokens(folder, [prompt], 32, device="cuda", dtype="float32",
+                              persistent_decode=True) == [expected]

@@ -40,12 +40,16 @@ SWEEP = [dict(block_n=n, block_k=k, programs_per_sm=p, max_registers=r)
 def shape_of(preset: str, layers: int | None) -> DecodeShape:
     config = json.loads((PRESETS / f"{preset}.json").read_text())
     heads = config["num_attention_heads"]
+    moe = "num_experts" in config
     return DecodeShape(
-        hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["moe_intermediate_size" if moe else "intermediate_size"],
         num_heads=heads, num_kv_heads=config.get("num_key_value_heads", heads),
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         num_layers=layers or config["num_hidden_layers"], block_size=BLOCK_SIZE,
-        eps=config["rms_norm_eps"], qk_norm=config["architectures"][0].startswith("Qwen3"))
+        eps=config["rms_norm_eps"], qk_norm=config["architectures"][0].startswith("Qwen3"),
+        num_experts=config.get("num_experts", 0), top_k=config.get("num_experts_per_tok", 0),
+        norm_topk_prob=config.get("norm_topk_prob", False))
 
 
 class Step:
@@ -64,16 +68,22 @@ class Step:
         blocks = -(-(context + 1) // BLOCK_SIZE)
         self.cache = torch.randn(shape.num_layers, 2, blocks + 1, BLOCK_SIZE, shape.num_kv_heads,
                                  d, device="cuda", dtype=torch.bfloat16)
+        experts = (shape.num_experts,) if shape.is_moe else ()
         self.layers = [{
             "in_norm": norm(h), "qkv": rand(shape.qkv_size, h, scale=h**-0.5),
             "q_norm": norm(d), "k_norm": norm(d),
             "o_proj": rand(h, shape.num_heads * d, scale=(shape.num_heads * d)**-0.5),
-            "post_norm": norm(h), "gate_up": rand(2 * i, h, scale=h**-0.5),
-            "down": rand(h, i, scale=i**-0.5),
+            "post_norm": norm(h), "gate_up": rand(*experts, 2 * i, h, scale=h**-0.5),
+            "down": rand(*experts, h, i, scale=i**-0.5),
             "k_cache": self.cache[layer, 0], "v_cache": self.cache[layer, 1],
+            **({"router": rand(shape.num_experts, h, scale=h**-0.5)} if experts else {}),
         } for layer in range(shape.num_layers)]
-        self.weight_bytes = sum(t.numel() * t.element_size() for layer in self.layers
-                                for name, t in layer.items() if not name.endswith("cache"))
+        # the bytes a step reads: of the experts only the top_k it routes to
+        touched = shape.top_k / shape.num_experts if experts else 1.0
+        self.weight_bytes = sum(
+            t.numel() * t.element_size() * (touched if experts and name in ("gate_up", "down")
+                                            else 1.0)
+            for layer in self.layers for name, t in layer.items() if not name.endswith("cache"))
         self.shape, self.final_norm = shape, norm(h)
         inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
         freqs = torch.outer(torch.arange(context + 1, device="cuda").float(), inv)
@@ -99,7 +109,7 @@ class Step:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--model", default="qwen3-0.6b", help="a preset (qwen3-30b-a3b too)")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--layers", type=int, help="fewer layers than the preset's")
     parser.add_argument("--sweep", action="store_true", help=f"{len(SWEEP)} settings")
@@ -109,7 +119,7 @@ def main() -> None:
     copy_tbs = measure_ceilings()["copy_TBps"]
     floor_us = step.weight_bytes / copy_tbs / 1e6
     print(f"{args.model}: {shape.num_layers} layers, {step.weight_bytes / 1e6:.0f} MB of "
-          f"layer weights; copy bandwidth {copy_tbs:.2f} TB/s: {floor_us:.1f} us at it",
+          f"layer weights read a step; copy bandwidth {copy_tbs:.2f} TB/s: {floor_us:.1f} us at it",
           flush=True)
     want = None
     for setting in SWEEP if args.sweep else DEFAULT_SETTINGS:
