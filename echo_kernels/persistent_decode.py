@@ -1,10 +1,10 @@
-"""One decode step of a dense Llama/Qwen3 model at batch 1 in one persistent launch.
+"""One decode step of a Llama/Qwen3/Qwen3-MoE model at batch 1 in one persistent launch.
 
 At batch 1 a step reads every weight once, and each launch streams only a few MB: on an H200
 Qwen3-0.6B's 112 GEMVs reach under 40% of the copy bandwidth one launch at a time, and the
 step costs twice its weights' read time (docs/benchmarks.md, Decode latency at batch 1). Here
-a grid of co-resident programs walks every layer in one launch; five grid-wide barriers a layer
-separate the phases whose inputs are a whole vector that other programs wrote:
+a grid of co-resident programs walks every layer in one launch; grid-wide barriers separate
+the phases whose inputs are a whole vector that other programs wrote:
 
   qkv        the residual sum, its RMSNorm (every program computes it: the vector is a few KB)
              and the q/k/v GEMV
@@ -16,16 +16,24 @@ separate the phases whose inputs are a whole vector that other programs wrote:
              same rows of both)
   down       the GEMV; the next layer's qkv phase adds the residual
 
+or, where every layer's MLP is a mixture of experts, in place of the last two:
+
+  router     the norm, the router's logits
+  experts    every program routes for itself (softmax, top-k, renormalized), then the chosen
+             experts' gate_up rows and SwiGLU, [top_k, I]
+  down       each row block of the output sums the k experts' down projections by weight
+
 and a last phase norms the residual stream for the LM head (which stays a cuBLAS call). Every
 GEMV phase streams its rows in [BLOCK_N, BLOCK_K] tiles, and a program loads the first tile of
 its next phase before waiting at a barrier (weights never wait for activations). Rounding
 follows the separate kernels' (norm.py, activation.py, the attention kernels): the same points
 in the model dtype, float32 arithmetic.
 
-The grid must be co-resident, or a barrier would wait forever: PersistentDecoder sizes it from
+The grid must be co-resident, or a barrier would wait forever: PersistentDecode sizes it from
 the compiled kernel's occupancy, and a barrier that polls past SPIN_LIMIT gives up and sets an
 error flag instead of hanging. Triton's interpreter runs programs one after another, so on the
-CPU the phases run as separate launches (`run_phases`), the same code without the barriers.
+CPU each phase is a launch of its own (PersistentDecode.__call__), the same code without the
+barriers.
 """
 
 from dataclasses import dataclass, replace

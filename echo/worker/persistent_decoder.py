@@ -11,6 +11,7 @@ import torch
 
 from echo.attention.backend import KVCache
 from echo.layers.attention import ForwardContext
+from echo.models.arch import ModelArch
 from echo.models.llama import LlamaForCausalLM, LlamaMLP
 from echo.models.qwen3 import Qwen3ForCausalLM
 from echo.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSparseBlock
@@ -43,23 +44,26 @@ def unsupported_reason(model: torch.nn.Module, kv_caches: list[KVCache],
     return None
 
 
+def decode_shape(arch: ModelArch, block_size: int, num_layers: int | None = None) -> DecodeShape:
+    """The kernel's shape of a model (one GPU: the whole model's heads)."""
+    moe = arch.num_experts > 0
+    return DecodeShape(
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.moe_intermediate_size if moe else arch.intermediate_size,
+        num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+        num_layers=num_layers or arch.num_layers, block_size=block_size, eps=arch.rms_norm_eps,
+        qk_norm=arch.family in ("qwen3", "qwen3_moe"), num_experts=arch.num_experts,
+        top_k=arch.num_experts_per_tok, norm_topk_prob=arch.norm_topk_prob)
+
+
 class PersistentDecoder:
     """A callable like the model's forward for one decode token: (input_ids [1], positions
     [1], ctx) -> normed hidden state [1, hidden]."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int,
                  max_blocks: int):
-        arch, inner = model.arch, model.model
-        attn = inner.layers[0].self_attn
-        qk_norm = isinstance(model, Qwen3ForCausalLM)
-        moe = isinstance(model, Qwen3MoeForCausalLM)
-        self.shape = DecodeShape(
-            hidden_size=arch.hidden_size,
-            intermediate_size=arch.moe_intermediate_size if moe else arch.intermediate_size,
-            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            num_layers=arch.num_layers, block_size=block_size, eps=arch.rms_norm_eps,
-            qk_norm=qk_norm, num_experts=arch.num_experts if moe else 0,
-            top_k=arch.num_experts_per_tok if moe else 0, norm_topk_prob=arch.norm_topk_prob)
+        inner = model.model
+        self.shape = decode_shape(model.arch, block_size)
         layers = []
         for layer, cache in zip(inner.layers, kv_caches, strict=True):
             mlp = layer.mlp
@@ -71,16 +75,16 @@ class PersistentDecoder:
                 "k_cache": cache.k,
                 "v_cache": cache.v,
             }
-            if moe:
+            if self.shape.is_moe:
                 tensors.update(router=mlp.gate.weight, gate_up=mlp.experts.w13,
                                down=mlp.experts.w2)
             else:
                 tensors.update(gate_up=mlp.gate_up_proj.weight, down=mlp.down_proj.weight)
-            if qk_norm:
+            if self.shape.qk_norm:
                 tensors["q_norm"] = layer.self_attn.q_norm.weight
                 tensors["k_norm"] = layer.self_attn.k_norm.weight
             layers.append(tensors)
-        k = kv_caches[0].k
+        k, attn = kv_caches[0].k, inner.layers[0].self_attn
         if any(c.k.stride() != k.stride() or c.v.stride() != k.stride() for c in kv_caches):
             raise ValueError("persistent decode: every layer's cache must share one layout")
         self.embed = inner.embed_tokens

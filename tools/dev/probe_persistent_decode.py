@@ -12,7 +12,6 @@ copy bandwidth measured in the same run.
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,6 +21,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 import torch  # noqa: E402
 from bench_kernels import bench_graph, measure_ceilings  # noqa: E402
 
+from echo.models.arch import PRESETS_DIR, arch_from_hf_config, read_config_json  # noqa: E402
+from echo.worker.persistent_decoder import decode_shape  # noqa: E402
 from echo_kernels.persistent_decode import (  # noqa: E402
     DecodeShape,
     PersistentDecode,
@@ -29,7 +30,6 @@ from echo_kernels.persistent_decode import (  # noqa: E402
     pointer_table,
 )
 
-PRESETS = ROOT / "echo" / "models" / "presets"
 BLOCK_SIZE = 16
 DEFAULT_SETTINGS = [dict(), dict(block_n=4), dict(block_n=16), dict(block_k=256),
                     dict(programs_per_sm=2), dict(max_registers=128, programs_per_sm=4)]
@@ -38,18 +38,8 @@ SWEEP = [dict(block_n=n, block_k=k, programs_per_sm=p, max_registers=r)
 
 
 def shape_of(preset: str, layers: int | None) -> DecodeShape:
-    config = json.loads((PRESETS / f"{preset}.json").read_text())
-    heads = config["num_attention_heads"]
-    moe = "num_experts" in config
-    return DecodeShape(
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["moe_intermediate_size" if moe else "intermediate_size"],
-        num_heads=heads, num_kv_heads=config.get("num_key_value_heads", heads),
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        num_layers=layers or config["num_hidden_layers"], block_size=BLOCK_SIZE,
-        eps=config["rms_norm_eps"], qk_norm=config["architectures"][0].startswith("Qwen3"),
-        num_experts=config.get("num_experts", 0), top_k=config.get("num_experts_per_tok", 0),
-        norm_topk_prob=config.get("norm_topk_prob", False))
+    arch = arch_from_hf_config(read_config_json(PRESETS_DIR / f"{preset}.json"))
+    return decode_shape(arch, BLOCK_SIZE, layers)
 
 
 class Step:
