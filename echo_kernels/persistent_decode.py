@@ -271,14 +271,20 @@ def _after_phase(sync_ptr, barriers, next_phase, phase_hi, BARRIERS: tl.constexp
 
 @triton.jit
 def _store_swiglu(y, block, act_ptr, INTER: tl.constexpr, BLOCK_N: tl.constexpr,
-                  dtype: tl.constexpr):
+                  dtype: tl.constexpr, EXPERT: tl.constexpr):
     """silu(gate) * up of a gated row block's GEMV outputs y ([gate rows, up rows]) into
-    act_ptr; activation.py's rounding."""
-    gate, up = tl.split(tl.trans(tl.reshape(y.to(dtype), [2, BLOCK_N // 2])))
-    gf = gate.to(tl.float32)
-    act = (gf / (1.0 + tl.math.exp2(-gf * 1.4426950408889634))).to(dtype)
+    act_ptr. Rounding: a dense MLP's as activation.py's on gate_up's stored output; an
+    expert's as fused_moe's pair kernel, from the float32 sums, rounded once."""
+    if EXPERT:
+        gate, up = tl.split(tl.trans(tl.reshape(y, [2, BLOCK_N // 2])))
+        act = gate / (1.0 + tl.math.exp2(-gate * 1.4426950408889634)) * up
+    else:
+        gate, up = tl.split(tl.trans(tl.reshape(y.to(dtype), [2, BLOCK_N // 2])))
+        gf = gate.to(tl.float32)
+        silu = (gf / (1.0 + tl.math.exp2(-gf * 1.4426950408889634))).to(dtype)
+        act = silu.to(tl.float32) * up.to(tl.float32)
     j = block * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    tl.store(act_ptr + j, (act.to(tl.float32) * up.to(tl.float32)).to(dtype), mask=j < INTER)
+    tl.store(act_ptr + j, act.to(dtype), mask=j < INTER)
 
 
 @triton.jit
@@ -457,7 +463,7 @@ def _persistent_decode_kernel(
                     rows, ok = _block_rows(b, 2 * INTER, True, BLOCK_N)
                     w = _first_tile(w_ptr, b, 2 * INTER, H, True, BLOCK_N, BLOCK_K)
                     y = _gemv_block(w_ptr, xn_ptr, rows, ok, H, w, EVEN, BLOCK_N, BLOCK_K)
-                    _store_swiglu(y, b, act_ptr + j * INTER, INTER, BLOCK_N, dtype)
+                    _store_swiglu(y, b, act_ptr + j * INTER, INTER, BLOCK_N, dtype, True)
                 barriers = _after_phase(sync_ptr, barriers, base + 5, phase_hi, BARRIERS)
             # --- their down projections, weighted and summed: delta ---
             if (phase_lo <= base + 5) & (base + 5 < phase_hi):
@@ -475,7 +481,9 @@ def _persistent_decode_kernel(
                         w = _first_tile(w_ptr, block, H, INTER, False, BLOCK_N, BLOCK_K)
                         y = _gemv_block(w_ptr, act_ptr + j * INTER, rows, ok, INTER, w, EVEN,
                                         BLOCK_N, BLOCK_K)
-                        total += weight * y
+                        # each expert's weighted row rounded, then the k summed in slot
+                        # order: fused_moe's pair kernels
+                        total += (weight * y).to(dtype).to(tl.float32)
                     tl.store(delta_ptr + rows, total.to(dtype), mask=ok)
                 if layer + 1 < num_layers:
                     w = _first_tile(_pointer(table_ptr, layer + 1, QKV, dtype), pid, QKV_N, H,
@@ -492,7 +500,7 @@ def _persistent_decode_kernel(
                 for block in range(pid, GATED_BLOCKS, grid):
                     rows, ok = _block_rows(block, 2 * INTER, True, BLOCK_N)
                     y = _gemv_block(w_ptr, xn_ptr, rows, ok, H, w, EVEN, BLOCK_N, BLOCK_K)
-                    _store_swiglu(y, block, act_ptr, INTER, BLOCK_N, dtype)
+                    _store_swiglu(y, block, act_ptr, INTER, BLOCK_N, dtype, False)
                     w = _first_tile(w_ptr, block + grid, 2 * INTER, H, True, BLOCK_N, BLOCK_K)
                 w = _first_tile(_pointer(table_ptr, layer, DOWN, dtype), pid, H, INTER, False,
                                 BLOCK_N, BLOCK_K)

@@ -128,7 +128,10 @@ class RandomDecoder:
             if shape.is_moe:
                 logits = (x.float() @ w["router"].float().T).to(dtype)
                 weights, ids = moe_routing_ref(logits, shape.top_k, shape.norm_topk_prob)
-                hidden = fused_moe_ref(x, w["gate_up"], w["down"], weights, ids)
+                if dtype == torch.float32:
+                    hidden = fused_moe_ref(x, w["gate_up"], w["down"], weights, ids)
+                else:  # fused_moe's pair kernels' rounding: each act, each weighted row
+                    hidden = moe_pairs_rounded(x, w["gate_up"], w["down"], weights, ids)
                 continue
             gate_up = (x.float() @ w["gate_up"].float().T).to(dtype)
             act = silu_and_mul_ref(gate_up).to(dtype)
@@ -137,19 +140,35 @@ class RandomDecoder:
         return out[0], cache
 
 
+def moe_pairs_rounded(x, w13, w2, weights, ids) -> torch.Tensor:
+    """One token's experts as fused_moe's pair kernels round (x's dtype): each expert's
+    SwiGLU from float32 sums, rounded; each weighted down row rounded; the rows summed in
+    float32 in slot order."""
+    total = torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device)
+    for weight, expert in zip(weights[0].tolist(), ids[0].tolist(), strict=True):
+        act = silu_and_mul_ref(x[0].float() @ w13[expert].float().T).to(x.dtype)
+        total += (weight * (act.float() @ w2[expert].float().T)).to(x.dtype).float()
+    return total.to(x.dtype)[None]
+
+
 def qwen3_like(**overrides) -> DecodeShape:
     sizes = dict(hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
                  head_dim=16, num_layers=2, block_size=4, eps=1e-6, qk_norm=True)
     return DecodeShape(**{**sizes, **overrides})
 
 
-def check(decoder: RandomDecoder, decode: PersistentDecode, atol: float) -> None:
+def check(decoder: RandomDecoder, decode: PersistentDecode, tol: float) -> None:
+    """The step's output and cache against the reference's, within tol of their largest
+    magnitude (bfloat16: a GEMV's summation order flips the last bit of some outputs, and a
+    layer carries those on)."""
     want, want_cache = decoder.reference()
     got = decoder.run(decode)
-    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), atol=tol * scale, rtol=0)
     # the new token's K/V landed at its slot in every layer; nothing else changed
-    torch.testing.assert_close(decoder.cache.float(), want_cache.float(), atol=atol, rtol=atol,
-                               equal_nan=True)
+    cache_scale = want_cache.float().nan_to_num().abs().max().item()
+    torch.testing.assert_close(decoder.cache.float(), want_cache.float(),
+                               atol=tol * cache_scale, rtol=0, equal_nan=True)
     assert not decode.error()
     # the counts are back at zero for the next launch
     assert not decode.sync.any()
@@ -162,7 +181,7 @@ def test_qwen3_shapes_float32(context, max_splits):
     tiles = PersistentTiles(block_n=4, block_k=32, block_t=4, split_tokens=8)
     decode = decoder.kernel(tiles, programs=9)
     assert decode.max_splits == max_splits and decode.even
-    check(decoder, decode, atol=1e-4)
+    check(decoder, decode, tol=1e-5)
 
 
 def test_llama_shapes_ragged_tiles():
@@ -174,7 +193,7 @@ def test_llama_shapes_ragged_tiles():
     tiles = PersistentTiles(block_n=4, block_k=32, block_t=4, split_tokens=4)
     decode = decoder.kernel(tiles, programs=3)
     assert not decode.even
-    check(decoder, decode, atol=1e-4)
+    check(decoder, decode, tol=1e-5)
 
 
 def test_repeated_steps_reuse_the_buffers():
@@ -188,7 +207,7 @@ def test_repeated_steps_reuse_the_buffers():
     bs = decoder.shape.block_size
     decoder.slot = int(decoder.block_table[12 // bs]) * bs + 12 % bs
     decoder.embedding = decoder.embedding.flip(0)
-    check(decoder, decode, atol=1e-4)
+    check(decoder, decode, tol=1e-5)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -200,14 +219,14 @@ def test_mixture_of_experts_float32(renormalize):
     decoder = RandomDecoder(shape, 13, torch.float32, seed=5)
     decode = decoder.kernel(PersistentTiles(block_n=4, block_k=32, block_t=4, split_tokens=4),
                             programs=5)
-    check(decoder, decode, atol=1e-4)
+    check(decoder, decode, tol=1e-5)
 
 
 def test_bfloat16_close_to_the_reference():
     decoder = RandomDecoder(qwen3_like(), 21, torch.bfloat16, seed=3)
     decode = decoder.kernel(PersistentTiles(block_n=4, block_k=32, block_t=4, split_tokens=8),
                             programs=4)
-    check(decoder, decode, atol=3e-2)
+    check(decoder, decode, tol=2e-2)
 
 
 @pytest.mark.gpu
@@ -219,7 +238,7 @@ def test_one_launch_on_the_gpu(context):
     decoder = RandomDecoder(shape, context, torch.bfloat16, seed=4)
     decode = decoder.kernel()
     assert decode.programs >= decode.max_splits * shape.num_kv_heads
-    check(decoder, decode, atol=3e-2)
+    check(decoder, decode, tol=3e-2)
     assert math.isfinite(decode.out.float().sum().item())
 
 
@@ -232,4 +251,4 @@ def test_one_launch_mixture_of_experts_on_the_gpu():
     decoder = RandomDecoder(shape, 700, torch.bfloat16, seed=6)
     decode = decoder.kernel()
     assert decode.tiles.block_k == 256 and decode.tiles.block_t == 4 and decode.even
-    check(decoder, decode, atol=3e-2)
+    check(decoder, decode, tol=3e-2)
