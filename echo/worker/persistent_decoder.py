@@ -98,3 +98,11 @@ class PersistentDecoder:
         hidden = self.kernel(self.embed(input_ids[:1])[0], meta.block_table[0], meta.seq_lens,
                              positions, meta.slot_mapping)
         return hidden.view(1, -1)
+
+    def raise_if_failed(self) -> None:
+        """After a launch (the graph capture's warm-up runs one): a barrier that gave up
+        waiting means the grid was not all resident at once, and that step's output is wrong."""
+        if self.kernel.error():
+            raise RuntimeError(
+                f"persistent_decode: a grid barrier of {self.kernel.programs} programs gave up "
+                "waiting (not all resident at once); start without persistent_decode")

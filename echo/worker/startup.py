@@ -94,6 +94,8 @@ def prepare_step_path(runner) -> CudaGraphRunner | None:
             max_num_tokens=sched.max_num_batched_tokens,
             batch1_forward=persistent_decoder(runner))
         graphs.capture()
+        if graphs.batch1_forward is not None:
+            graphs.batch1_forward.raise_if_failed()
     if runner.device.type == "cuda":
         if runner.backend.name == "triton":
             warm_up_step_shapes(runner)
