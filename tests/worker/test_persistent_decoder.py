@@ -8,6 +8,7 @@ import torch
 from echo.core.sched_output import CachedRequestData, SchedulerOutput
 from echo.layers.attention import ForwardContext
 from echo.worker.persistent_decoder import PersistentDecoder, unsupported_reason
+from echo_kernels.persistent_decode import SYNC_ERROR
 from tests.helpers import echo_greedy_tokens, hf_greedy_tokens, load_hf
 from tests.models.test_logits_vs_transformers import (
     BLOCK,
@@ -66,6 +67,15 @@ def test_unsupported_models_are_named(tiny_qwen3, tmp_path):
     assert unsupported_reason(runner.model, runner.kv_caches, 2) == "tensor parallelism"
     moe = make_runner(write_tiny_moe(tmp_path))  # layer 1 keeps a dense MLP
     assert unsupported_reason(moe.model, moe.kv_caches, 1) == "dense layers among sparse ones"
+
+
+def test_a_barrier_that_gave_up_is_reported(tiny_qwen3):
+    runner = make_runner(tiny_qwen3)
+    decoder = PersistentDecoder(runner.model, runner.kv_caches, BLOCK, 8)
+    decoder.raise_if_failed()  # a fresh flag
+    decoder.kernel.sync[SYNC_ERROR.value] = 1  # what _grid_barrier sets when it gives up
+    with pytest.raises(RuntimeError, match="not all resident at once"):
+        decoder.raise_if_failed()
 
 
 @pytest.mark.gpu
