@@ -84,6 +84,9 @@ def prepare_step_path(runner) -> CudaGraphRunner | None:
     if runner.device.type == "cuda" and envs.tune_small_m():
         tune_one_row_linears(runner)  # before capture: the graphs record the choice
     graphs = None
+    if runner.config.device.persistent_decode and not uses_cuda_graphs(runner):
+        print("echo: persistent_decode is off: it runs inside the decode CUDA graphs, and "
+              "there are none (enforce_eager, or no GPU)", file=sys.stderr, flush=True)
     if uses_cuda_graphs(runner):
         spec = runner.config.speculative
         graphs = CudaGraphRunner(
