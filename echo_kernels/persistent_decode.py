@@ -65,6 +65,9 @@ def _grid_barrier(sync_ptr, target):
     tl.debug_barrier()  # this program's stores before its arrival (the atomic releases them)
     tl.atomic_add(sync_ptr + SYNC_ARRIVALS, 1, sem="release", scope="gpu")
     polls = 0
+    # NOTE: the add of 0 compiles to an acquire load, not an atomic (sm_90 SASS: LDG.STRONG.GPU
+    # then CCTL.IVALL, which drops this SM's L1 lines): polls do not queue on the address, and
+    # every load after the barrier reads what the other programs wrote
     while (tl.atomic_add(sync_ptr + SYNC_ARRIVALS, 0, sem="acquire", scope="gpu") < target) & (
             polls < SPIN_LIMIT):
         polls += 1
