@@ -6,12 +6,16 @@
 Runs tools/bench_kv_load_decode.py with the worker's host-side waits timed: KVTransfers.start
 (the host issuing a transfer's copies), ModelRunner.launch (a step's whole prepare and launch),
 and the runner's wait for each step's sampled tokens (_land). Prints the longest of each with
-the time since the first transfer started, so a stall can be told from a slow launch.
+the time since the first transfer started, so a stall can be told from a slow launch, then
+both split by the step's content: steps that compute prompt or history tokens (the resumed
+histories' first steps), decode-only steps while host-tier transfers are pending, and
+decode-only steps without any, each a count with median and longest launch and land.
 --chunk-blocks and --chunks-in-flight replace kv_transfer's STAGING_BLOCKS and
 CHUNKS_IN_FLIGHT for the run.
 """
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,6 +28,8 @@ import bench_kv_load_decode  # noqa: E402
 from echo.worker import kv_transfer, model_runner  # noqa: E402
 
 records: dict[str, list[tuple[float, float]]] = {"start": [], "launch": [], "land": []}
+# step id -> [content, launch seconds, land seconds]
+steps: dict[int, list] = {}
 
 
 def timed(cls, name: str, key: str) -> None:
@@ -43,6 +49,57 @@ timed(kv_transfer.KVTransfers, "start", "start")
 timed(model_runner.ModelRunner, "launch", "launch")
 timed(model_runner.ModelRunner, "_land", "land")
 
+
+def step_content(runner, out) -> str:
+    """What a launched step computes: prompt or history tokens, or decodes with host-tier
+    transfers pending (started by it or before), or plain decodes."""
+    if any(n > 1 for n in out.num_scheduled_tokens.values()):
+        return "prefill"
+    transfers = runner.kv_transfers
+    busy = out.kv_loads or out.kv_stores or (transfers is not None and any(
+        not t.reported for t in transfers._pending.values()))
+    return "decode, transfers pending" if busy else "decode"
+
+
+def by_step() -> None:
+    """Record each step's content, launch and land time (joined by step id)."""
+    launch, land = model_runner.ModelRunner.launch, model_runner.ModelRunner._land
+
+    def launch_wrapper(self, out):
+        content = step_content(self, out)
+        began = time.perf_counter()
+        try:
+            return launch(self, out)
+        finally:
+            steps[out.step_id] = [content, time.perf_counter() - began, None]
+
+    def land_wrapper(self, step):
+        began = time.perf_counter()
+        try:
+            return land(self, step)
+        finally:
+            if step.step_id in steps:
+                steps[step.step_id][2] = time.perf_counter() - began
+
+    model_runner.ModelRunner.launch = launch_wrapper
+    model_runner.ModelRunner._land = land_wrapper
+
+
+def print_by_content() -> None:
+    kinds: dict[str, list] = {}
+    for content, launch_s, land_s in steps.values():
+        kinds.setdefault(content, []).append((launch_s, land_s))
+    for content, rows in sorted(kinds.items()):
+        launches = [1e3 * a for a, _ in rows]
+        lands = [1e3 * b for _, b in rows if b is not None]
+        print(f"{content}: {len(rows)} steps; launch median {statistics.median(launches):.2f} "
+              f"max {max(launches):.1f} ms; land median "
+              f"{statistics.median(lands) if lands else float('nan'):.2f} "
+              f"max {max(lands, default=float('nan')):.1f} ms")
+
+
+by_step()
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--chunk-blocks", type=int, default=kv_transfer.STAGING_BLOCKS)
@@ -61,3 +118,4 @@ if __name__ == "__main__":
         lands = [f"{1e3 * w:.1f}" for s, w in records["land"] if t <= s < t + 0.5][:12]
         print(f"transfer at {1e3 * (t - first):+.0f} ms took {1e3 * d:.1f} ms to issue; "
               f"the next lands waited (ms): {' '.join(lands)}")
+    print_by_content()
