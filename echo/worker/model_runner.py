@@ -44,6 +44,7 @@ from echo.worker.kv_cache import KVCacheSpec
 from echo.worker.kv_transfer import HostKVCache, KVTransfers, num_host_blocks
 from echo.worker.model_loader import build_model
 from echo.worker.multi_step import MultiStepDecoder
+from echo.worker.persistent_decoder import PersistentDecoder
 from echo.worker.pinned_ring import PinnedUploadRing
 from echo.worker.rejection_sampler import flat_drafts, rejection_sample
 from echo.worker.sampler import (
@@ -88,6 +89,8 @@ class ModelRunner:
         self.buffers: StepBuffers | None = None
         self.graphs: CudaGraphRunner | None = None
         self.multi_step: MultiStepDecoder | None = None  # with num_scheduler_steps > 1
+        # persistent_decode: a one-token step's forward in one launch (persistent_decoder.py)
+        self.persistent: PersistentDecoder | None = None
         # speculative methods draft_model and eagle3: the drafter, its cache beside the
         # target's (draft_model.py, eagle3_drafter.py)
         self.drafter: DraftModel | Eagle3Drafter | None = None
@@ -139,6 +142,7 @@ class ModelRunner:
                                       self.config.cache.block_size, self.config.model.seed)
         self.buffers = StepBuffers(sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks,
                                    self.device)
+        self.persistent = startup.persistent_decoder(self)
         self.graphs = startup.prepare_step_path(self)
         if sched.num_scheduler_steps > 1:
             self.multi_step = startup.prepare_multi_step(self)
@@ -440,8 +444,9 @@ class ModelRunner:
                 return hidden
         input_ids, positions, meta = self.buffers.load(inp)
         self._fill_placeholders(inp, input_ids)
-        hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta,
-                                                                 self.kv_caches))
+        forward = self.persistent if self.persistent is not None and num_tokens == 1 \
+            else self.model
+        hidden = forward(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches))
         if self.drafter is not None:
             self.drafter.follow(input_ids, positions, meta, graph=None)
         return hidden

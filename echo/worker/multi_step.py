@@ -16,6 +16,7 @@ attention metadata's host fields advanced by the host.
 """
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -79,8 +80,10 @@ class MultiStepDecoder:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
                  kv_caches: list[KVCache], buffers: StepBuffers, graphs: CudaGraphRunner | None,
                  block_size: int, max_num_seqs: int, max_steps: int, device: torch.device,
-                 max_position: int | None = None):
+                 max_position: int | None = None, persistent: Callable | None = None):
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
+        # a one-row forward in place of the model's when not replaying (persistent_decoder.py)
+        self.persistent = persistent
         self.buffers, self.graphs, self.block_size = buffers, graphs, block_size
         self.max_position = max_position  # advance_decode_inputs' bound
         self.tokens = torch.zeros(max_steps, max_num_seqs, dtype=torch.int64, device=device)
@@ -126,7 +129,9 @@ class MultiStepDecoder:
             if replay:
                 hidden = self.graphs.replay(rows)
             else:
-                hidden = self.model(input_ids, positions, ForwardContext(
+                forward = self.persistent if self.persistent is not None and rows == 1 \
+                    else self.model
+                hidden = forward(input_ids, positions, ForwardContext(
                     self.backend, advanced_metadata(meta, step), self.kv_caches))
             if sample_graph is not None:
                 sample_graph[0].replay()

@@ -84,9 +84,6 @@ def prepare_step_path(runner) -> CudaGraphRunner | None:
     if runner.device.type == "cuda" and envs.tune_small_m():
         tune_one_row_linears(runner)  # before capture: the graphs record the choice
     graphs = None
-    if runner.config.device.persistent_decode and not uses_cuda_graphs(runner):
-        print("echo: persistent_decode is off: it runs inside the decode CUDA graphs, and "
-              "there are none (enforce_eager, or no GPU)", file=sys.stderr, flush=True)
     if uses_cuda_graphs(runner):
         spec = runner.config.speculative
         graphs = CudaGraphRunner(
@@ -95,10 +92,10 @@ def prepare_step_path(runner) -> CudaGraphRunner | None:
             verify_query_len=None if spec is None else 1 + spec.num_speculative_tokens,
             max_verify_seqs=(spec and spec.disable_by_batch_size) or sched.max_num_seqs,
             max_num_tokens=sched.max_num_batched_tokens,
-            batch1_forward=persistent_decoder(runner))
+            batch1_forward=runner.persistent)
         graphs.capture()
-        if graphs.batch1_forward is not None:
-            graphs.batch1_forward.raise_if_failed()
+        if runner.persistent is not None:
+            runner.persistent.raise_if_failed()
     if runner.device.type == "cuda":
         if runner.backend.name == "triton":
             warm_up_step_shapes(runner)
@@ -108,8 +105,9 @@ def prepare_step_path(runner) -> CudaGraphRunner | None:
 
 
 def persistent_decoder(runner):
-    """The persistent batch-1 decode step when asked for and the model allows it (else None,
-    with the reason on stderr: the usual step runs)."""
+    """The persistent one-token step when asked for and the model allows it (else None, with
+    the reason on stderr: the usual step runs). The batch-1 decode graph captures it; eagerly
+    (enforce_eager, the CPU) a step of one token runs it."""
     if not runner.config.device.persistent_decode:
         return None
     from echo.worker.persistent_decoder import PersistentDecoder, unsupported_reason
@@ -133,7 +131,8 @@ def prepare_multi_step(runner):
     sched = runner.config.scheduler
     decoder = MultiStepDecoder(runner.model, runner.backend, runner.kv_caches, runner.buffers,
                                runner.graphs, runner.config.cache.block_size,
-                               sched.max_num_seqs, sched.num_scheduler_steps, runner.device)
+                               sched.max_num_seqs, sched.num_scheduler_steps, runner.device,
+                               persistent=runner.persistent)
     if runner.graphs is not None and runner.tp.size == 1:
         decoder.capture()
     return decoder

@@ -69,6 +69,31 @@ def test_unsupported_models_are_named(tiny_qwen3, tmp_path):
     assert unsupported_reason(moe.model, moe.kv_caches, 1) == "dense layers among sparse ones"
 
 
+@pytest.mark.parametrize("steps", [1, 3])
+def test_engine_greedy_tokens_match_transformers(tiny_qwen3, steps):
+    """The engine with persistent_decode: each decode step of the one request runs the kernel
+    (eagerly here; on a GPU the batch-1 graph holds it), one or several steps a launch."""
+    from echo import LLM, SamplingParams
+
+    prompt, new_tokens = PROMPTS[0], 10
+    expected = hf_greedy_tokens(load_hf(tiny_qwen3), prompt, new_tokens)
+    llm = LLM(str(tiny_qwen3), device="cpu", num_gpu_blocks_override=64, max_num_seqs=4,
+              persistent_decode=True, num_scheduler_steps=steps)
+    try:
+        runner = llm.engine.executor.runner
+        kernel = runner.persistent.kernel
+        calls = []
+        launch = kernel._launch
+        kernel._launch = lambda *args: calls.append(args[4]) or launch(*args)
+        greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        [out] = llm.generate([prompt], greedy, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert out.outputs[0].token_ids == expected
+    # a launch a phase on the CPU: phase 0 once per decode step after the prefill's token
+    assert calls.count(0) == new_tokens - 1
+
+
 def test_a_barrier_that_gave_up_is_reported(tiny_qwen3):
     runner = make_runner(tiny_qwen3)
     decoder = PersistentDecoder(runner.model, runner.kv_caches, BLOCK, 8)
