@@ -290,6 +290,36 @@ def _store_swiglu(y, block, act_ptr, INTER: tl.constexpr, BLOCK_N: tl.constexpr,
     tl.store(act_ptr + j, act.to(dtype), mask=j < INTER)
 
 
+# what a GEMV phase does with its outputs (_gemv_phase)
+STORE, ADD_RESIDUAL, SWIGLU = (tl.constexpr(i) for i in range(3))
+
+
+@triton.jit
+def _gemv_phase(w_ptr, x_ptr, out_ptr, resid_ptr, w, N: tl.constexpr, K: tl.constexpr,
+                GATED: tl.constexpr, EPILOGUE: tl.constexpr, EVEN: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """This program's row blocks (pid, pid + grid, ...) of out = W[N, K] @ x, w being its first
+    block's first tile, loaded; returns the next block's, which past the last reads nothing.
+    EPILOGUE: STORE the outputs, ADD_RESIDUAL (out = y + resid, rounded as the model's sum),
+    or SWIGLU (GATED blocks of [gate rows, up rows] -> silu(gate) * up, N // 2 outputs)."""
+    grid = tl.num_programs(0)
+    OUTPUTS_PER_BLOCK: tl.constexpr = BLOCK_N // (1 + GATED)
+    BLOCKS: tl.constexpr = (N // (1 + GATED) + OUTPUTS_PER_BLOCK - 1) // OUTPUTS_PER_BLOCK
+    for block in range(tl.program_id(0), BLOCKS, grid):
+        rows, ok = _block_rows(block, N, GATED, BLOCK_N)
+        y = _gemv_block(w_ptr, x_ptr, rows, ok, K, w, EVEN, BLOCK_N, BLOCK_K)
+        if EPILOGUE == SWIGLU:
+            _store_swiglu(y, block, out_ptr, N // 2, BLOCK_N, dtype, False)
+        elif EPILOGUE == ADD_RESIDUAL:
+            r = tl.load(resid_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + rows, (y.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype),
+                     mask=ok)
+        else:
+            tl.store(out_ptr + rows, y.to(dtype), mask=ok)
+        w = _first_tile(w_ptr, block + grid, N, K, GATED, BLOCK_N, BLOCK_K)
+    return w
+
+
 @triton.jit
 def _route(logits_ptr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
            BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr):
@@ -376,10 +406,8 @@ def _persistent_decode_kernel(
     LAYER_PHASES: tl.constexpr = 5 + IS_MOE
     QKV_N: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_DIM
     O_K: tl.constexpr = HEADS * HEAD_DIM
-    QKV_BLOCKS: tl.constexpr = (QKV_N + BLOCK_N - 1) // BLOCK_N
     H_BLOCKS: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
     GATED_BLOCKS: tl.constexpr = (INTER + BLOCK_N // 2 - 1) // (BLOCK_N // 2)
-    ROUTER_BLOCKS: tl.constexpr = (EXPERTS + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     seq_len = tl.load(seq_len_ptr)
@@ -402,11 +430,8 @@ def _persistent_decode_kernel(
             w_ptr = _pointer(table_ptr, layer, QKV, dtype)
             if phase_lo == base:
                 w = _first_tile(w_ptr, pid, QKV_N, H, False, BLOCK_N, BLOCK_K)
-            for block in range(pid, QKV_BLOCKS, grid):
-                rows, ok = _block_rows(block, QKV_N, False, BLOCK_N)
-                y = _gemv_block(w_ptr, xn_ptr, rows, ok, H, w, EVEN, BLOCK_N, BLOCK_K)
-                tl.store(qkv_ptr + rows, y.to(dtype), mask=ok)
-                w = _first_tile(w_ptr, block + grid, QKV_N, H, False, BLOCK_N, BLOCK_K)
+            w = _gemv_phase(w_ptr, xn_ptr, qkv_ptr, None, w, QKV_N, H, False, STORE, EVEN,
+                            BLOCK_N, BLOCK_K, dtype)
             barriers = _after_phase(sync_ptr, barriers, base + 1, phase_hi, BARRIERS)
         # --- attention ---
         if (phase_lo <= base + 1) & (base + 1 < phase_hi):
@@ -424,13 +449,8 @@ def _persistent_decode_kernel(
             w_ptr = _pointer(table_ptr, layer, O_PROJ, dtype)
             if phase_lo == base + 2:
                 w = _first_tile(w_ptr, pid, H, O_K, False, BLOCK_N, BLOCK_K)
-            for block in range(pid, H_BLOCKS, grid):
-                rows, ok = _block_rows(block, H, False, BLOCK_N)
-                y = _gemv_block(w_ptr, attn_ptr, rows, ok, O_K, w, EVEN, BLOCK_N, BLOCK_K)
-                r = tl.load(resid_ptr + H + rows, mask=ok, other=0.0, cache_modifier=".cg")
-                s = y.to(dtype).to(tl.float32) + r.to(tl.float32)
-                tl.store(resid_ptr + rows, s.to(dtype), mask=ok)
-                w = _first_tile(w_ptr, block + grid, H, O_K, False, BLOCK_N, BLOCK_K)
+            w = _gemv_phase(w_ptr, attn_ptr, resid_ptr, resid_ptr + H, w, H, O_K, False,
+                            ADD_RESIDUAL, EVEN, BLOCK_N, BLOCK_K, dtype)
             if IS_MOE:
                 w = _first_tile(_pointer(table_ptr, layer, ROUTER, dtype), pid, EXPERTS, H,
                                 False, BLOCK_N, BLOCK_K)
@@ -446,11 +466,8 @@ def _persistent_decode_kernel(
                 w_ptr = _pointer(table_ptr, layer, ROUTER, dtype)
                 if phase_lo == base + 3:
                     w = _first_tile(w_ptr, pid, EXPERTS, H, False, BLOCK_N, BLOCK_K)
-                for block in range(pid, ROUTER_BLOCKS, grid):
-                    rows, ok = _block_rows(block, EXPERTS, False, BLOCK_N)
-                    y = _gemv_block(w_ptr, xn_ptr, rows, ok, H, w, EVEN, BLOCK_N, BLOCK_K)
-                    tl.store(logits_ptr + rows, y.to(dtype), mask=ok)
-                    w = _first_tile(w_ptr, block + grid, EXPERTS, H, False, BLOCK_N, BLOCK_K)
+                w = _gemv_phase(w_ptr, xn_ptr, logits_ptr, None, w, EXPERTS, H, False, STORE,
+                                EVEN, BLOCK_N, BLOCK_K, dtype)
                 barriers = _after_phase(sync_ptr, barriers, base + 4, phase_hi, BARRIERS)
             # --- the chosen experts' gate_up and SwiGLU: [TOP_K, INTER] ---
             if (phase_lo <= base + 4) & (base + 4 < phase_hi):
@@ -500,11 +517,8 @@ def _persistent_decode_kernel(
                 w_ptr = _pointer(table_ptr, layer, GATE_UP, dtype)
                 if phase_lo == base + 3:
                     w = _first_tile(w_ptr, pid, 2 * INTER, H, True, BLOCK_N, BLOCK_K)
-                for block in range(pid, GATED_BLOCKS, grid):
-                    rows, ok = _block_rows(block, 2 * INTER, True, BLOCK_N)
-                    y = _gemv_block(w_ptr, xn_ptr, rows, ok, H, w, EVEN, BLOCK_N, BLOCK_K)
-                    _store_swiglu(y, block, act_ptr, INTER, BLOCK_N, dtype, False)
-                    w = _first_tile(w_ptr, block + grid, 2 * INTER, H, True, BLOCK_N, BLOCK_K)
+                w = _gemv_phase(w_ptr, xn_ptr, act_ptr, None, w, 2 * INTER, H, True, SWIGLU,
+                                EVEN, BLOCK_N, BLOCK_K, dtype)
                 w = _first_tile(_pointer(table_ptr, layer, DOWN, dtype), pid, H, INTER, False,
                                 BLOCK_N, BLOCK_K)
                 barriers = _after_phase(sync_ptr, barriers, base + 4, phase_hi, BARRIERS)
@@ -513,11 +527,8 @@ def _persistent_decode_kernel(
                 w_ptr = _pointer(table_ptr, layer, DOWN, dtype)
                 if phase_lo == base + 4:
                     w = _first_tile(w_ptr, pid, H, INTER, False, BLOCK_N, BLOCK_K)
-                for block in range(pid, H_BLOCKS, grid):
-                    rows, ok = _block_rows(block, H, False, BLOCK_N)
-                    y = _gemv_block(w_ptr, act_ptr, rows, ok, INTER, w, EVEN, BLOCK_N, BLOCK_K)
-                    tl.store(delta_ptr + rows, y.to(dtype), mask=ok)
-                    w = _first_tile(w_ptr, block + grid, H, INTER, False, BLOCK_N, BLOCK_K)
+                w = _gemv_phase(w_ptr, act_ptr, delta_ptr, None, w, H, INTER, False, STORE,
+                                EVEN, BLOCK_N, BLOCK_K, dtype)
                 if layer + 1 < num_layers:
                     w = _first_tile(_pointer(table_ptr, layer + 1, QKV, dtype), pid, QKV_N, H,
                                     False, BLOCK_N, BLOCK_K)
