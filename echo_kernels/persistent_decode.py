@@ -336,7 +336,7 @@ def _route(logits_ptr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: 
     taken = ~in_e
     weights = tl.zeros([BLOCK_TOPK], tl.float32)
     ids = tl.zeros([BLOCK_TOPK], tl.int32)
-    for j in tl.static_range(TOP_K):
+    for j in tl.range(0, TOP_K):
         candidates = tl.where(taken, float("-inf"), x)
         best = tl.max(candidates, 0)
         pick = tl.min(tl.where((candidates == best) & ~taken, experts, BLOCK_E), 0)
