@@ -86,26 +86,53 @@ def _pointer(table_ptr, layer, column, dtype: tl.constexpr):
 
 
 @triton.jit
-def _block_rows(block, N, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A row block's weight rows and which of them are real. GATED (gate_up, N = 2I): the first
-    half of the block are gate rows j, the second half the up rows I + j of the same j."""
+def _block_rows(first, end, N, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The weight rows of the row block whose outputs start at `first`, and which of them are
+    real (outputs before `end`). GATED (gate_up, N = 2I, outputs j < I): the first half of the
+    block are gate rows j, the second half the up rows I + j of the same j."""
     offs = tl.arange(0, BLOCK_N)
     if GATED:
         HALF: tl.constexpr = BLOCK_N // 2
-        j = block * HALF + offs % HALF
-        return tl.where(offs < HALF, j, N // 2 + j), j < N // 2
-    rows = block * BLOCK_N + offs
-    return rows, rows < N
+        j = first + offs % HALF
+        return tl.where(offs < HALF, j, N // 2 + j), j < end
+    rows = first + offs
+    return rows, rows < end
 
 
 @triton.jit
-def _first_tile(w_ptr, block, N, K: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr):
-    """The block's first [BLOCK_N, BLOCK_K] weight tile; past the last block nothing is read."""
-    rows, ok = _block_rows(block, N, GATED, BLOCK_N)
+def _phase_span(N, GATED: tl.constexpr, BALANCED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(first output, end, step) of this program's row blocks in a GEMV phase of N weight rows.
+    Strided: the blocks pid, pid + grid, ... of BLOCK_N rows. BALANCED: an equal run of
+    outputs a program, in blocks: no program reads more than one block beyond the others, so
+    the phase's tail does not run on a few programs' loads alone (512 blocks for 396 programs
+    would leave 116 programs streaming a second block while the rest wait)."""
+    grid = tl.num_programs(0)
+    per_block: tl.constexpr = BLOCK_N // (1 + GATED)
+    outputs = N // (1 + GATED)
+    if BALANCED:
+        per_program = tl.cdiv(outputs, grid)
+        first = tl.program_id(0) * per_program
+        return first, tl.minimum(first + per_program, outputs), per_block
+    return tl.program_id(0) * per_block, outputs, per_block * grid
+
+
+@triton.jit
+def _first_tile(w_ptr, first, end, N, K: tl.constexpr, GATED: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The first [BLOCK_N, BLOCK_K] weight tile of the block at `first`; past `end` nothing is
+    read."""
+    rows, ok = _block_rows(first, end, N, GATED, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     ptrs = w_ptr + rows[:, None].to(tl.int64) * K + offs_k[None, :]
     return tl.load(ptrs, mask=ok[:, None] & (offs_k[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _phase_first_tile(w_ptr, N, K: tl.constexpr, GATED: tl.constexpr, BALANCED: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's first weight tile of a GEMV phase (loaded ahead of the phase)."""
+    first, end, step = _phase_span(N, GATED, BALANCED, BLOCK_N)
+    return _first_tile(w_ptr, first, end, N, K, GATED, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -273,11 +300,11 @@ def _after_phase(sync_ptr, barriers, next_phase, phase_hi, BARRIERS: tl.constexp
 
 
 @triton.jit
-def _store_swiglu(y, block, act_ptr, INTER: tl.constexpr, BLOCK_N: tl.constexpr,
-                  dtype: tl.constexpr, EXPERT: tl.constexpr):
+def _store_swiglu(y, first, end, act_ptr, BLOCK_N: tl.constexpr, dtype: tl.constexpr,
+                  EXPERT: tl.constexpr):
     """silu(gate) * up of a gated row block's GEMV outputs y ([gate rows, up rows]) into
-    act_ptr. Rounding: a dense MLP's as activation.py's on gate_up's stored output; an
-    expert's as fused_moe's pair kernel, from the float32 sums, rounded once."""
+    act_ptr[first:end]. Rounding: a dense MLP's as activation.py's on gate_up's stored output;
+    an expert's as fused_moe's pair kernel, from the float32 sums, rounded once."""
     if EXPERT:
         gate, up = tl.split(tl.trans(tl.reshape(y, [2, BLOCK_N // 2])))
         act = gate / (1.0 + tl.math.exp2(-gate * 1.4426950408889634)) * up
@@ -286,8 +313,8 @@ def _store_swiglu(y, block, act_ptr, INTER: tl.constexpr, BLOCK_N: tl.constexpr,
         gf = gate.to(tl.float32)
         silu = (gf / (1.0 + tl.math.exp2(-gf * 1.4426950408889634))).to(dtype)
         act = silu.to(tl.float32) * up.to(tl.float32)
-    j = block * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    tl.store(act_ptr + j, act.to(dtype), mask=j < INTER)
+    j = first + tl.arange(0, BLOCK_N // 2)
+    tl.store(act_ptr + j, act.to(dtype), mask=j < end)
 
 
 # what a GEMV phase does with its outputs (_gemv_phase)
@@ -297,26 +324,25 @@ STORE, ADD_RESIDUAL, SWIGLU = (tl.constexpr(i) for i in range(3))
 @triton.jit
 def _gemv_phase(w_ptr, x_ptr, out_ptr, resid_ptr, w, N: tl.constexpr, K: tl.constexpr,
                 GATED: tl.constexpr, EPILOGUE: tl.constexpr, EVEN: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-    """This program's row blocks (pid, pid + grid, ...) of out = W[N, K] @ x, w being its first
-    block's first tile, loaded; returns the next block's, which past the last reads nothing.
-    EPILOGUE: STORE the outputs, ADD_RESIDUAL (out = y + resid, rounded as the model's sum),
-    or SWIGLU (GATED blocks of [gate rows, up rows] -> silu(gate) * up, N // 2 outputs)."""
-    grid = tl.num_programs(0)
-    OUTPUTS_PER_BLOCK: tl.constexpr = BLOCK_N // (1 + GATED)
-    BLOCKS: tl.constexpr = (N // (1 + GATED) + OUTPUTS_PER_BLOCK - 1) // OUTPUTS_PER_BLOCK
-    for block in range(tl.program_id(0), BLOCKS, grid):
-        rows, ok = _block_rows(block, N, GATED, BLOCK_N)
+                BALANCED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                dtype: tl.constexpr):
+    """This program's row blocks (_phase_span) of out = W[N, K] @ x, w being its first block's
+    first tile, loaded; returns the next block's, which past the last reads nothing. EPILOGUE:
+    STORE the outputs, ADD_RESIDUAL (out = y + resid, rounded as the model's sum), or SWIGLU
+    (GATED blocks of [gate rows, up rows] -> silu(gate) * up, N // 2 outputs)."""
+    first, end, step = _phase_span(N, GATED, BALANCED, BLOCK_N)
+    for o0 in range(first, end, step):
+        rows, ok = _block_rows(o0, end, N, GATED, BLOCK_N)
         y = _gemv_block(w_ptr, x_ptr, rows, ok, K, w, EVEN, BLOCK_N, BLOCK_K)
         if EPILOGUE == SWIGLU:
-            _store_swiglu(y, block, out_ptr, N // 2, BLOCK_N, dtype, False)
+            _store_swiglu(y, o0, end, out_ptr, BLOCK_N, dtype, False)
         elif EPILOGUE == ADD_RESIDUAL:
             r = tl.load(resid_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + rows, (y.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype),
                      mask=ok)
         else:
             tl.store(out_ptr + rows, y.to(dtype), mask=ok)
-        w = _first_tile(w_ptr, block + grid, N, K, GATED, BLOCK_N, BLOCK_K)
+        w = _first_tile(w_ptr, o0 + step, end, N, K, GATED, BLOCK_N, BLOCK_K)
     return w
 
 
@@ -399,6 +425,7 @@ def _persistent_decode_kernel(
     BLOCK_E: tl.constexpr,  # EXPERTS and TOP_K rounded up to powers of two
     BLOCK_TOPK: tl.constexpr,
     BARRIERS: tl.constexpr,  # False under the interpreter: a launch runs one phase
+    BALANCED: tl.constexpr,  # _phase_span: an equal run of rows a program, or strided blocks
 ):
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     cache_dtype: tl.constexpr = dtype
@@ -406,7 +433,6 @@ def _persistent_decode_kernel(
     LAYER_PHASES: tl.constexpr = 5 + IS_MOE
     QKV_N: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_DIM
     O_K: tl.constexpr = HEADS * HEAD_DIM
-    H_BLOCKS: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
     GATED_BLOCKS: tl.constexpr = (INTER + BLOCK_N // 2 - 1) // (BLOCK_N // 2)
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
@@ -429,8 +455,8 @@ def _persistent_decode_kernel(
                           dtype), xn_ptr, resid_ptr + H, eps, H, BLOCK_K, dtype)
             w_ptr = _pointer(table_ptr, layer, QKV, dtype)
             if phase_lo == base:
-                w = _first_tile(w_ptr, pid, QKV_N, H, False, BLOCK_N, BLOCK_K)
-            w = _gemv_phase(w_ptr, xn_ptr, qkv_ptr, None, w, QKV_N, H, False, STORE, EVEN,
+                w = _phase_first_tile(w_ptr, QKV_N, H, False, BALANCED, BLOCK_N, BLOCK_K)
+            w = _gemv_phase(w_ptr, xn_ptr, qkv_ptr, None, w, QKV_N, H, False, STORE, EVEN, BALANCED,
                             BLOCK_N, BLOCK_K, dtype)
             barriers = _after_phase(sync_ptr, barriers, base + 1, phase_hi, BARRIERS)
         # --- attention ---
@@ -441,22 +467,22 @@ def _persistent_decode_kernel(
                                 stride_kb, stride_kt, stride_kh, qk_scale, eps, n_splits,
                                 per_split, HEADS, KV_HEADS, HEAD_DIM, GROUP_PAD, SPLITS_PAD,
                                 BLOCK_SIZE, BLOCK_T, HAS_QK_NORM, dtype, cache_dtype)
-            w = _first_tile(_pointer(table_ptr, layer, O_PROJ, dtype), pid, H, O_K, False,
-                            BLOCK_N, BLOCK_K)
+            w = _phase_first_tile(_pointer(table_ptr, layer, O_PROJ, dtype), H, O_K, False,
+                                  BALANCED, BLOCK_N, BLOCK_K)
             barriers = _after_phase(sync_ptr, barriers, base + 2, phase_hi, BARRIERS)
         # --- o_proj and the residual: resid[0] = o + resid[1] ---
         if (phase_lo <= base + 2) & (base + 2 < phase_hi):
             w_ptr = _pointer(table_ptr, layer, O_PROJ, dtype)
             if phase_lo == base + 2:
-                w = _first_tile(w_ptr, pid, H, O_K, False, BLOCK_N, BLOCK_K)
+                w = _phase_first_tile(w_ptr, H, O_K, False, BALANCED, BLOCK_N, BLOCK_K)
             w = _gemv_phase(w_ptr, attn_ptr, resid_ptr, resid_ptr + H, w, H, O_K, False,
-                            ADD_RESIDUAL, EVEN, BLOCK_N, BLOCK_K, dtype)
+                            ADD_RESIDUAL, EVEN, BALANCED, BLOCK_N, BLOCK_K, dtype)
             if IS_MOE:
-                w = _first_tile(_pointer(table_ptr, layer, ROUTER, dtype), pid, EXPERTS, H,
-                                False, BLOCK_N, BLOCK_K)
+                w = _phase_first_tile(_pointer(table_ptr, layer, ROUTER, dtype),
+                                      EXPERTS, H, False, BALANCED, BLOCK_N, BLOCK_K)
             else:
-                w = _first_tile(_pointer(table_ptr, layer, GATE_UP, dtype), pid, 2 * INTER, H,
-                                True, BLOCK_N, BLOCK_K)
+                w = _phase_first_tile(_pointer(table_ptr, layer, GATE_UP, dtype),
+                                      2 * INTER, H, True, BALANCED, BLOCK_N, BLOCK_K)
             barriers = _after_phase(sync_ptr, barriers, base + 3, phase_hi, BARRIERS)
         if IS_MOE:
             # --- the router: the post-attention norm, the router's logits ---
@@ -465,9 +491,9 @@ def _persistent_decode_kernel(
                               POST_NORM, dtype), xn_ptr, None, eps, H, BLOCK_K, dtype)
                 w_ptr = _pointer(table_ptr, layer, ROUTER, dtype)
                 if phase_lo == base + 3:
-                    w = _first_tile(w_ptr, pid, EXPERTS, H, False, BLOCK_N, BLOCK_K)
+                    w = _phase_first_tile(w_ptr, EXPERTS, H, False, BALANCED, BLOCK_N, BLOCK_K)
                 w = _gemv_phase(w_ptr, xn_ptr, logits_ptr, None, w, EXPERTS, H, False, STORE,
-                                EVEN, BLOCK_N, BLOCK_K, dtype)
+                                EVEN, BALANCED, BLOCK_N, BLOCK_K, dtype)
                 barriers = _after_phase(sync_ptr, barriers, base + 4, phase_hi, BARRIERS)
             # --- the chosen experts' gate_up and SwiGLU: [TOP_K, INTER] ---
             if (phase_lo <= base + 4) & (base + 4 < phase_hi):
@@ -480,10 +506,11 @@ def _persistent_decode_kernel(
                     b = block % GATED_BLOCKS
                     expert = tl.sum(tl.where(slots == j, route_ids, 0)).to(tl.int64)
                     w_ptr = w13 + expert * (2 * INTER * H)
-                    rows, ok = _block_rows(b, 2 * INTER, True, BLOCK_N)
-                    w = _first_tile(w_ptr, b, 2 * INTER, H, True, BLOCK_N, BLOCK_K)
+                    o0 = b * (BLOCK_N // 2)
+                    rows, ok = _block_rows(o0, INTER, 2 * INTER, True, BLOCK_N)
+                    w = _first_tile(w_ptr, o0, INTER, 2 * INTER, H, True, BLOCK_N, BLOCK_K)
                     y = _gemv_block(w_ptr, xn_ptr, rows, ok, H, w, EVEN, BLOCK_N, BLOCK_K)
-                    _store_swiglu(y, b, act_ptr + j * INTER, INTER, BLOCK_N, dtype, True)
+                    _store_swiglu(y, o0, INTER, act_ptr + j * INTER, BLOCK_N, dtype, True)
                 barriers = _after_phase(sync_ptr, barriers, base + 5, phase_hi, BARRIERS)
             # --- their down projections, weighted and summed: delta ---
             if (phase_lo <= base + 5) & (base + 5 < phase_hi):
@@ -491,14 +518,15 @@ def _persistent_decode_kernel(
                                             BLOCK_TOPK)
                 w2 = _pointer(table_ptr, layer, DOWN, dtype)
                 slots = tl.arange(0, BLOCK_TOPK)
-                for block in range(pid, H_BLOCKS, grid):
-                    rows, ok = _block_rows(block, H, False, BLOCK_N)
+                first, end, step = _phase_span(H, False, BALANCED, BLOCK_N)
+                for o0 in range(first, end, step):
+                    rows, ok = _block_rows(o0, end, H, False, BLOCK_N)
                     total = tl.zeros([BLOCK_N], tl.float32)
                     for j in tl.range(0, TOP_K):
                         expert = tl.sum(tl.where(slots == j, route_ids, 0)).to(tl.int64)
                         weight = tl.sum(tl.where(slots == j, route_w, 0.0))
                         w_ptr = w2 + expert * (H * INTER)
-                        w = _first_tile(w_ptr, block, H, INTER, False, BLOCK_N, BLOCK_K)
+                        w = _first_tile(w_ptr, o0, end, H, INTER, False, BLOCK_N, BLOCK_K)
                         y = _gemv_block(w_ptr, act_ptr + j * INTER, rows, ok, INTER, w, EVEN,
                                         BLOCK_N, BLOCK_K)
                         # each expert's weighted row rounded, then the k summed in slot
@@ -506,8 +534,8 @@ def _persistent_decode_kernel(
                         total += (weight * y).to(dtype).to(tl.float32)
                     tl.store(delta_ptr + rows, total.to(dtype), mask=ok)
                 if layer + 1 < num_layers:
-                    w = _first_tile(_pointer(table_ptr, layer + 1, QKV, dtype), pid, QKV_N, H,
-                                    False, BLOCK_N, BLOCK_K)
+                    w = _phase_first_tile(_pointer(table_ptr, layer + 1, QKV, dtype),
+                                          QKV_N, H, False, BALANCED, BLOCK_N, BLOCK_K)
                 barriers = _after_phase(sync_ptr, barriers, base + 6, phase_hi, BARRIERS)
         else:
             # --- gate_up: the post-attention norm, both GEMVs, SwiGLU ---
@@ -516,22 +544,22 @@ def _persistent_decode_kernel(
                               POST_NORM, dtype), xn_ptr, None, eps, H, BLOCK_K, dtype)
                 w_ptr = _pointer(table_ptr, layer, GATE_UP, dtype)
                 if phase_lo == base + 3:
-                    w = _first_tile(w_ptr, pid, 2 * INTER, H, True, BLOCK_N, BLOCK_K)
+                    w = _phase_first_tile(w_ptr, 2 * INTER, H, True, BALANCED, BLOCK_N, BLOCK_K)
                 w = _gemv_phase(w_ptr, xn_ptr, act_ptr, None, w, 2 * INTER, H, True, SWIGLU,
-                                EVEN, BLOCK_N, BLOCK_K, dtype)
-                w = _first_tile(_pointer(table_ptr, layer, DOWN, dtype), pid, H, INTER, False,
-                                BLOCK_N, BLOCK_K)
+                                EVEN, BALANCED, BLOCK_N, BLOCK_K, dtype)
+                w = _phase_first_tile(_pointer(table_ptr, layer, DOWN, dtype), H, INTER, False,
+                                      BALANCED, BLOCK_N, BLOCK_K)
                 barriers = _after_phase(sync_ptr, barriers, base + 4, phase_hi, BARRIERS)
             # --- down: delta = W_down @ act ---
             if (phase_lo <= base + 4) & (base + 4 < phase_hi):
                 w_ptr = _pointer(table_ptr, layer, DOWN, dtype)
                 if phase_lo == base + 4:
-                    w = _first_tile(w_ptr, pid, H, INTER, False, BLOCK_N, BLOCK_K)
+                    w = _phase_first_tile(w_ptr, H, INTER, False, BALANCED, BLOCK_N, BLOCK_K)
                 w = _gemv_phase(w_ptr, act_ptr, delta_ptr, None, w, H, INTER, False, STORE,
-                                EVEN, BLOCK_N, BLOCK_K, dtype)
+                                EVEN, BALANCED, BLOCK_N, BLOCK_K, dtype)
                 if layer + 1 < num_layers:
-                    w = _first_tile(_pointer(table_ptr, layer + 1, QKV, dtype), pid, QKV_N, H,
-                                    False, BLOCK_N, BLOCK_K)
+                    w = _phase_first_tile(_pointer(table_ptr, layer + 1, QKV, dtype),
+                                          QKV_N, H, False, BALANCED, BLOCK_N, BLOCK_K)
                 barriers = _after_phase(sync_ptr, barriers, base + 5, phase_hi, BARRIERS)
     # --- the final norm of resid[0] + delta, one program ---
     last = num_layers * LAYER_PHASES
@@ -597,6 +625,9 @@ class PersistentTiles:
     # Qwen3-0.6B/8B shapes, two programs an SM; 168 spills nothing and lets three in (offline
     # compiles, cuobjdump -res-usage)
     max_registers: int | None = 168
+    # a GEMV phase's rows an equal run a program (True) or blocks strided over the programs
+    # (the probe's): _phase_span
+    balanced_rows: bool = True
 
 
 def pointer_table(layers: list[dict[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
@@ -704,7 +735,7 @@ class PersistentDecode:
             EXPERTS=shape.num_experts, TOP_K=shape.top_k, RENORMALIZE=shape.norm_topk_prob,
             BLOCK_E=triton.next_power_of_2(max(shape.num_experts, 1)),
             BLOCK_TOPK=triton.next_power_of_2(max(shape.top_k, 1)), BARRIERS=barriers,
-            num_warps=tiles.num_warps)
+            BALANCED=tiles.balanced_rows, num_warps=tiles.num_warps)
         if self.on_gpu and tiles.max_registers is not None:
             constexprs["maxnreg"] = tiles.max_registers
         return args, constexprs

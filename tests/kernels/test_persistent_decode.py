@@ -184,13 +184,15 @@ def test_qwen3_shapes_float32(context, max_splits):
     check(decoder, decode, tol=1e-5)
 
 
-def test_llama_shapes_ragged_tiles():
+@pytest.mark.parametrize("balanced", [True, False])
+def test_llama_shapes_ragged_tiles(balanced):
     """No q/k norm, a GQA group of 3 (padded to 4), sizes no tile divides (masked tiles), a
-    block size the keys' step does not divide."""
+    block size the keys' step does not divide; rows in equal runs a program or strided."""
     shape = qwen3_like(hidden_size=48, intermediate_size=40, num_heads=6, num_kv_heads=2,
                        qk_norm=False, block_size=8, num_layers=3)
     decoder = RandomDecoder(shape, 29, torch.float32, seed=1)
-    tiles = PersistentTiles(block_n=4, block_k=32, block_t=4, split_tokens=4)
+    tiles = PersistentTiles(block_n=4, block_k=32, block_t=4, split_tokens=4,
+                            balanced_rows=balanced)
     decode = decoder.kernel(tiles, programs=3)
     assert not decode.even
     check(decoder, decode, tol=1e-5)

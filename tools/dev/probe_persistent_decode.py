@@ -31,8 +31,9 @@ from echo_kernels.persistent_decode import (  # noqa: E402
 )
 
 BLOCK_SIZE = 16
-DEFAULT_SETTINGS = [dict(), dict(block_n=4), dict(block_n=16), dict(block_k=256),
-                    dict(programs_per_sm=2), dict(max_registers=128, programs_per_sm=4)]
+DEFAULT_SETTINGS = [dict(), dict(balanced_rows=False), dict(block_n=4), dict(block_n=16),
+                    dict(block_k=256), dict(programs_per_sm=2),
+                    dict(max_registers=128, programs_per_sm=4)]
 SWEEP = [dict(block_n=n, block_k=k, programs_per_sm=p, max_registers=r)
          for n in (4, 8, 16) for k in (256, 512) for p, r in ((2, None), (3, 168), (4, 128))]
 
