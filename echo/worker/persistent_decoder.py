@@ -1,10 +1,11 @@
 """The model's batch-1 decode forward as one persistent launch (echo_kernels.persistent_decode):
 dense Llama/Qwen3, and Qwen3-MoE whose every layer is sparse.
 
-`persistent_decoder` builds it for a model it can run, or says why not; the decode CUDA graph
-of batch size 1 then captures it in place of the model's forward (cuda_graphs.py), so graph
-replays, several steps per launch and the sampling graphs over it are unchanged. The LM head
-stays the model's (a cuBLAS GEMV that reaches the copy bandwidth on its own).
+startup.persistent_decoder builds it for a model it can run, or says why not; the decode CUDA
+graph of batch size 1 then captures it in place of the model's forward (cuda_graphs.py), so
+graph replays, several steps per launch and the sampling graphs over it are unchanged, and a
+one-token step without a graph (enforce_eager, the CPU) calls it directly. The LM head stays
+the model's (a cuBLAS GEMV that reaches the copy bandwidth on its own).
 """
 
 import torch
