@@ -75,7 +75,7 @@ def test_engine_greedy_tokens_match_transformers(tiny_qwen3, steps):
     (eagerly here; on a GPU the batch-1 graph holds it), one or several steps a launch."""
     from echo import LLM, SamplingParams
 
-    prompt, new_tokens = PROMPTS[0], 10
+    prompt, new_tokens = PROMPTS[0], 6
     expected = hf_greedy_tokens(load_hf(tiny_qwen3), prompt, new_tokens)
     llm = LLM(str(tiny_qwen3), device="cpu", num_gpu_blocks_override=64, max_num_seqs=4,
               persistent_decode=True, num_scheduler_steps=steps)
