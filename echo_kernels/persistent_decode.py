@@ -748,8 +748,10 @@ class PersistentDecode:
         """At most `wanted` programs, as many an SM as the compiled kernel's registers, shared
         memory and threads let be resident at once (a barrier needs every program running)."""
         device = self.out.device
-        one = torch.zeros(1, dtype=torch.int32, device=device)
-        args, constexprs = self._args(one, one, one, one, 0, 1, True)
+        # the engine's dtypes (int32 block table and lengths, int64 positions and slots), so
+        # this compiles the variant its steps launch
+        int32, int64 = (torch.zeros(1, dtype=t, device=device) for t in (torch.int32, torch.int64))
+        args, constexprs = self._args(int32, int32, int64, int64, 0, 1, True)
         kernel = _persistent_decode_kernel.warmup(*args, **constexprs, grid=(wanted,))
         _ = kernel.run  # loads the binary, which sets n_regs
         props = torch.cuda.get_device_properties(device)
