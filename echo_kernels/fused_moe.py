@@ -508,7 +508,7 @@ def _moe_pair_down_kernel(
         w = w_next
         # past the last tile the mask is all false: no memory is read
         w_next = weight_tile(w_ptrs, cols, offs_k, k0 + BLOCK_K, hidden_size, inter_size,
-                              False)
+                             False)
         a = tl.load(a_ptrs + k0, mask=k0 + offs_k < inter_size, other=0.0)
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
     col_ok = cols < hidden_size

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from echo_kernels.attention.common import LOG2E
+from echo_kernels.attention.common import LOG2E, online_softmax_step
 from echo_kernels.device import sm_count
 from echo_kernels.norm import apply_rms
 from echo_kernels.rope import rotated_rows
@@ -249,11 +249,7 @@ def _attention_item(table_ptr, layer, item, qkv_ptr, attn_ptr, part_ptr, sync_pt
                     cache_modifier=".cg")
         qk = tl.sum(qf[:, None, :] * k.to(tl.float32)[None, :, :], 2) * qk_scale
         qk = tl.where(in_range[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        p, alpha, l_i, m_i = online_softmax_step(l_i, m_i, qk)
         # p rounded to the cache dtype, as the attention kernels' p @ V takes it
         p = p.to(dtype).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
@@ -696,13 +692,17 @@ class PersistentDecode:
             # fewer programs than asked: fewer splits (SPLITS_PAD, compiled in, still bounds it)
             self.max_splits = max(1, min(self.max_splits, self.programs // kv_heads))
 
-    def __call__(self, embedding: torch.Tensor, block_table: torch.Tensor,
-                 seq_len: torch.Tensor, position: torch.Tensor,
-                 slot: torch.Tensor) -> torch.Tensor:
-        """The last layer's residual stream, normed ([hidden], a buffer reused by every call):
-        embedding [hidden] of the token at `position`, whose K/V go to cache slot `slot` of a
-        sequence of seq_len tokens (it included) in the blocks of block_table."""
-        self.resid[0].copy_(embedding)
+    @property
+    def input(self) -> torch.Tensor:
+        """[1, hidden]: where the caller puts the token's embedding before a call (an
+        embedding lookup can write it here, no copy)."""
+        return self.resid[:1]
+
+    def __call__(self, block_table: torch.Tensor, seq_len: torch.Tensor,
+                 position: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """The last layer's residual stream, normed ([hidden], a buffer reused by every call),
+        from `input`: the embedding of the token at `position`, whose K/V go to cache slot
+        `slot` of a sequence of seq_len tokens (it included) in the blocks of block_table."""
         last = self.shape.num_layers * self.shape.layer_phases + 1
         if self.on_gpu:
             self._launch(block_table, seq_len, position, slot, 0, last, True)

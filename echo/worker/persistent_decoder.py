@@ -96,8 +96,10 @@ class PersistentDecoder:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  ctx: ForwardContext) -> torch.Tensor:
         meta = ctx.meta
-        hidden = self.kernel(self.embed(input_ids[:1])[0], meta.block_table[0], meta.seq_lens,
-                             positions, meta.slot_mapping)
+        # one tensor-parallel rank holds every row: the lookup is F.embedding's, written where
+        # the kernel reads it
+        torch.index_select(self.embed.weight, 0, input_ids[:1], out=self.kernel.input)
+        hidden = self.kernel(meta.block_table[0], meta.seq_lens, positions, meta.slot_mapping)
         return hidden.view(1, -1)
 
     def raise_if_failed(self) -> None:

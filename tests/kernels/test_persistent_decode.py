@@ -92,8 +92,9 @@ class RandomDecoder:
         def scalar(value):
             return torch.tensor([value], dtype=torch.int32, device=DEVICE)
 
-        return decode(self.embedding, self.block_table, scalar(self.context + 1),
-                      scalar(self.position), scalar(self.slot)).clone()
+        decode.input.copy_(self.embedding[None])
+        return decode(self.block_table, scalar(self.context + 1), scalar(self.position),
+                      scalar(self.slot)).clone()
 
     def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The normed hidden state and the cache after the step, from the references, in the

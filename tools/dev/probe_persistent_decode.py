@@ -95,7 +95,8 @@ class Step:
                                 self.block_table.numel(), tiles)
 
     def run(self, decode: PersistentDecode) -> torch.Tensor:
-        return decode(self.embedding, self.block_table, *self.inputs)
+        decode.input.copy_(self.embedding[None])
+        return decode(self.block_table, *self.inputs)
 
 
 def main() -> None:
