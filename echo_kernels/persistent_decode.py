@@ -36,6 +36,7 @@ CPU each phase is a launch of its own (PersistentDecode.__call__), the same code
 barriers.
 """
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -43,16 +44,23 @@ import triton
 import triton.language as tl
 
 from echo_kernels.attention.common import LOG2E, online_softmax_step
+from echo_kernels.awq import _ONE_BITS, _group_offsets, _unpack_offsets
 from echo_kernels.device import sm_count
 from echo_kernels.norm import apply_rms
 from echo_kernels.rope import rotated_rows
 
-# the pointer table's columns (pointer_table): each layer's tensors, by address
-# (a mixture of experts: gate_up and down are the stacked experts [E, 2I, H] and [E, H, I])
-COLUMNS = ("in_norm", "qkv", "q_norm", "k_norm", "o_proj", "post_norm", "gate_up", "down",
-           "k_cache", "v_cache", "router")
-IN_NORM, QKV, Q_NORM, K_NORM, O_PROJ, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE, ROUTER = (
-    tl.constexpr(column) for column in range(len(COLUMNS)))
+# the pointer table's columns (pointer_table): each layer's tensors, by address. The four
+# linear layers' weights first (a mixture of experts: gate_up and down are the stacked experts
+# [E, 2I, H] and [E, H, I]; AWQ: qweight [K, N / 8]), then, with AWQ weights, their qzeros
+# LINEARS columns after each weight and their scales 2 * LINEARS after
+_LINEARS = ("qkv", "o_proj", "gate_up", "down")
+COLUMNS = (*_LINEARS, *(f"{name}_zeros" for name in _LINEARS),
+           *(f"{name}_scales" for name in _LINEARS),
+           "in_norm", "q_norm", "k_norm", "post_norm", "k_cache", "v_cache", "router")
+(QKV, O_PROJ, GATE_UP, DOWN), LINEARS = (
+    tuple(tl.constexpr(column) for column in range(len(_LINEARS))), tl.constexpr(len(_LINEARS)))
+IN_NORM, Q_NORM, K_NORM, POST_NORM, K_CACHE, V_CACHE, ROUTER = (
+    tl.constexpr(COLUMNS.index(name)) for name in COLUMNS[3 * len(_LINEARS):])
 NUM_POINTERS = tl.constexpr(len(COLUMNS))
 # sync buffer: barrier arrivals, programs done, error flag, then one arrival count per KV head
 SYNC_ARRIVALS, SYNC_DONE, SYNC_ERROR, SYNC_HEADS = (tl.constexpr(i) for i in range(4))
@@ -330,15 +338,172 @@ def _gemv_phase(w_ptr, x_ptr, out_ptr, resid_ptr, w, N: tl.constexpr, K: tl.cons
     for o0 in range(first, end, step):
         rows, ok = _block_rows(o0, end, N, GATED, BLOCK_N)
         y = _gemv_block(w_ptr, x_ptr, rows, ok, K, w, EVEN, BLOCK_N, BLOCK_K)
-        if EPILOGUE == SWIGLU:
-            _store_swiglu(y, o0, end, out_ptr, BLOCK_N, dtype, False)
-        elif EPILOGUE == ADD_RESIDUAL:
-            r = tl.load(resid_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + rows, (y.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype),
-                     mask=ok)
-        else:
-            tl.store(out_ptr + rows, y.to(dtype), mask=ok)
+        _epilogue(y, rows, ok, o0, end, out_ptr, resid_ptr, EPILOGUE, BLOCK_N, dtype)
         w = _first_tile(w_ptr, o0 + step, end, N, K, GATED, BLOCK_N, BLOCK_K)
+    return w
+
+
+@triton.jit
+def _epilogue(y, rows, ok, first, end, out_ptr, resid_ptr, EPILOGUE: tl.constexpr,
+              BLOCK_N: tl.constexpr, dtype: tl.constexpr):
+    """A GEMV's float32 outputs y [BLOCK_N] at rows (those ok real) into out_ptr as EPILOGUE
+    says (_gemv_phase); SWIGLU: y a gated block ([gate, up] of the outputs first..)."""
+    if EPILOGUE == SWIGLU:
+        _store_swiglu(y, first, end, out_ptr, BLOCK_N, dtype, False)
+    elif EPILOGUE == ADD_RESIDUAL:
+        r = tl.load(resid_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + rows, (y.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype),
+                 mask=ok)
+    else:
+        tl.store(out_ptr + rows, y.to(dtype), mask=ok)
+
+
+# --- AWQ weights (W4A16) ---
+# AWQ's qweight is K-major ([K, N / 8] int32, awq.py), so an output's weights are a column of
+# nibbles down every K row, and a program cannot take whole outputs as the phases above do
+# (Llama-3.1-8B's o_proj in strips of 256 columns is 16 strips of 1 MB). An AWQ phase splits K
+# as awq_gemv does: items of (column block, K split) fill the grid, each adds its rows into
+# float32 partial sums, and the last split of a column block to arrive (an acquire-release
+# count, as the attention merge) sums the partials in split order and applies the epilogue.
+# The arithmetic is awq_gemv's: weights as 1 + q u (_unpack_offsets), zero and scale folded in
+# once a group (_group_offsets).
+
+
+@triton.jit
+def _awq_layout(N: tl.constexpr, K: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr,
+                SPLITS: tl.constexpr):
+    """(column blocks, K splits a block, K tiles a split) of an AWQ phase: splits enough for an
+    item a program, at most SPLITS, whole tiles each. (A gated block's COLS / 2 outputs take
+    COLS columns: the count is the same.)"""
+    blocks = tl.cdiv(N, COLS)
+    k_tiles: tl.constexpr = K // BLOCK_K
+    splits = tl.minimum(tl.minimum(tl.cdiv(tl.num_programs(0), blocks), SPLITS), k_tiles)
+    tiles = tl.cdiv(k_tiles, splits)
+    return blocks, tl.cdiv(k_tiles, tiles), tiles
+
+
+@triton.jit
+def _awq_item(item, N: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr,
+              COLS: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr):
+    """Item `item` of an AWQ phase: (column block, split, first and end K tile, its packs
+    [COLS / 8] (qweight's int32 columns), which are read, and their output columns [COLS] in
+    _unpack_offsets' order). GATED: the first half are gate packs, the second the up packs of
+    the same outputs (N / 16 packs on)."""
+    blocks, splits, tiles = _awq_layout(N, K, COLS, BLOCK_K, SPLITS)
+    block = item // splits
+    split = item % splits
+    PACKS: tl.constexpr = COLS // 8
+    p = tl.arange(0, PACKS)
+    if GATED:
+        HALF: tl.constexpr = PACKS // 2
+        j = block * HALF + p % HALF
+        packs = tl.where(p < HALF, j, N // 16 + j)
+        ok = j < N // 16
+    else:
+        packs = block * PACKS + p
+        ok = packs < N // 8
+    cols = tl.reshape(packs[:, None] * 8 + tl.arange(0, 8)[None, :], [COLS])
+    first = split * tiles
+    return block, split, first, tl.minimum(first + tiles, K // BLOCK_K), packs, ok, cols
+
+
+@triton.jit
+def _awq_tile(qw_ptr, tile, packs, ok, N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """qweight's int32 [BLOCK_K, packs] at K tile `tile`."""
+    rows = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    return tl.load(qw_ptr + rows[:, None].to(tl.int64) * (N // 8) + packs[None, :],
+                   mask=ok[None, :], other=0)
+
+
+@triton.jit
+def _awq_phase(qw_ptr, qz_ptr, sc_ptr, x_ptr, out_ptr, resid_ptr, part_ptr, counts_ptr,
+               one_bits, N: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr,
+               EPILOGUE: tl.constexpr, QGROUP: tl.constexpr, COLS: tl.constexpr,
+               BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, STAGES: tl.constexpr,
+               dtype: tl.constexpr):
+    """This program's items of out = x @ W, W [K, N] AWQ (qweight, qzeros, scales at qw_ptr,
+    qz_ptr, sc_ptr). Partial sums go to part_ptr [blocks, SPLITS, COLS] float32, arrivals to
+    counts_ptr [blocks] (zero on entry, left zero); EPILOGUE as _gemv_phase's."""
+    # float32 x: the 1 of each weight taken off, as awq_gemv's EXACT
+    EXACT: tl.constexpr = dtype == tl.float32
+    TILES: tl.constexpr = QGROUP // BLOCK_K  # tiles a group
+    blocks, splits, _ = _awq_layout(N, K, COLS, BLOCK_K, SPLITS)
+    grid = tl.num_programs(0)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_c = tl.arange(0, COLS)
+    for item in range(tl.program_id(0), blocks * splits, grid):
+        block, split, first, end, packs, ok, cols = _awq_item(item, N, K, GATED, COLS, BLOCK_K,
+                                                             SPLITS)
+        acc = tl.zeros([BLOCK_K, COLS], tl.float32)
+        x_sum = tl.zeros([BLOCK_K], tl.float32)
+        total = tl.zeros([COLS], tl.float32)
+        # NOTE: Triton's pipeliner stages these int32 tiles through shared memory (cp.async,
+        # STAGES - 1 ahead): the bytes in flight cost no registers, where a tile held ahead
+        # by hand, as _gemv_block does, left too few for the unpacked weights (offline sm_90
+        # compiles of Llama-3.1-8B's shapes: 208 bytes of spills at 168 registers)
+        for tile in tl.range(first, end, num_stages=STAGES):
+            packed = _awq_tile(qw_ptr, tile, packs, ok, N, BLOCK_K)
+            x = tl.load(x_ptr + tile * BLOCK_K + offs_k, cache_modifier=".cg").to(tl.float32)
+            w = tl.reshape(_unpack_offsets(packed, one_bits), (BLOCK_K, COLS))
+            if EXACT:
+                w -= 1.0
+            acc += x[:, None] * w
+            x_sum += x
+            # a group's last tile or the split's: the group's sums into the total (across
+            # threads once a group, not a tile)
+            if (tile % TILES == TILES - 1) | (tile == end - 1):
+                z, s_u = _group_offsets(qz_ptr, sc_ptr, tile // TILES, packs, ok, cols, N,
+                                        N // 8, one_bits)
+                if EXACT:
+                    z -= 1.0
+                total += s_u * (tl.sum(acc, 0) - z * tl.sum(x_sum, 0))
+                acc = tl.zeros([BLOCK_K, COLS], tl.float32)
+                x_sum = tl.zeros([BLOCK_K], tl.float32)
+        tl.store(part_ptr + (block * SPLITS + split) * COLS + offs_c, total)
+        tl.debug_barrier()  # every thread's partials before the arrival (the atomic releases)
+        if tl.atomic_add(counts_ptr + block, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            tl.store(counts_ptr + block, 0)  # for the next phase: every split has arrived
+            s = tl.arange(0, SPLITS)
+            parts = tl.load(part_ptr + (block * SPLITS + s[:, None]) * COLS + offs_c[None, :],
+                            mask=(s < splits)[:, None], other=0.0, cache_modifier=".cg")
+            _epilogue(tl.sum(parts, 0), cols, cols < N, block * (COLS // 2), N // 2, out_ptr,
+                      resid_ptr, EPILOGUE, COLS, dtype)
+
+
+@triton.jit
+def _linear_first_tile(table_ptr, layer, COLUMN: tl.constexpr, N: tl.constexpr,
+                       K: tl.constexpr, GATED: tl.constexpr, BALANCED: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AWQ: tl.constexpr,
+                       dtype: tl.constexpr):
+    """This program's first weight tile of the layer's linear COLUMN (a GEMV phase of N
+    outputs by K); zeros for AWQ weights, whose phase stages its own tiles (_awq_phase)."""
+    if AWQ:
+        w = tl.zeros([BLOCK_N, BLOCK_K], dtype)
+    else:
+        w = _phase_first_tile(_pointer(table_ptr, layer, COLUMN, dtype), N, K, GATED,
+                              BALANCED, BLOCK_N, BLOCK_K)
+    return w
+
+
+@triton.jit
+def _linear_phase(table_ptr, layer, COLUMN: tl.constexpr, x_ptr, out_ptr, resid_ptr,
+                  awq_part_ptr, counts_ptr, w, one_bits, N: tl.constexpr, K: tl.constexpr,
+                  GATED: tl.constexpr, EPILOGUE: tl.constexpr, EVEN: tl.constexpr,
+                  BALANCED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  AWQ: tl.constexpr, QGROUP: tl.constexpr, AWQ_COLS: tl.constexpr,
+                  AWQ_BLOCK_K: tl.constexpr, AWQ_SPLITS: tl.constexpr, AWQ_STAGES: tl.constexpr,
+                  dtype: tl.constexpr):
+    """The GEMV phase of the layer's linear COLUMN, dense (_gemv_phase, w its first tile;
+    returns the next phase's) or AWQ (_awq_phase; w passes through)."""
+    if AWQ:
+        _awq_phase(_pointer(table_ptr, layer, COLUMN, tl.int32),
+                   _pointer(table_ptr, layer, COLUMN + LINEARS, tl.int32),
+                   _pointer(table_ptr, layer, COLUMN + 2 * LINEARS, dtype), x_ptr, out_ptr,
+                   resid_ptr, awq_part_ptr, counts_ptr, one_bits, N, K, GATED, EPILOGUE,
+                   QGROUP, AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, dtype)
+    else:
+        w = _gemv_phase(_pointer(table_ptr, layer, COLUMN, dtype), x_ptr, out_ptr, resid_ptr, w,
+                        N, K, GATED, EPILOGUE, EVEN, BALANCED, BLOCK_N, BLOCK_K, dtype)
     return w
 
 
@@ -384,7 +549,8 @@ def _persistent_decode_kernel(
     act_ptr,  # [INTER], a mixture of experts [TOP_K, INTER]: SwiGLU's output
     logits_ptr,  # [EXPERTS]: the router's (IS_MOE)
     part_ptr,  # float32 [KV_HEADS, SPLITS_PAD, GROUP_PAD, HEAD_DIM + 2]: split partials
-    sync_ptr,  # int32 [SYNC_HEADS + KV_HEADS], zero on entry and exit
+    awq_part_ptr,  # float32 [column blocks, AWQ_SPLITS, AWQ_COLS]: AWQ phases' partial sums
+    sync_ptr,  # int32 [SYNC_HEADS + KV_HEADS + AWQ column blocks], zero on entry and exit
     block_table_ptr,  # [max_blocks] int32: the sequence's cache blocks
     seq_len_ptr,  # [1] int32, the context including the new token
     position_ptr,  # [1] the new token's position
@@ -396,6 +562,7 @@ def _persistent_decode_kernel(
     stride_kh,
     eps,
     qk_scale,  # softmax scale * log2(e)
+    one_bits,  # 0x3F800000 (awq.py's _offset_window: an argument, so mask and OR fuse)
     num_layers,
     phase_lo,  # the phases to run: [phase_lo, phase_hi) of num_layers * LAYER_PHASES + 1
     phase_hi,
@@ -422,6 +589,12 @@ def _persistent_decode_kernel(
     BLOCK_TOPK: tl.constexpr,
     BARRIERS: tl.constexpr,  # False under the interpreter: a launch runs one phase
     BALANCED: tl.constexpr,  # _phase_span: an equal run of rows a program, or strided blocks
+    AWQ: tl.constexpr,  # the four linear layers' weights are AWQ's (qweight, qzeros, scales)
+    QGROUP: tl.constexpr,  # AWQ's group size
+    AWQ_COLS: tl.constexpr,  # columns an AWQ item (a power of two, at least 16)
+    AWQ_BLOCK_K: tl.constexpr,  # K rows an AWQ tile (divides QGROUP)
+    AWQ_SPLITS: tl.constexpr,  # K splits a column block at most (a power of two)
+    AWQ_STAGES: tl.constexpr,  # qweight tiles an AWQ item stages (Triton's pipeliner)
 ):
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     cache_dtype: tl.constexpr = dtype
@@ -443,17 +616,21 @@ def _persistent_decode_kernel(
     # each GEMV phase's first tile, loaded at the end of the phase before (before its barrier)
     # or, in the launch's first phase, on entry
     w = tl.zeros([BLOCK_N, BLOCK_K], dtype)
+    # AWQ phases' arrival counts, one a column block
+    counts_ptr = sync_ptr + SYNC_HEADS + KV_HEADS
     for layer in range(num_layers):
         base = layer * LAYER_PHASES
         # --- qkv: residual + delta, the input norm, the GEMV ---
         if (phase_lo <= base) & (base < phase_hi):
             _normed_input(resid_ptr, delta_ptr, layer > 0, _pointer(table_ptr, layer, IN_NORM,
                           dtype), xn_ptr, resid_ptr + H, eps, H, BLOCK_K, dtype)
-            w_ptr = _pointer(table_ptr, layer, QKV, dtype)
             if phase_lo == base:
-                w = _phase_first_tile(w_ptr, QKV_N, H, False, BALANCED, BLOCK_N, BLOCK_K)
-            w = _gemv_phase(w_ptr, xn_ptr, qkv_ptr, None, w, QKV_N, H, False, STORE, EVEN, BALANCED,
-                            BLOCK_N, BLOCK_K, dtype)
+                w = _linear_first_tile(table_ptr, layer, QKV, QKV_N, H, False, BALANCED,
+                                       BLOCK_N, BLOCK_K, AWQ, dtype)
+            w = _linear_phase(table_ptr, layer, QKV, xn_ptr, qkv_ptr, None, awq_part_ptr,
+                              counts_ptr, w, one_bits, QKV_N, H, False, STORE, EVEN, BALANCED,
+                              BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS,
+                              AWQ_STAGES, dtype)
             barriers = _after_phase(sync_ptr, barriers, base + 1, phase_hi, BARRIERS)
         # --- attention ---
         if (phase_lo <= base + 1) & (base + 1 < phase_hi):
@@ -463,22 +640,24 @@ def _persistent_decode_kernel(
                                 stride_kb, stride_kt, stride_kh, qk_scale, eps, n_splits,
                                 per_split, HEADS, KV_HEADS, HEAD_DIM, GROUP_PAD, SPLITS_PAD,
                                 BLOCK_SIZE, BLOCK_T, HAS_QK_NORM, dtype, cache_dtype)
-            w = _phase_first_tile(_pointer(table_ptr, layer, O_PROJ, dtype), H, O_K, False,
-                                  BALANCED, BLOCK_N, BLOCK_K)
+            w = _linear_first_tile(table_ptr, layer, O_PROJ, H, O_K, False, BALANCED, BLOCK_N,
+                                   BLOCK_K, AWQ, dtype)
             barriers = _after_phase(sync_ptr, barriers, base + 2, phase_hi, BARRIERS)
         # --- o_proj and the residual: resid[0] = o + resid[1] ---
         if (phase_lo <= base + 2) & (base + 2 < phase_hi):
-            w_ptr = _pointer(table_ptr, layer, O_PROJ, dtype)
             if phase_lo == base + 2:
-                w = _phase_first_tile(w_ptr, H, O_K, False, BALANCED, BLOCK_N, BLOCK_K)
-            w = _gemv_phase(w_ptr, attn_ptr, resid_ptr, resid_ptr + H, w, H, O_K, False,
-                            ADD_RESIDUAL, EVEN, BALANCED, BLOCK_N, BLOCK_K, dtype)
+                w = _linear_first_tile(table_ptr, layer, O_PROJ, H, O_K, False, BALANCED,
+                                       BLOCK_N, BLOCK_K, AWQ, dtype)
+            w = _linear_phase(table_ptr, layer, O_PROJ, attn_ptr, resid_ptr, resid_ptr + H,
+                              awq_part_ptr, counts_ptr, w, one_bits, H, O_K, False, ADD_RESIDUAL,
+                              EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS,
+                              AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, dtype)
             if IS_MOE:
                 w = _phase_first_tile(_pointer(table_ptr, layer, ROUTER, dtype),
                                       EXPERTS, H, False, BALANCED, BLOCK_N, BLOCK_K)
             else:
-                w = _phase_first_tile(_pointer(table_ptr, layer, GATE_UP, dtype),
-                                      2 * INTER, H, True, BALANCED, BLOCK_N, BLOCK_K)
+                w = _linear_first_tile(table_ptr, layer, GATE_UP, 2 * INTER, H, True, BALANCED,
+                                       BLOCK_N, BLOCK_K, AWQ, dtype)
             barriers = _after_phase(sync_ptr, barriers, base + 3, phase_hi, BARRIERS)
         if IS_MOE:
             # --- the router: the post-attention norm, the router's logits ---
@@ -538,24 +717,28 @@ def _persistent_decode_kernel(
             if (phase_lo <= base + 3) & (base + 3 < phase_hi):
                 _normed_input(resid_ptr, delta_ptr, False, _pointer(table_ptr, layer,
                               POST_NORM, dtype), xn_ptr, None, eps, H, BLOCK_K, dtype)
-                w_ptr = _pointer(table_ptr, layer, GATE_UP, dtype)
                 if phase_lo == base + 3:
-                    w = _phase_first_tile(w_ptr, 2 * INTER, H, True, BALANCED, BLOCK_N, BLOCK_K)
-                w = _gemv_phase(w_ptr, xn_ptr, act_ptr, None, w, 2 * INTER, H, True, SWIGLU,
-                                EVEN, BALANCED, BLOCK_N, BLOCK_K, dtype)
-                w = _phase_first_tile(_pointer(table_ptr, layer, DOWN, dtype), H, INTER, False,
-                                      BALANCED, BLOCK_N, BLOCK_K)
+                    w = _linear_first_tile(table_ptr, layer, GATE_UP, 2 * INTER, H, True,
+                                           BALANCED, BLOCK_N, BLOCK_K, AWQ, dtype)
+                w = _linear_phase(table_ptr, layer, GATE_UP, xn_ptr, act_ptr, None, awq_part_ptr,
+                                  counts_ptr, w, one_bits, 2 * INTER, H, True, SWIGLU, EVEN,
+                                  BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS, AWQ_BLOCK_K,
+                                  AWQ_SPLITS, AWQ_STAGES, dtype)
+                w = _linear_first_tile(table_ptr, layer, DOWN, H, INTER, False, BALANCED,
+                                       BLOCK_N, BLOCK_K, AWQ, dtype)
                 barriers = _after_phase(sync_ptr, barriers, base + 4, phase_hi, BARRIERS)
             # --- down: delta = W_down @ act ---
             if (phase_lo <= base + 4) & (base + 4 < phase_hi):
-                w_ptr = _pointer(table_ptr, layer, DOWN, dtype)
                 if phase_lo == base + 4:
-                    w = _phase_first_tile(w_ptr, H, INTER, False, BALANCED, BLOCK_N, BLOCK_K)
-                w = _gemv_phase(w_ptr, act_ptr, delta_ptr, None, w, H, INTER, False, STORE,
-                                EVEN, BALANCED, BLOCK_N, BLOCK_K, dtype)
+                    w = _linear_first_tile(table_ptr, layer, DOWN, H, INTER, False, BALANCED,
+                                           BLOCK_N, BLOCK_K, AWQ, dtype)
+                w = _linear_phase(table_ptr, layer, DOWN, act_ptr, delta_ptr, None, awq_part_ptr,
+                                  counts_ptr, w, one_bits, H, INTER, False, STORE, EVEN,
+                                  BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS, AWQ_BLOCK_K,
+                                  AWQ_SPLITS, AWQ_STAGES, dtype)
                 if layer + 1 < num_layers:
-                    w = _phase_first_tile(_pointer(table_ptr, layer + 1, QKV, dtype),
-                                          QKV_N, H, False, BALANCED, BLOCK_N, BLOCK_K)
+                    w = _linear_first_tile(table_ptr, layer + 1, QKV, QKV_N, H, False,
+                                           BALANCED, BLOCK_N, BLOCK_K, AWQ, dtype)
                 barriers = _after_phase(sync_ptr, barriers, base + 5, phase_hi, BARRIERS)
     # --- the final norm of resid[0] + delta, one program ---
     last = num_layers * LAYER_PHASES
@@ -587,6 +770,8 @@ class DecodeShape:
     num_experts: int = 0  # 0: a dense MLP
     top_k: int = 0
     norm_topk_prob: bool = False  # the top-k routing weights renormalized to sum to 1
+    # AWQ's group size where the four linear layers hold AWQ weights (W4A16); 0: dense
+    awq_group_size: int = 0
 
     @property
     def qkv_size(self) -> int:
@@ -595,6 +780,13 @@ class DecodeShape:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def linear_sizes(self) -> tuple[tuple[int, int], ...]:
+        """(N, K) of the qkv, o_proj, gate_up and down GEMVs (an expert's, for experts)."""
+        h, inter = self.hidden_size, self.intermediate_size
+        return ((self.qkv_size, h), (h, self.num_heads * self.head_dim), (2 * inter, h),
+                (h, inter))
 
     @property
     def layer_phases(self) -> int:
@@ -624,6 +816,15 @@ class PersistentTiles:
     # a GEMV phase's rows an equal run a program (True) or blocks strided over the programs
     # (the probe's): _phase_span
     balanced_rows: bool = True
+    # AWQ phases (_awq_phase): columns an item (256: one 128-byte line of a K row, and few
+    # enough partial sums: at Llama-3.1-8B's o_proj 16 blocks of 25 splits write 0.4 MB
+    # against the 8 MB weight), K rows a tile (capped by the group size), K splits at most
+    awq_cols: int = 256
+    awq_block_k: int = 16
+    awq_splits: int = 32
+    # qweight tiles an AWQ item has in shared memory (2 KB each at 16 x 256): 6 keeps ~10 KB a
+    # program in flight, ~4 MB over the grid, what the bf16 phases' two 8 KB tiles hold
+    awq_stages: int = 6
 
 
 def pointer_table(layers: list[dict[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
@@ -652,15 +853,28 @@ class PersistentDecode:
                              "multiple of num_kv_heads")
         h, kv_heads = shape.hidden_size, shape.num_kv_heads
         self.group_pad = triton.next_power_of_2(shape.num_heads // kv_heads)
-        gemv_sizes = ((shape.qkv_size, h), (h, shape.num_heads * shape.head_dim),
-                      (2 * shape.intermediate_size, h), (h, shape.intermediate_size),
-                      (shape.num_experts or tiles.block_n, h))
+        gemv_sizes = (*shape.linear_sizes, (shape.num_experts or tiles.block_n, h))
         if tiles.block_k is None:
             tiles = replace(tiles, block_k=next(
                 (b for b in (512, 256, 128) if all(k % b == 0 for _, k in gemv_sizes)), 512))
         if tiles.block_t is None:
             tiles = replace(tiles, block_t=max(1, min(
                 16, 4096 // (self.group_pad * triton.next_power_of_2(shape.head_dim)))))
+        awq_blocks = 0
+        if shape.awq_group_size:
+            group = shape.awq_group_size
+            if shape.is_moe:
+                raise ValueError("persistent decode: AWQ weights with a mixture of experts")
+            if (tiles.awq_cols < 16 or tiles.awq_cols & (tiles.awq_cols - 1)
+                    or tiles.awq_splits & (tiles.awq_splits - 1)):
+                raise ValueError("persistent decode: awq_cols (at least 16) and awq_splits "
+                                 "must be powers of two")
+            if any(k % group for _, k in shape.linear_sizes) or shape.intermediate_size % 8 \
+                    or any(n % 8 for n, _ in shape.linear_sizes):
+                raise ValueError("persistent decode: AWQ needs every K a multiple of the "
+                                 f"group size {group} and every N (gate and up) of 8")
+            tiles = replace(tiles, awq_block_k=math.gcd(tiles.awq_block_k, group))
+            awq_blocks = max(triton.cdiv(n, tiles.awq_cols) for n, _ in shape.linear_sizes)
         self.shape, self.table, self.final_norm, self.cos_sin = shape, table, final_norm, cos_sin
         self.cache_strides, self.tiles = cache_strides, tiles
         device, dtype = final_norm.device, final_norm.dtype
@@ -683,7 +897,9 @@ class PersistentDecode:
         self.logits = empty(max(shape.num_experts, 1))
         self.parts = empty(kv_heads, self.splits_pad, self.group_pad, shape.head_dim + 2,
                            dtype=torch.float32)
-        self.sync = empty(SYNC_HEADS.value + kv_heads, dtype=torch.int32)
+        self.awq_parts = empty(max(awq_blocks * tiles.awq_splits * tiles.awq_cols, 1),
+                               dtype=torch.float32)
+        self.sync = empty(SYNC_HEADS.value + kv_heads + awq_blocks, dtype=torch.int32)
         self.even = (all(n % tiles.block_n == 0 and k % tiles.block_k == 0
                          for n, k in gemv_sizes)
                      and shape.intermediate_size % (tiles.block_n // 2) == 0)
@@ -720,11 +936,11 @@ class PersistentDecode:
         shape, tiles = self.shape, self.tiles
         stride_kb, stride_kt, stride_kh = self.cache_strides
         args = (self.table, self.final_norm, self.out, self.resid, self.delta, self.xn, self.qkv,
-                self.attn, self.act, self.logits, self.parts, self.sync, block_table, seq_len,
-                position, slot,
+                self.attn, self.act, self.logits, self.parts, self.awq_parts, self.sync,
+                block_table, seq_len, position, slot,
                 self.cos_sin, self.cos_sin.stride(0), stride_kb, stride_kt, stride_kh,
-                shape.eps, shape.head_dim**-0.5 * LOG2E, shape.num_layers, phase_lo, phase_hi,
-                self.max_splits)
+                shape.eps, shape.head_dim**-0.5 * LOG2E, _ONE_BITS, shape.num_layers, phase_lo,
+                phase_hi, self.max_splits)
         constexprs = dict(
             H=shape.hidden_size,
             INTER=shape.intermediate_size, HEADS=shape.num_heads, KV_HEADS=shape.num_kv_heads,
@@ -735,7 +951,11 @@ class PersistentDecode:
             EXPERTS=shape.num_experts, TOP_K=shape.top_k, RENORMALIZE=shape.norm_topk_prob,
             BLOCK_E=triton.next_power_of_2(max(shape.num_experts, 1)),
             BLOCK_TOPK=triton.next_power_of_2(max(shape.top_k, 1)), BARRIERS=barriers,
-            BALANCED=tiles.balanced_rows, num_warps=tiles.num_warps)
+            BALANCED=tiles.balanced_rows, AWQ=shape.awq_group_size > 0,
+            QGROUP=max(shape.awq_group_size, 1), AWQ_COLS=tiles.awq_cols,
+            AWQ_BLOCK_K=tiles.awq_block_k, AWQ_SPLITS=tiles.awq_splits,
+            AWQ_STAGES=tiles.awq_stages,
+            num_warps=tiles.num_warps)
         if self.on_gpu and tiles.max_registers is not None:
             constexprs["maxnreg"] = tiles.max_registers
         return args, constexprs
