@@ -261,9 +261,9 @@ class DeviceConfig:
         choices=ATTENTION_BACKENDS)
     enforce_eager: bool = _arg(False, "run the model eagerly, without CUDA graphs")
     persistent_decode: bool = _arg(
-        False, "batch-1 decode steps of a Llama, Qwen3 or Qwen3-MoE model in one persistent "
-        "kernel launch (one GPU, no int8 KV or quantized weights; other models and batches "
-        "run as usual)")
+        False, "batch-1 decode steps of a Llama, Qwen3 (bf16 or AWQ) or Qwen3-MoE model in one "
+        "persistent kernel launch (one GPU, no int8 KV; other models and batches run as "
+        "usual)")
 
     def __post_init__(self):
         _check_choice(self.device, "device", DEVICES)

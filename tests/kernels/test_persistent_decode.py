@@ -296,3 +296,15 @@ def test_one_launch_mixture_of_experts_on_the_gpu():
     decode = decoder.kernel()
     assert decode.tiles.block_k == 256 and decode.tiles.block_t == 4 and decode.even
     check(decoder, decode, tol=3e-2)
+
+
+@pytest.mark.gpu
+def test_one_launch_awq_on_the_gpu():
+    """Llama-3.1-8B's per-layer shapes with AWQ linear layers (group 128), one launch: the
+    column blocks' split counts and the pipelined qweight tiles at real sizes."""
+    shape = DecodeShape(hidden_size=4096, intermediate_size=14336, num_heads=32,
+                        num_kv_heads=8, head_dim=128, num_layers=1, block_size=16, eps=1e-5,
+                        qk_norm=False, awq_group_size=128)
+    decoder = RandomDecoder(shape, 500, torch.bfloat16, seed=9)
+    decode = decoder.kernel()
+    check(decoder, decode, tol=3e-2)

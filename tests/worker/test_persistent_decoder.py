@@ -10,6 +10,7 @@ from echo.layers.attention import ForwardContext
 from echo.worker.persistent_decoder import PersistentDecoder, unsupported_reason
 from echo_kernels.persistent_decode import SYNC_ERROR
 from tests.helpers import echo_greedy_tokens, hf_greedy_tokens, load_hf
+from tests.models.test_awq_models import write_awq_model
 from tests.models.test_logits_vs_transformers import (
     BLOCK,
     PROMPTS,
@@ -18,7 +19,6 @@ from tests.models.test_logits_vs_transformers import (
     make_runner,
     prefill_output,
 )
-from tests.models.test_awq_models import write_awq_model
 from tests.models.test_qwen3_moe import write_tiny_moe
 
 
