@@ -818,13 +818,15 @@ class PersistentTiles:
     balanced_rows: bool = True
     # AWQ phases (_awq_phase): columns an item (256: one 128-byte line of a K row, and few
     # enough partial sums: at Llama-3.1-8B's o_proj 16 blocks of 25 splits write 0.4 MB
-    # against the 8 MB weight), K rows a tile (capped by the group size), K splits at most
+    # against the 8 MB weight), K rows a tile (capped by the group size: 32 rows take 3.5
+    # instructions a weight in the tile loop and spill nothing, 16 rows 3.9 and 40 bytes of
+    # stack, in offline sm_90 compiles of Llama-3.1-8B's shapes), K splits at most
     awq_cols: int = 256
-    awq_block_k: int = 16
+    awq_block_k: int = 32
     awq_splits: int = 32
-    # qweight tiles an AWQ item has in shared memory (2 KB each at 16 x 256): 6 keeps ~10 KB a
-    # program in flight, ~4 MB over the grid, what the bf16 phases' two 8 KB tiles hold
-    awq_stages: int = 6
+    # qweight tiles an AWQ item has in shared memory (4 KB each at 32 x 256): 4 keeps 12 KB a
+    # program in flight, ~5 MB over the grid, about what the bf16 phases' two 8 KB tiles hold
+    awq_stages: int = 4
 
 
 def pointer_table(layers: list[dict[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
