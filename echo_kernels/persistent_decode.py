@@ -4,7 +4,8 @@ At batch 1 a step reads every weight once, and each launch streams only a few MB
 Qwen3-0.6B's 112 GEMVs reach under 40% of the copy bandwidth one launch at a time, and the
 step costs twice its weights' read time (docs/benchmarks.md, Decode latency at batch 1). Here
 a grid of co-resident programs walks every layer in one launch; grid-wide barriers separate
-the phases whose inputs are a whole vector that other programs wrote:
+the phases whose inputs are a whole vector that other programs wrote (attention, which needs
+only its head's rows, waits on a count per KV head instead: _mark_qkv_ready):
 
   qkv        the residual sum, its RMSNorm (every program computes it: the vector is a few KB)
              and the q/k/v GEMV
@@ -62,7 +63,8 @@ COLUMNS = (*_LINEARS, *(f"{name}_zeros" for name in _LINEARS),
 IN_NORM, Q_NORM, K_NORM, POST_NORM, K_CACHE, V_CACHE, ROUTER = (
     tl.constexpr(COLUMNS.index(name)) for name in COLUMNS[3 * len(_LINEARS):])
 NUM_POINTERS = tl.constexpr(len(COLUMNS))
-# sync buffer: barrier arrivals, programs done, error flag, then one arrival count per KV head
+# sync buffer: barrier arrivals, programs done, error flag, then per KV head the attention
+# splits' arrival count and its qkv rows' (_mark_qkv_ready), then the AWQ column blocks'
 SYNC_ARRIVALS, SYNC_DONE, SYNC_ERROR, SYNC_HEADS = (tl.constexpr(i) for i in range(4))
 SPIN_LIMIT = tl.constexpr(1 << 22)
 
@@ -80,6 +82,56 @@ def _grid_barrier(sync_ptr, target):
             polls < SPIN_LIMIT):
         polls += 1
     if polls >= SPIN_LIMIT:
+        tl.store(sync_ptr + SYNC_ERROR, 1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _mark_qkv_ready(ready_ptr, first, end, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                    HEAD_DIM: tl.constexpr):
+    """After this program stored the qkv outputs [first, end): an arrival at each KV head any
+    of whose q, k or v rows lie there (ready_ptr [KV_HEADS]). The attention of a head waits
+    for its own rows (_wait_qkv_ready), not for the whole GEMV behind a grid barrier."""
+    GROUP: tl.constexpr = HEADS // KV_HEADS
+    h = tl.arange(0, triton.next_power_of_2(KV_HEADS))
+    q = h * GROUP * HEAD_DIM
+    k = (HEADS + h) * HEAD_DIM
+    v = (HEADS + KV_HEADS + h) * HEAD_DIM
+    touched = (((first < q + GROUP * HEAD_DIM) & (q < end)) | ((first < k + HEAD_DIM) & (k < end))
+               | ((first < v + HEAD_DIM) & (v < end)))
+    tl.debug_barrier()  # every thread's stores before the arrivals (the atomics release them)
+    tl.atomic_add(ready_ptr + h, 1, mask=touched & (h < KV_HEADS) & (first < end),
+                  sem="release", scope="gpu")
+
+
+@triton.jit
+def _qkv_units(kv_head, unit, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+               HEAD_DIM: tl.constexpr):
+    """How many of the qkv GEMV's units (output runs [u * unit, (u + 1) * unit), each marked
+    once by the program that stores it) hold any of the KV head's q, k or v rows."""
+    GROUP: tl.constexpr = HEADS // KV_HEADS
+    q0 = kv_head * GROUP * HEAD_DIM // unit
+    q1 = ((kv_head + 1) * GROUP * HEAD_DIM - 1) // unit
+    k0 = (HEADS + kv_head) * HEAD_DIM // unit
+    k1 = ((HEADS + kv_head + 1) * HEAD_DIM - 1) // unit
+    v0 = (HEADS + KV_HEADS + kv_head) * HEAD_DIM // unit
+    v1 = ((HEADS + KV_HEADS + kv_head + 1) * HEAD_DIM - 1) // unit
+    # the three runs of units are in order; neighbours may share their end unit
+    return (q1 - q0 + 1) + (k1 - k0 + 1) + (v1 - v0 + 1) - (q1 == k0) - (k1 == v0)
+
+
+@triton.jit
+def _wait_qkv_ready(sync_ptr, ready_ptr, expected, BARRIERS: tl.constexpr):
+    """Wait until `expected` units of the head's qkv rows have arrived. Without barriers (the
+    interpreter, a launch a phase) the qkv phase has run: the count must be exact."""
+    if BARRIERS:
+        polls = 0
+        while (tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") < expected) & (
+                polls < SPIN_LIMIT):
+            polls += 1
+        if polls >= SPIN_LIMIT:
+            tl.store(sync_ptr + SYNC_ERROR, 1)
+    elif tl.load(ready_ptr) != expected:
         tl.store(sync_ptr + SYNC_ERROR, 1)
     tl.debug_barrier()
 
@@ -209,12 +261,13 @@ def _normed_input(resid_ptr, delta_ptr, add_delta, w_ptr, xn_ptr, sum_ptr, eps,
 def _attention_item(table_ptr, layer, item, qkv_ptr, attn_ptr, part_ptr, sync_ptr,
                     block_table_ptr, seq_len, pos, slot, cos_sin_ptr, stride_cos,
                     stride_kb, stride_kt, stride_kh, qk_scale, eps, n_splits, per_split,
-                    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    GROUP_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                    qkv_unit, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, HAS_QK_NORM: tl.constexpr,
-                    dtype: tl.constexpr, cache_dtype: tl.constexpr):
-    """One (KV head, key split) of the step's attention; the split that finishes last for its
-    KV head merges them all into attn_ptr."""
+                    BARRIERS: tl.constexpr, dtype: tl.constexpr, cache_dtype: tl.constexpr):
+    """One (KV head, key split) of the step's attention, once the head's qkv rows are stored
+    (qkv_unit: _qkv_units'); the split that finishes last for its KV head merges them all
+    into attn_ptr."""
     GROUP: tl.constexpr = HEADS // KV_HEADS
     kv_head = item % KV_HEADS
     split = item // KV_HEADS
@@ -224,6 +277,9 @@ def _attention_item(table_ptr, layer, item, qkv_ptr, attn_ptr, part_ptr, sync_pt
     k_norm = _pointer(table_ptr, layer, K_NORM, dtype)
     k_cache = _pointer(table_ptr, layer, K_CACHE, cache_dtype)
     v_cache = _pointer(table_ptr, layer, V_CACHE, cache_dtype)
+    ready = sync_ptr + SYNC_HEADS + KV_HEADS + kv_head
+    _wait_qkv_ready(sync_ptr, ready,
+                    _qkv_units(kv_head, qkv_unit, HEADS, KV_HEADS, HEAD_DIM), BARRIERS)
     q = rotated_rows(qkv_ptr, (kv_head * GROUP + g) * HEAD_DIM, g < GROUP, cos_sin_ptr,
                      stride_cos, pos, q_norm, eps, HEAD_DIM, True, HAS_QK_NORM)
     lo = split * per_split
@@ -269,7 +325,9 @@ def _attention_item(table_ptr, layer, item, qkv_ptr, attn_ptr, part_ptr, sync_pt
     tl.debug_barrier()  # every thread's stores before the arrival (the atomic releases them)
     arrivals = sync_ptr + SYNC_HEADS + kv_head
     if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-        tl.store(arrivals, 0)  # for the next layer: every split of this one has arrived
+        # for the next layer: every split of this one has arrived (and so has passed its wait)
+        tl.store(arrivals, 0)
+        tl.store(ready, 0)
         s = tl.arange(0, SPLITS_PAD)
         parts = part_ptr + ((kv_head * SPLITS_PAD + s[:, None]) * GROUP_PAD + g[None, :]) \
             * (HEAD_DIM + 2)  # [SPLITS_PAD, GROUP_PAD]
@@ -326,20 +384,30 @@ STORE, ADD_RESIDUAL, SWIGLU = (tl.constexpr(i) for i in range(3))
 
 
 @triton.jit
-def _gemv_phase(w_ptr, x_ptr, out_ptr, resid_ptr, w, N: tl.constexpr, K: tl.constexpr,
-                GATED: tl.constexpr, EPILOGUE: tl.constexpr, EVEN: tl.constexpr,
-                BALANCED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                dtype: tl.constexpr):
+def _gemv_phase(w_ptr, x_ptr, out_ptr, resid_ptr, ready_ptr, w, N: tl.constexpr,
+                K: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr,
+                EVEN: tl.constexpr, BALANCED: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
     """This program's row blocks (_phase_span) of out = W[N, K] @ x, w being its first block's
     first tile, loaded; returns the next block's, which past the last reads nothing. EPILOGUE:
     STORE the outputs, ADD_RESIDUAL (out = y + resid, rounded as the model's sum), or SWIGLU
-    (GATED blocks of [gate rows, up rows] -> silu(gate) * up, N // 2 outputs)."""
+    (GATED blocks of [gate rows, up rows] -> silu(gate) * up, N // 2 outputs). ready_ptr: the
+    qkv GEMV's, whose units (a program's run, or a strided block) are marked when stored."""
     first, end, step = _phase_span(N, GATED, BALANCED, BLOCK_N)
     for o0 in range(first, end, step):
         rows, ok = _block_rows(o0, end, N, GATED, BLOCK_N)
         y = _gemv_block(w_ptr, x_ptr, rows, ok, K, w, EVEN, BLOCK_N, BLOCK_K)
         _epilogue(y, rows, ok, o0, end, out_ptr, resid_ptr, EPILOGUE, BLOCK_N, dtype)
         w = _first_tile(w_ptr, o0 + step, end, N, K, GATED, BLOCK_N, BLOCK_K)
+    if ready_ptr is not None:
+        # after the whole run: one release fence a program, not one a block
+        if BALANCED:
+            _mark_qkv_ready(ready_ptr, first, end, HEADS, KV_HEADS, HEAD_DIM)
+        else:
+            for o0 in range(first, end, step):
+                _mark_qkv_ready(ready_ptr, o0, tl.minimum(o0 + BLOCK_N, end), HEADS, KV_HEADS,
+                                HEAD_DIM)
     return w
 
 
@@ -416,14 +484,16 @@ def _awq_tile(qw_ptr, tile, packs, ok, N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _awq_phase(qw_ptr, qz_ptr, sc_ptr, x_ptr, out_ptr, resid_ptr, part_ptr, counts_ptr,
-               one_bits, N: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr,
+def _awq_phase(qw_ptr, qz_ptr, sc_ptr, x_ptr, out_ptr, resid_ptr, ready_ptr, part_ptr,
+               counts_ptr, one_bits, N: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr,
                EPILOGUE: tl.constexpr, QGROUP: tl.constexpr, COLS: tl.constexpr,
                BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, STAGES: tl.constexpr,
+               HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                dtype: tl.constexpr):
     """This program's items of out = x @ W, W [K, N] AWQ (qweight, qzeros, scales at qw_ptr,
     qz_ptr, sc_ptr). Partial sums go to part_ptr [blocks, SPLITS, COLS] float32, arrivals to
-    counts_ptr [blocks] (zero on entry, left zero); EPILOGUE as _gemv_phase's."""
+    counts_ptr [blocks] (zero on entry, left zero); EPILOGUE and ready_ptr as _gemv_phase's
+    (a unit is a column block)."""
     # float32 x: the 1 of each weight taken off, as awq_gemv's EXACT
     EXACT: tl.constexpr = dtype == tl.float32
     TILES: tl.constexpr = QGROUP // BLOCK_K  # tiles a group
@@ -468,6 +538,9 @@ def _awq_phase(qw_ptr, qz_ptr, sc_ptr, x_ptr, out_ptr, resid_ptr, part_ptr, coun
                             mask=(s < splits)[:, None], other=0.0, cache_modifier=".cg")
             _epilogue(tl.sum(parts, 0), cols, cols < N, block * (COLS // 2), N // 2, out_ptr,
                       resid_ptr, EPILOGUE, COLS, dtype)
+            if ready_ptr is not None:
+                _mark_qkv_ready(ready_ptr, block * COLS, tl.minimum(block * COLS + COLS, N),
+                                HEADS, KV_HEADS, HEAD_DIM)
 
 
 @triton.jit
@@ -487,23 +560,26 @@ def _linear_first_tile(table_ptr, layer, COLUMN: tl.constexpr, N: tl.constexpr,
 
 @triton.jit
 def _linear_phase(table_ptr, layer, COLUMN: tl.constexpr, x_ptr, out_ptr, resid_ptr,
-                  awq_part_ptr, counts_ptr, w, one_bits, N: tl.constexpr, K: tl.constexpr,
-                  GATED: tl.constexpr, EPILOGUE: tl.constexpr, EVEN: tl.constexpr,
-                  BALANCED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  AWQ: tl.constexpr, QGROUP: tl.constexpr, AWQ_COLS: tl.constexpr,
-                  AWQ_BLOCK_K: tl.constexpr, AWQ_SPLITS: tl.constexpr, AWQ_STAGES: tl.constexpr,
-                  dtype: tl.constexpr):
+                  ready_ptr, awq_part_ptr, counts_ptr, w, one_bits, N: tl.constexpr,
+                  K: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr,
+                  EVEN: tl.constexpr, BALANCED: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, AWQ: tl.constexpr, QGROUP: tl.constexpr,
+                  AWQ_COLS: tl.constexpr, AWQ_BLOCK_K: tl.constexpr, AWQ_SPLITS: tl.constexpr,
+                  AWQ_STAGES: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
     """The GEMV phase of the layer's linear COLUMN, dense (_gemv_phase, w its first tile;
     returns the next phase's) or AWQ (_awq_phase; w passes through)."""
     if AWQ:
         _awq_phase(_pointer(table_ptr, layer, COLUMN, tl.int32),
                    _pointer(table_ptr, layer, COLUMN + LINEARS, tl.int32),
                    _pointer(table_ptr, layer, COLUMN + 2 * LINEARS, dtype), x_ptr, out_ptr,
-                   resid_ptr, awq_part_ptr, counts_ptr, one_bits, N, K, GATED, EPILOGUE,
-                   QGROUP, AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, dtype)
+                   resid_ptr, ready_ptr, awq_part_ptr, counts_ptr, one_bits, N, K, GATED,
+                   EPILOGUE, QGROUP, AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS,
+                   KV_HEADS, HEAD_DIM, dtype)
     else:
-        w = _gemv_phase(_pointer(table_ptr, layer, COLUMN, dtype), x_ptr, out_ptr, resid_ptr, w,
-                        N, K, GATED, EPILOGUE, EVEN, BALANCED, BLOCK_N, BLOCK_K, dtype)
+        w = _gemv_phase(_pointer(table_ptr, layer, COLUMN, dtype), x_ptr, out_ptr, resid_ptr,
+                        ready_ptr, w, N, K, GATED, EPILOGUE, EVEN, BALANCED, BLOCK_N, BLOCK_K,
+                        HEADS, KV_HEADS, HEAD_DIM, dtype)
     return w
 
 
@@ -550,7 +626,7 @@ def _persistent_decode_kernel(
     logits_ptr,  # [EXPERTS]: the router's (IS_MOE)
     part_ptr,  # float32 [KV_HEADS, SPLITS_PAD, GROUP_PAD, HEAD_DIM + 2]: split partials
     awq_part_ptr,  # float32 [column blocks, AWQ_SPLITS, AWQ_COLS]: AWQ phases' partial sums
-    sync_ptr,  # int32 [SYNC_HEADS + KV_HEADS + AWQ column blocks], zero on entry and exit
+    sync_ptr,  # int32 [SYNC_HEADS + 2 * KV_HEADS + AWQ column blocks], zero on entry and exit
     block_table_ptr,  # [max_blocks] int32: the sequence's cache blocks
     seq_len_ptr,  # [1] int32, the context including the new token
     position_ptr,  # [1] the new token's position
@@ -617,7 +693,15 @@ def _persistent_decode_kernel(
     # or, in the launch's first phase, on entry
     w = tl.zeros([BLOCK_N, BLOCK_K], dtype)
     # AWQ phases' arrival counts, one a column block
-    counts_ptr = sync_ptr + SYNC_HEADS + KV_HEADS
+    counts_ptr = sync_ptr + SYNC_HEADS + 2 * KV_HEADS
+    # the attention of a KV head waits for its qkv rows alone (_mark_qkv_ready), not behind
+    # a grid barrier: the qkv GEMV's units, in outputs
+    if AWQ:
+        qkv_unit = AWQ_COLS
+    elif BALANCED:
+        qkv_unit = tl.cdiv(QKV_N, grid)
+    else:
+        qkv_unit = BLOCK_N
     for layer in range(num_layers):
         base = layer * LAYER_PHASES
         # --- qkv: residual + delta, the input norm, the GEMV ---
@@ -627,19 +711,20 @@ def _persistent_decode_kernel(
             if phase_lo == base:
                 w = _linear_first_tile(table_ptr, layer, QKV, QKV_N, H, False, BALANCED,
                                        BLOCK_N, BLOCK_K, AWQ, dtype)
-            w = _linear_phase(table_ptr, layer, QKV, xn_ptr, qkv_ptr, None, awq_part_ptr,
-                              counts_ptr, w, one_bits, QKV_N, H, False, STORE, EVEN, BALANCED,
-                              BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS,
-                              AWQ_STAGES, dtype)
-            barriers = _after_phase(sync_ptr, barriers, base + 1, phase_hi, BARRIERS)
+            w = _linear_phase(table_ptr, layer, QKV, xn_ptr, qkv_ptr, None,
+                              sync_ptr + SYNC_HEADS + KV_HEADS, awq_part_ptr, counts_ptr, w,
+                              one_bits, QKV_N, H, False, STORE, EVEN, BALANCED, BLOCK_N, BLOCK_K,
+                              AWQ, QGROUP, AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS,
+                              KV_HEADS, HEAD_DIM, dtype)
         # --- attention ---
         if (phase_lo <= base + 1) & (base + 1 < phase_hi):
             for item in range(pid, KV_HEADS * n_splits, grid):
                 _attention_item(table_ptr, layer, item, qkv_ptr, attn_ptr, part_ptr, sync_ptr,
                                 block_table_ptr, seq_len, pos, slot, cos_sin_ptr, stride_cos,
                                 stride_kb, stride_kt, stride_kh, qk_scale, eps, n_splits,
-                                per_split, HEADS, KV_HEADS, HEAD_DIM, GROUP_PAD, SPLITS_PAD,
-                                BLOCK_SIZE, BLOCK_T, HAS_QK_NORM, dtype, cache_dtype)
+                                per_split, qkv_unit, HEADS, KV_HEADS, HEAD_DIM, GROUP_PAD,
+                                SPLITS_PAD, BLOCK_SIZE, BLOCK_T, HAS_QK_NORM, BARRIERS, dtype,
+                                cache_dtype)
             w = _linear_first_tile(table_ptr, layer, O_PROJ, H, O_K, False, BALANCED, BLOCK_N,
                                    BLOCK_K, AWQ, dtype)
             barriers = _after_phase(sync_ptr, barriers, base + 2, phase_hi, BARRIERS)
@@ -649,9 +734,10 @@ def _persistent_decode_kernel(
                 w = _linear_first_tile(table_ptr, layer, O_PROJ, H, O_K, False, BALANCED,
                                        BLOCK_N, BLOCK_K, AWQ, dtype)
             w = _linear_phase(table_ptr, layer, O_PROJ, attn_ptr, resid_ptr, resid_ptr + H,
-                              awq_part_ptr, counts_ptr, w, one_bits, H, O_K, False, ADD_RESIDUAL,
-                              EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS,
-                              AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, dtype)
+                              None, awq_part_ptr, counts_ptr, w, one_bits, H, O_K, False,
+                              ADD_RESIDUAL, EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP,
+                              AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS,
+                              HEAD_DIM, dtype)
             if IS_MOE:
                 w = _phase_first_tile(_pointer(table_ptr, layer, ROUTER, dtype),
                                       EXPERTS, H, False, BALANCED, BLOCK_N, BLOCK_K)
@@ -667,8 +753,9 @@ def _persistent_decode_kernel(
                 w_ptr = _pointer(table_ptr, layer, ROUTER, dtype)
                 if phase_lo == base + 3:
                     w = _phase_first_tile(w_ptr, EXPERTS, H, False, BALANCED, BLOCK_N, BLOCK_K)
-                w = _gemv_phase(w_ptr, xn_ptr, logits_ptr, None, w, EXPERTS, H, False, STORE,
-                                EVEN, BALANCED, BLOCK_N, BLOCK_K, dtype)
+                w = _gemv_phase(w_ptr, xn_ptr, logits_ptr, None, None, w, EXPERTS, H, False,
+                                STORE, EVEN, BALANCED, BLOCK_N, BLOCK_K, HEADS, KV_HEADS,
+                                HEAD_DIM, dtype)
                 barriers = _after_phase(sync_ptr, barriers, base + 4, phase_hi, BARRIERS)
             # --- the chosen experts' gate_up and SwiGLU: [TOP_K, INTER] ---
             if (phase_lo <= base + 4) & (base + 4 < phase_hi):
@@ -720,10 +807,11 @@ def _persistent_decode_kernel(
                 if phase_lo == base + 3:
                     w = _linear_first_tile(table_ptr, layer, GATE_UP, 2 * INTER, H, True,
                                            BALANCED, BLOCK_N, BLOCK_K, AWQ, dtype)
-                w = _linear_phase(table_ptr, layer, GATE_UP, xn_ptr, act_ptr, None, awq_part_ptr,
-                                  counts_ptr, w, one_bits, 2 * INTER, H, True, SWIGLU, EVEN,
-                                  BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS, AWQ_BLOCK_K,
-                                  AWQ_SPLITS, AWQ_STAGES, dtype)
+                w = _linear_phase(table_ptr, layer, GATE_UP, xn_ptr, act_ptr, None, None,
+                                  awq_part_ptr, counts_ptr, w, one_bits, 2 * INTER, H, True,
+                                  SWIGLU, EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP,
+                                  AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS,
+                                  KV_HEADS, HEAD_DIM, dtype)
                 w = _linear_first_tile(table_ptr, layer, DOWN, H, INTER, False, BALANCED,
                                        BLOCK_N, BLOCK_K, AWQ, dtype)
                 barriers = _after_phase(sync_ptr, barriers, base + 4, phase_hi, BARRIERS)
@@ -732,10 +820,11 @@ def _persistent_decode_kernel(
                 if phase_lo == base + 4:
                     w = _linear_first_tile(table_ptr, layer, DOWN, H, INTER, False, BALANCED,
                                            BLOCK_N, BLOCK_K, AWQ, dtype)
-                w = _linear_phase(table_ptr, layer, DOWN, act_ptr, delta_ptr, None, awq_part_ptr,
-                                  counts_ptr, w, one_bits, H, INTER, False, STORE, EVEN,
-                                  BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS, AWQ_BLOCK_K,
-                                  AWQ_SPLITS, AWQ_STAGES, dtype)
+                w = _linear_phase(table_ptr, layer, DOWN, act_ptr, delta_ptr, None, None,
+                                  awq_part_ptr, counts_ptr, w, one_bits, H, INTER, False, STORE,
+                                  EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS,
+                                  AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS, HEAD_DIM,
+                                  dtype)
                 if layer + 1 < num_layers:
                     w = _linear_first_tile(table_ptr, layer + 1, QKV, QKV_N, H, False,
                                            BALANCED, BLOCK_N, BLOCK_K, AWQ, dtype)
@@ -901,7 +990,7 @@ class PersistentDecode:
                            dtype=torch.float32)
         self.awq_parts = empty(max(awq_blocks * tiles.awq_splits * tiles.awq_cols, 1),
                                dtype=torch.float32)
-        self.sync = empty(SYNC_HEADS.value + kv_heads + awq_blocks, dtype=torch.int32)
+        self.sync = empty(SYNC_HEADS.value + 2 * kv_heads + awq_blocks, dtype=torch.int32)
         self.even = (all(n % tiles.block_n == 0 and k % tiles.block_k == 0
                          for n, k in gemv_sizes)
                      and shape.intermediate_size % (tiles.block_n // 2) == 0)
