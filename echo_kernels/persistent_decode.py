@@ -195,32 +195,126 @@ def _phase_first_tile(w_ptr, N, K: tl.constexpr, GATED: tl.constexpr, BALANCED: 
     return _first_tile(w_ptr, first, end, N, K, GATED, BLOCK_N, BLOCK_K)
 
 
+# what a stream of GEMV row blocks is (_gemv_stream): row blocks of one weight; gate_up row
+# blocks of the routed experts ([top_k, I] outputs); or each row block's top_k experts' down
+# projections summed by their routing weights
+ROWS, EXPERT_ROWS, EXPERT_SUM = (tl.constexpr(i) for i in range(3))
+
+
 @triton.jit
-def _gemv_block(w_ptr, x_ptr, rows, ok, K: tl.constexpr, w_first, EVEN: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[rows] = W[rows, :K] @ x[:K] in float32; w_first is the block's first tile, loaded."""
+def _tile(w_base, rows, ok, k0, K: tl.constexpr, EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [rows, k0:k0 + BLOCK_K] weight tile; rows not ok (and columns past K) read nothing."""
     offs_k = tl.arange(0, BLOCK_K)
-    ptrs = w_ptr + rows[:, None].to(tl.int64) * K + offs_k[None, :]
+    ptrs = w_base + rows[:, None].to(tl.int64) * K + k0 + offs_k[None, :]
+    if EVEN:
+        w = tl.load(ptrs, mask=ok[:, None], other=0.0)
+    else:
+        w = tl.load(ptrs, mask=ok[:, None] & (k0 + offs_k[None, :] < K), other=0.0)
+    return w
+
+
+@triton.jit
+def _segment(seg, MODE: tl.constexpr, w_ptr, first, end, step, route_ids, N: tl.constexpr,
+             K: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, TOP_K: tl.constexpr,
+             BLOCK_TOPK: tl.constexpr):
+    """Row block `seg` of this program's stream (_gemv_stream): (its weight's base, its first
+    output, the end of the outputs, its top-k slot)."""
+    if MODE == ROWS:
+        base = w_ptr
+        o0 = first + seg * step
+        stop = end
+        j = seg * 0
+    else:
+        if MODE == EXPERT_ROWS:  # blocks pid, pid + grid, ... of [top_k, N / 2 outputs]
+            per_expert: tl.constexpr = (N // 2 + BLOCK_N // 2 - 1) // (BLOCK_N // 2)
+            block = tl.program_id(0) + seg * tl.num_programs(0)
+            j = block // per_expert
+            o0 = block % per_expert * (BLOCK_N // 2)
+            stop = N // 2
+        else:  # EXPERT_SUM: the k experts of each of the program's row blocks in turn
+            j = seg % TOP_K
+            o0 = first + seg // TOP_K * step
+            stop = end
+        slots = tl.arange(0, BLOCK_TOPK)
+        expert = tl.sum(tl.where(slots == j, route_ids, 0)).to(tl.int64)
+        base = w_ptr + expert * (N * K)
+    return base, o0, stop, j
+
+
+@triton.jit
+def _gemv_stream(w_ptr, x_ptr, out_ptr, resid_ptr, w, first, end, step, route_w, route_ids,
+                 MODE: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr,
+                 EPILOGUE: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+                 dtype: tl.constexpr):
+    """This program's row blocks of W[N, K] @ x (_segment: MODE) as one stream of tiles: the
+    tile after the current one, the next block's first after a block's last, is requested
+    before the current one is used, so a program has two tiles in flight from its first to
+    its last (a loop a block left each block's first tile a memory latency to wait for: a
+    routed expert's down projection is three tiles of 256 at Qwen3-30B-A3B's shapes). w: the
+    first tile, loaded (ROWS), or None (the experts', which routing picks: loaded here).
+    Returns the tile after the last, which reads nothing.
+
+    Epilogues at a block's end: ROWS as EPILOGUE says (_epilogue); EXPERT_ROWS SwiGLU into
+    out_ptr[slot] from the float32 sums (fused_moe's pair kernel); EXPERT_SUM each expert's
+    weighted rows rounded, the k summed in slot order, stored after the last (fused_moe's)."""
+    TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    if MODE == ROWS:
+        count = tl.cdiv(end - first, step)
+    elif MODE == EXPERT_ROWS:
+        per_expert: tl.constexpr = (N // 2 + BLOCK_N // 2 - 1) // (BLOCK_N // 2)
+        count = tl.cdiv(TOP_K * per_expert - tl.program_id(0), tl.num_programs(0))
+    else:
+        count = tl.cdiv(end - first, step) * TOP_K
+    count = tl.maximum(count, 0)
+    slots = tl.arange(0, BLOCK_TOPK)
+    offs_k = tl.arange(0, BLOCK_K)
+    base, o0, stop, j = _segment(0, MODE, w_ptr, first, end, step, route_ids, N, K, GATED,
+                                 BLOCK_N, TOP_K, BLOCK_TOPK)
+    rows, ok = _block_rows(o0, stop, N, GATED, BLOCK_N)
+    if w is None:
+        w = _tile(base, rows, ok & (count > 0), 0, K, EVEN, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    w = w_first
-    for k0 in tl.range(0, K, BLOCK_K):
-        # the next tile is requested before this one is used: two tiles a program in flight
-        # (Triton's pipeliner stages only loads that feed tl.dot; small_m_linear's PREFETCH)
-        ahead = k0 + BLOCK_K
-        if EVEN:
-            w_next = tl.load(ptrs + ahead, mask=(ahead < K) & ok[:, None], other=0.0)
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for t in tl.range(0, count * TILES):
+        kk = t % TILES
+        if kk == TILES - 1:
+            base_n, o0_n, stop_n, j_n = _segment(t // TILES + 1, MODE, w_ptr, first, end, step,
+                                                 route_ids, N, K, GATED, BLOCK_N, TOP_K,
+                                                 BLOCK_TOPK)
+            rows_n, ok_n = _block_rows(o0_n, stop_n, N, GATED, BLOCK_N)
+            ok_n = ok_n & (t + 1 < count * TILES)
+            k_n = 0
         else:
-            w_next = tl.load(ptrs + ahead, mask=ok[:, None] & (ahead + offs_k[None, :] < K),
-                             other=0.0)
+            base_n, o0_n, stop_n, j_n, rows_n, ok_n = base, o0, stop, j, rows, ok
+            k_n = (kk + 1) * BLOCK_K
+        w_next = _tile(base_n, rows_n, ok_n, k_n, K, EVEN, BLOCK_K)
         # another program wrote x: read it from L2 (.cg), never a stale L1 line
+        x_at = x_ptr + kk * BLOCK_K + offs_k[None, :]
+        if MODE == EXPERT_SUM:
+            x_at += j * K  # each slot's SwiGLU output
         if EVEN:
-            x = tl.load(x_ptr + k0 + offs_k[None, :], cache_modifier=".cg")
+            x = tl.load(x_at, cache_modifier=".cg")
         else:
-            x = tl.load(x_ptr + k0 + offs_k[None, :], mask=k0 + offs_k[None, :] < K, other=0.0,
+            x = tl.load(x_at, mask=kk * BLOCK_K + offs_k[None, :] < K, other=0.0,
                         cache_modifier=".cg")
         acc += w.to(tl.float32) * x.to(tl.float32)
+        if kk == TILES - 1:
+            y = tl.sum(acc, 1)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            if MODE == ROWS:
+                _epilogue(y, rows, ok, o0, stop, out_ptr, resid_ptr, EPILOGUE, BLOCK_N, dtype)
+            elif MODE == EXPERT_ROWS:
+                _store_swiglu(y, o0, stop, out_ptr + j * (N // 2), BLOCK_N, dtype, True)
+            else:
+                weight = tl.sum(tl.where(slots == j, route_w, 0.0))
+                total += (weight * y).to(dtype).to(tl.float32)
+                if j == TOP_K - 1:
+                    tl.store(out_ptr + rows, total.to(dtype), mask=ok)
+                    total = tl.zeros([BLOCK_N], tl.float32)
+            base, o0, stop, j, rows, ok = base_n, o0_n, stop_n, j_n, rows_n, ok_n
         w = w_next
-    return tl.sum(acc, 1)
+    return w
 
 
 @triton.jit
@@ -395,11 +489,8 @@ def _gemv_phase(w_ptr, x_ptr, out_ptr, resid_ptr, ready_ptr, w, N: tl.constexpr,
     (GATED blocks of [gate rows, up rows] -> silu(gate) * up, N // 2 outputs). ready_ptr: the
     qkv GEMV's, whose units (a program's run, or a strided block) are marked when stored."""
     first, end, step = _phase_span(N, GATED, BALANCED, BLOCK_N)
-    for o0 in range(first, end, step):
-        rows, ok = _block_rows(o0, end, N, GATED, BLOCK_N)
-        y = _gemv_block(w_ptr, x_ptr, rows, ok, K, w, EVEN, BLOCK_N, BLOCK_K)
-        _epilogue(y, rows, ok, o0, end, out_ptr, resid_ptr, EPILOGUE, BLOCK_N, dtype)
-        w = _first_tile(w_ptr, o0 + step, end, N, K, GATED, BLOCK_N, BLOCK_K)
+    w = _gemv_stream(w_ptr, x_ptr, out_ptr, resid_ptr, w, first, end, step, None, None, ROWS,
+                     N, K, GATED, EPILOGUE, EVEN, BLOCK_N, BLOCK_K, 1, 1, dtype)
     if ready_ptr is not None:
         # after the whole run: one release fence a program, not one a block
         if BALANCED:
@@ -678,7 +769,6 @@ def _persistent_decode_kernel(
     LAYER_PHASES: tl.constexpr = 5 + IS_MOE
     QKV_N: tl.constexpr = (HEADS + 2 * KV_HEADS) * HEAD_DIM
     O_K: tl.constexpr = HEADS * HEAD_DIM
-    GATED_BLOCKS: tl.constexpr = (INTER + BLOCK_N // 2 - 1) // (BLOCK_N // 2)
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     seq_len = tl.load(seq_len_ptr)
@@ -761,40 +851,18 @@ def _persistent_decode_kernel(
             if (phase_lo <= base + 4) & (base + 4 < phase_hi):
                 route_w, route_ids = _route(logits_ptr, EXPERTS, TOP_K, RENORMALIZE, BLOCK_E,
                                             BLOCK_TOPK)
-                w13 = _pointer(table_ptr, layer, GATE_UP, dtype)
-                slots = tl.arange(0, BLOCK_TOPK)
-                for block in range(pid, TOP_K * GATED_BLOCKS, grid):
-                    j = block // GATED_BLOCKS
-                    b = block % GATED_BLOCKS
-                    expert = tl.sum(tl.where(slots == j, route_ids, 0)).to(tl.int64)
-                    w_ptr = w13 + expert * (2 * INTER * H)
-                    o0 = b * (BLOCK_N // 2)
-                    rows, ok = _block_rows(o0, INTER, 2 * INTER, True, BLOCK_N)
-                    w = _first_tile(w_ptr, o0, INTER, 2 * INTER, H, True, BLOCK_N, BLOCK_K)
-                    y = _gemv_block(w_ptr, xn_ptr, rows, ok, H, w, EVEN, BLOCK_N, BLOCK_K)
-                    _store_swiglu(y, o0, INTER, act_ptr + j * INTER, BLOCK_N, dtype, True)
+                _gemv_stream(_pointer(table_ptr, layer, GATE_UP, dtype), xn_ptr, act_ptr, None,
+                             None, 0, 0, 0, route_w, route_ids, EXPERT_ROWS, 2 * INTER, H, True,
+                             STORE, EVEN, BLOCK_N, BLOCK_K, TOP_K, BLOCK_TOPK, dtype)
                 barriers = _after_phase(sync_ptr, barriers, base + 5, phase_hi, BARRIERS)
             # --- their down projections, weighted and summed: delta ---
             if (phase_lo <= base + 5) & (base + 5 < phase_hi):
                 route_w, route_ids = _route(logits_ptr, EXPERTS, TOP_K, RENORMALIZE, BLOCK_E,
                                             BLOCK_TOPK)
-                w2 = _pointer(table_ptr, layer, DOWN, dtype)
-                slots = tl.arange(0, BLOCK_TOPK)
                 first, end, step = _phase_span(H, False, BALANCED, BLOCK_N)
-                for o0 in range(first, end, step):
-                    rows, ok = _block_rows(o0, end, H, False, BLOCK_N)
-                    total = tl.zeros([BLOCK_N], tl.float32)
-                    for j in tl.range(0, TOP_K):
-                        expert = tl.sum(tl.where(slots == j, route_ids, 0)).to(tl.int64)
-                        weight = tl.sum(tl.where(slots == j, route_w, 0.0))
-                        w_ptr = w2 + expert * (H * INTER)
-                        w = _first_tile(w_ptr, o0, end, H, INTER, False, BLOCK_N, BLOCK_K)
-                        y = _gemv_block(w_ptr, act_ptr + j * INTER, rows, ok, INTER, w, EVEN,
-                                        BLOCK_N, BLOCK_K)
-                        # each expert's weighted row rounded, then the k summed in slot
-                        # order: fused_moe's pair kernels
-                        total += (weight * y).to(dtype).to(tl.float32)
-                    tl.store(delta_ptr + rows, total.to(dtype), mask=ok)
+                _gemv_stream(_pointer(table_ptr, layer, DOWN, dtype), act_ptr, delta_ptr, None,
+                             None, first, end, step, route_w, route_ids, EXPERT_SUM, H, INTER,
+                             False, STORE, EVEN, BLOCK_N, BLOCK_K, TOP_K, BLOCK_TOPK, dtype)
                 if layer + 1 < num_layers:
                     w = _phase_first_tile(_pointer(table_ptr, layer + 1, QKV, dtype),
                                           QKV_N, H, False, BALANCED, BLOCK_N, BLOCK_K)
