@@ -242,18 +242,16 @@ def _segment(seg, MODE: tl.constexpr, w_ptr, first, end, step, route_ids, N: tl.
 
 
 @triton.jit
-def _gemv_stream(w_ptr, x_ptr, out_ptr, resid_ptr, w, first, end, step, route_w, route_ids,
+def _gemv_stream(w_ptr, x_ptr, out_ptr, resid_ptr, first, end, step, route_w, route_ids,
                  MODE: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr,
                  EPILOGUE: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                 dtype: tl.constexpr):
-    """This program's row blocks of W[N, K] @ x (_segment: MODE) as one stream of tiles: the
-    tile after the current one, the next block's first after a block's last, is requested
-    before the current one is used, so a program has two tiles in flight from its first to
-    its last (a loop a block left each block's first tile a memory latency to wait for: a
-    routed expert's down projection is three tiles of 256 at Qwen3-30B-A3B's shapes). w: the
-    first tile, loaded (ROWS), or None (the experts', which routing picks: loaded here).
-    Returns the tile after the last, which reads nothing.
+                 STAGES: tl.constexpr, dtype: tl.constexpr):
+    """This program's row blocks of W[N, K] @ x (_segment: MODE) as one stream of tiles,
+    STAGES - 1 of them in flight from the first to the last, across blocks (a loop a block
+    left each block's first tile a memory latency to wait for: a routed expert's down
+    projection is three tiles of 256 at Qwen3-30B-A3B's shapes, and a phase of two latency-
+    bound tiles a program took 7-10 us on the H200 whatever its size).
 
     Epilogues at a block's end: ROWS as EPILOGUE says (_epilogue); EXPERT_ROWS SwiGLU into
     out_ptr[slot] from the float32 sums (fused_moe's pair kernel); EXPERT_SUM each expert's
@@ -269,26 +267,16 @@ def _gemv_stream(w_ptr, x_ptr, out_ptr, resid_ptr, w, first, end, step, route_w,
     count = tl.maximum(count, 0)
     slots = tl.arange(0, BLOCK_TOPK)
     offs_k = tl.arange(0, BLOCK_K)
-    base, o0, stop, j = _segment(0, MODE, w_ptr, first, end, step, route_ids, N, K, GATED,
-                                 BLOCK_N, TOP_K, BLOCK_TOPK)
-    rows, ok = _block_rows(o0, stop, N, GATED, BLOCK_N)
-    if w is None:
-        w = _tile(base, rows, ok & (count > 0), 0, K, EVEN, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     total = tl.zeros([BLOCK_N], tl.float32)
-    for t in tl.range(0, count * TILES):
+    # NOTE: every tile's address is a function of t alone, so Triton's pipeliner can stage
+    # STAGES - 1 tiles ahead through shared memory (cp.async), across blocks
+    for t in tl.range(0, count * TILES, num_stages=STAGES):
         kk = t % TILES
-        if kk == TILES - 1:
-            base_n, o0_n, stop_n, j_n = _segment(t // TILES + 1, MODE, w_ptr, first, end, step,
-                                                 route_ids, N, K, GATED, BLOCK_N, TOP_K,
-                                                 BLOCK_TOPK)
-            rows_n, ok_n = _block_rows(o0_n, stop_n, N, GATED, BLOCK_N)
-            ok_n = ok_n & (t + 1 < count * TILES)
-            k_n = 0
-        else:
-            base_n, o0_n, stop_n, j_n, rows_n, ok_n = base, o0, stop, j, rows, ok
-            k_n = (kk + 1) * BLOCK_K
-        w_next = _tile(base_n, rows_n, ok_n, k_n, K, EVEN, BLOCK_K)
+        base, o0, stop, j = _segment(t // TILES, MODE, w_ptr, first, end, step, route_ids, N, K,
+                                     GATED, BLOCK_N, TOP_K, BLOCK_TOPK)
+        rows, ok = _block_rows(o0, stop, N, GATED, BLOCK_N)
+        w = _tile(base, rows, ok, kk * BLOCK_K, K, EVEN, BLOCK_K)
         # another program wrote x: read it from L2 (.cg), never a stale L1 line
         x_at = x_ptr + kk * BLOCK_K + offs_k[None, :]
         if MODE == EXPERT_SUM:
@@ -312,9 +300,6 @@ def _gemv_stream(w_ptr, x_ptr, out_ptr, resid_ptr, w, first, end, step, route_w,
                 if j == TOP_K - 1:
                     tl.store(out_ptr + rows, total.to(dtype), mask=ok)
                     total = tl.zeros([BLOCK_N], tl.float32)
-            base, o0, stop, j, rows, ok = base_n, o0_n, stop_n, j_n, rows_n, ok_n
-        w = w_next
-    return w
 
 
 @triton.jit
@@ -331,23 +316,35 @@ def _normed_input(resid_ptr, delta_ptr, add_delta, w_ptr, xn_ptr, sum_ptr, eps,
                   H: tl.constexpr, BLOCK: tl.constexpr, dtype: tl.constexpr):
     """xn = RMSNorm(resid + delta) (delta when add_delta), written to xn_ptr by every program
     (the same values: each needs all of it for its GEMV rows); the sum also to sum_ptr by
-    program 0 when sum_ptr is given. fused_add_rms_norm's rounding. Two passes of BLOCK
-    columns (the sum is recomputed from L2 rather than held: registers bound the grid)."""
+    program 0 when sum_ptr is given. fused_add_rms_norm's rounding. One load of the vector
+    when BLOCK covers H (the pass is a chain of memory latencies: two of them a pass of 512
+    columns at Qwen3-0.6B's 1024 cost ~2 us a phase); else two passes of BLOCK columns (the
+    sum recomputed from L2 rather than held: registers bound the grid)."""
     offs = tl.arange(0, BLOCK)
-    squares = tl.zeros([BLOCK], tl.float32)
-    for c0 in tl.range(0, H, BLOCK):
-        s = _residual_sum(resid_ptr, delta_ptr, add_delta, c0 + offs, H, dtype)
+    if BLOCK >= H:
+        s = _residual_sum(resid_ptr, delta_ptr, add_delta, offs, H, dtype)
+        w = tl.load(w_ptr + offs, mask=offs < H)
         if sum_ptr is not None:
             if tl.program_id(0) == 0:
-                tl.store(sum_ptr + c0 + offs, s, mask=c0 + offs < H)
+                tl.store(sum_ptr + offs, s, mask=offs < H)
         sf = s.to(tl.float32)
-        squares += sf * sf
-    rstd = tl.math.rsqrt(tl.sum(squares, 0) / H + eps)
-    for c0 in tl.range(0, H, BLOCK):
-        cols = c0 + offs
-        s = _residual_sum(resid_ptr, delta_ptr, add_delta, cols, H, dtype)
-        w = tl.load(w_ptr + cols, mask=cols < H)
-        tl.store(xn_ptr + cols, apply_rms(s.to(tl.float32), rstd, w, dtype), mask=cols < H)
+        rstd = tl.math.rsqrt(tl.sum(sf * sf, 0) / H + eps)
+        tl.store(xn_ptr + offs, apply_rms(sf, rstd, w, dtype), mask=offs < H)
+    else:
+        squares = tl.zeros([BLOCK], tl.float32)
+        for c0 in tl.range(0, H, BLOCK):
+            s = _residual_sum(resid_ptr, delta_ptr, add_delta, c0 + offs, H, dtype)
+            if sum_ptr is not None:
+                if tl.program_id(0) == 0:
+                    tl.store(sum_ptr + c0 + offs, s, mask=c0 + offs < H)
+            sf = s.to(tl.float32)
+            squares += sf * sf
+        rstd = tl.math.rsqrt(tl.sum(squares, 0) / H + eps)
+        for c0 in tl.range(0, H, BLOCK):
+            cols = c0 + offs
+            s = _residual_sum(resid_ptr, delta_ptr, add_delta, cols, H, dtype)
+            w = tl.load(w_ptr + cols, mask=cols < H)
+            tl.store(xn_ptr + cols, apply_rms(s.to(tl.float32), rstd, w, dtype), mask=cols < H)
     tl.debug_barrier()  # every thread's part of xn written before any thread reads it
 
 
@@ -396,7 +393,9 @@ def _attention_item(table_ptr, layer, item, qkv_ptr, attn_ptr, part_ptr, sync_pt
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     offs_t = tl.arange(0, BLOCK_T)
-    for t0 in tl.range(lo, hi, BLOCK_T):
+    # NOTE: staged by Triton's pipeliner (the block ids a stage before their K/V): a key step
+    # waited two memory latencies one after the other, ~1 us, four of them a 64-key split
+    for t0 in tl.range(lo, hi, BLOCK_T, num_stages=3):
         t = t0 + offs_t
         in_range = t < hi
         blk = tl.load(block_table_ptr + t // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
@@ -434,7 +433,7 @@ def _attention_item(table_ptr, layer, item, qkv_ptr, attn_ptr, part_ptr, sync_pt
         # the outputs a split at a time: [SPLITS_PAD, GROUP_PAD, HEAD_DIM] at once would
         # take more registers than the rest of the kernel
         out = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for i in tl.range(0, n_splits):
+        for i in tl.range(0, n_splits, num_stages=3):
             part_i = part_ptr + ((kv_head * SPLITS_PAD + i) * GROUP_PAD + g) * (HEAD_DIM + 2)
             a = tl.load(part_i[:, None] + offs_d[None, :], cache_modifier=".cg")
             w_i = tl.sum(tl.where(s[:, None] == i, w, 0.0), 0)
@@ -482,15 +481,15 @@ def _gemv_phase(w_ptr, x_ptr, out_ptr, resid_ptr, ready_ptr, w, N: tl.constexpr,
                 K: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr,
                 EVEN: tl.constexpr, BALANCED: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
+                HEAD_DIM: tl.constexpr, STAGES: tl.constexpr, dtype: tl.constexpr):
     """This program's row blocks (_phase_span) of out = W[N, K] @ x, w being its first block's
     first tile, loaded; returns the next block's, which past the last reads nothing. EPILOGUE:
     STORE the outputs, ADD_RESIDUAL (out = y + resid, rounded as the model's sum), or SWIGLU
     (GATED blocks of [gate rows, up rows] -> silu(gate) * up, N // 2 outputs). ready_ptr: the
     qkv GEMV's, whose units (a program's run, or a strided block) are marked when stored."""
     first, end, step = _phase_span(N, GATED, BALANCED, BLOCK_N)
-    w = _gemv_stream(w_ptr, x_ptr, out_ptr, resid_ptr, w, first, end, step, None, None, ROWS,
-                     N, K, GATED, EPILOGUE, EVEN, BLOCK_N, BLOCK_K, 1, 1, dtype)
+    _gemv_stream(w_ptr, x_ptr, out_ptr, resid_ptr, first, end, step, None, None, ROWS, N, K,
+                 GATED, EPILOGUE, EVEN, BLOCK_N, BLOCK_K, 1, 1, STAGES, dtype)
     if ready_ptr is not None:
         # after the whole run: one release fence a program, not one a block
         if BALANCED:
@@ -657,7 +656,7 @@ def _linear_phase(table_ptr, layer, COLUMN: tl.constexpr, x_ptr, out_ptr, resid_
                   BLOCK_K: tl.constexpr, AWQ: tl.constexpr, QGROUP: tl.constexpr,
                   AWQ_COLS: tl.constexpr, AWQ_BLOCK_K: tl.constexpr, AWQ_SPLITS: tl.constexpr,
                   AWQ_STAGES: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, STAGES: tl.constexpr, dtype: tl.constexpr):
     """The GEMV phase of the layer's linear COLUMN, dense (_gemv_phase, w its first tile;
     returns the next phase's) or AWQ (_awq_phase; w passes through)."""
     if AWQ:
@@ -670,7 +669,7 @@ def _linear_phase(table_ptr, layer, COLUMN: tl.constexpr, x_ptr, out_ptr, resid_
     else:
         w = _gemv_phase(_pointer(table_ptr, layer, COLUMN, dtype), x_ptr, out_ptr, resid_ptr,
                         ready_ptr, w, N, K, GATED, EPILOGUE, EVEN, BALANCED, BLOCK_N, BLOCK_K,
-                        HEADS, KV_HEADS, HEAD_DIM, dtype)
+                        HEADS, KV_HEADS, HEAD_DIM, STAGES, dtype)
     return w
 
 
@@ -762,6 +761,8 @@ def _persistent_decode_kernel(
     AWQ_BLOCK_K: tl.constexpr,  # K rows an AWQ tile (divides QGROUP)
     AWQ_SPLITS: tl.constexpr,  # K splits a column block at most (a power of two)
     AWQ_STAGES: tl.constexpr,  # qweight tiles an AWQ item stages (Triton's pipeliner)
+    GEMV_STAGES: tl.constexpr,  # weight tiles a bf16 GEMV phase stages (Triton's pipeliner)
+    NORM_BLOCK: tl.constexpr,  # columns a step of the RMSNorms (H in one when it fits)
 ):
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     cache_dtype: tl.constexpr = dtype
@@ -797,7 +798,7 @@ def _persistent_decode_kernel(
         # --- qkv: residual + delta, the input norm, the GEMV ---
         if (phase_lo <= base) & (base < phase_hi):
             _normed_input(resid_ptr, delta_ptr, layer > 0, _pointer(table_ptr, layer, IN_NORM,
-                          dtype), xn_ptr, resid_ptr + H, eps, H, BLOCK_K, dtype)
+                          dtype), xn_ptr, resid_ptr + H, eps, H, NORM_BLOCK, dtype)
             if phase_lo == base:
                 w = _linear_first_tile(table_ptr, layer, QKV, QKV_N, H, False, BALANCED,
                                        BLOCK_N, BLOCK_K, AWQ, dtype)
@@ -805,7 +806,7 @@ def _persistent_decode_kernel(
                               sync_ptr + SYNC_HEADS + KV_HEADS, awq_part_ptr, counts_ptr, w,
                               one_bits, QKV_N, H, False, STORE, EVEN, BALANCED, BLOCK_N, BLOCK_K,
                               AWQ, QGROUP, AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS,
-                              KV_HEADS, HEAD_DIM, dtype)
+                              KV_HEADS, HEAD_DIM, GEMV_STAGES, dtype)
         # --- attention ---
         if (phase_lo <= base + 1) & (base + 1 < phase_hi):
             for item in range(pid, KV_HEADS * n_splits, grid):
@@ -827,7 +828,7 @@ def _persistent_decode_kernel(
                               None, awq_part_ptr, counts_ptr, w, one_bits, H, O_K, False,
                               ADD_RESIDUAL, EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP,
                               AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS,
-                              HEAD_DIM, dtype)
+                              HEAD_DIM, GEMV_STAGES, dtype)
             if IS_MOE:
                 w = _phase_first_tile(_pointer(table_ptr, layer, ROUTER, dtype),
                                       EXPERTS, H, False, BALANCED, BLOCK_N, BLOCK_K)
@@ -839,21 +840,21 @@ def _persistent_decode_kernel(
             # --- the router: the post-attention norm, the router's logits ---
             if (phase_lo <= base + 3) & (base + 3 < phase_hi):
                 _normed_input(resid_ptr, delta_ptr, False, _pointer(table_ptr, layer,
-                              POST_NORM, dtype), xn_ptr, None, eps, H, BLOCK_K, dtype)
+                              POST_NORM, dtype), xn_ptr, None, eps, H, NORM_BLOCK, dtype)
                 w_ptr = _pointer(table_ptr, layer, ROUTER, dtype)
                 if phase_lo == base + 3:
                     w = _phase_first_tile(w_ptr, EXPERTS, H, False, BALANCED, BLOCK_N, BLOCK_K)
                 w = _gemv_phase(w_ptr, xn_ptr, logits_ptr, None, None, w, EXPERTS, H, False,
                                 STORE, EVEN, BALANCED, BLOCK_N, BLOCK_K, HEADS, KV_HEADS,
-                                HEAD_DIM, dtype)
+                                HEAD_DIM, GEMV_STAGES, dtype)
                 barriers = _after_phase(sync_ptr, barriers, base + 4, phase_hi, BARRIERS)
             # --- the chosen experts' gate_up and SwiGLU: [TOP_K, INTER] ---
             if (phase_lo <= base + 4) & (base + 4 < phase_hi):
                 route_w, route_ids = _route(logits_ptr, EXPERTS, TOP_K, RENORMALIZE, BLOCK_E,
                                             BLOCK_TOPK)
                 _gemv_stream(_pointer(table_ptr, layer, GATE_UP, dtype), xn_ptr, act_ptr, None,
-                             None, 0, 0, 0, route_w, route_ids, EXPERT_ROWS, 2 * INTER, H, True,
-                             STORE, EVEN, BLOCK_N, BLOCK_K, TOP_K, BLOCK_TOPK, dtype)
+                             0, 0, 0, route_w, route_ids, EXPERT_ROWS, 2 * INTER, H, True, STORE,
+                             EVEN, BLOCK_N, BLOCK_K, TOP_K, BLOCK_TOPK, GEMV_STAGES, dtype)
                 barriers = _after_phase(sync_ptr, barriers, base + 5, phase_hi, BARRIERS)
             # --- their down projections, weighted and summed: delta ---
             if (phase_lo <= base + 5) & (base + 5 < phase_hi):
@@ -861,8 +862,9 @@ def _persistent_decode_kernel(
                                             BLOCK_TOPK)
                 first, end, step = _phase_span(H, False, BALANCED, BLOCK_N)
                 _gemv_stream(_pointer(table_ptr, layer, DOWN, dtype), act_ptr, delta_ptr, None,
-                             None, first, end, step, route_w, route_ids, EXPERT_SUM, H, INTER,
-                             False, STORE, EVEN, BLOCK_N, BLOCK_K, TOP_K, BLOCK_TOPK, dtype)
+                             first, end, step, route_w, route_ids, EXPERT_SUM, H, INTER, False,
+                             STORE, EVEN, BLOCK_N, BLOCK_K, TOP_K, BLOCK_TOPK, GEMV_STAGES,
+                             dtype)
                 if layer + 1 < num_layers:
                     w = _phase_first_tile(_pointer(table_ptr, layer + 1, QKV, dtype),
                                           QKV_N, H, False, BALANCED, BLOCK_N, BLOCK_K)
@@ -871,7 +873,7 @@ def _persistent_decode_kernel(
             # --- gate_up: the post-attention norm, both GEMVs, SwiGLU ---
             if (phase_lo <= base + 3) & (base + 3 < phase_hi):
                 _normed_input(resid_ptr, delta_ptr, False, _pointer(table_ptr, layer,
-                              POST_NORM, dtype), xn_ptr, None, eps, H, BLOCK_K, dtype)
+                              POST_NORM, dtype), xn_ptr, None, eps, H, NORM_BLOCK, dtype)
                 if phase_lo == base + 3:
                     w = _linear_first_tile(table_ptr, layer, GATE_UP, 2 * INTER, H, True,
                                            BALANCED, BLOCK_N, BLOCK_K, AWQ, dtype)
@@ -879,7 +881,7 @@ def _persistent_decode_kernel(
                                   awq_part_ptr, counts_ptr, w, one_bits, 2 * INTER, H, True,
                                   SWIGLU, EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP,
                                   AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS,
-                                  KV_HEADS, HEAD_DIM, dtype)
+                                  KV_HEADS, HEAD_DIM, GEMV_STAGES, dtype)
                 w = _linear_first_tile(table_ptr, layer, DOWN, H, INTER, False, BALANCED,
                                        BLOCK_N, BLOCK_K, AWQ, dtype)
                 barriers = _after_phase(sync_ptr, barriers, base + 4, phase_hi, BARRIERS)
@@ -892,7 +894,7 @@ def _persistent_decode_kernel(
                                   awq_part_ptr, counts_ptr, w, one_bits, H, INTER, False, STORE,
                                   EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS,
                                   AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS, HEAD_DIM,
-                                  dtype)
+                                  GEMV_STAGES, dtype)
                 if layer + 1 < num_layers:
                     w = _linear_first_tile(table_ptr, layer + 1, QKV, QKV_N, H, False,
                                            BALANCED, BLOCK_N, BLOCK_K, AWQ, dtype)
@@ -901,7 +903,7 @@ def _persistent_decode_kernel(
     last = num_layers * LAYER_PHASES
     if (phase_lo <= last) & (last < phase_hi) & (pid == 0):
         _normed_input(resid_ptr, delta_ptr, num_layers > 0, final_norm_ptr, out_ptr, None, eps,
-                      H, BLOCK_K, dtype)
+                      H, NORM_BLOCK, dtype)
     if BARRIERS:
         # the last program out zeroes the counts for the next launch: every program has
         # passed the last barrier, so none reads them again
@@ -957,6 +959,9 @@ class PersistentTiles:
     (tools/dev/probe_persistent_gemv.py), programs_per_sm its fastest setting."""
 
     block_n: int = 8  # GEMV rows a block (gate_up: half gate, half up)
+    # weight tiles a program stages through shared memory (Triton's pipeliner): stages - 1 in
+    # flight across its row blocks (_gemv_stream)
+    stages: int = 4
     # None: the largest of 512, 256, 128 that divides every GEMV's K (no masked tiles)
     block_k: int | None = None
     # keys a step of the attention loop; None: 16, fewer for larger GQA groups, so the
@@ -1113,7 +1118,8 @@ class PersistentDecode:
             BALANCED=tiles.balanced_rows, AWQ=shape.awq_group_size > 0,
             QGROUP=max(shape.awq_group_size, 1), AWQ_COLS=tiles.awq_cols,
             AWQ_BLOCK_K=tiles.awq_block_k, AWQ_SPLITS=tiles.awq_splits,
-            AWQ_STAGES=tiles.awq_stages,
+            AWQ_STAGES=tiles.awq_stages, GEMV_STAGES=tiles.stages,
+            NORM_BLOCK=min(triton.next_power_of_2(shape.hidden_size), 4096),
             num_warps=tiles.num_warps)
         if self.on_gpu and tiles.max_registers is not None:
             constexprs["maxnreg"] = tiles.max_registers

@@ -81,8 +81,8 @@ class RandomDecoder:
         perm = torch.randperm(num_blocks, generator=gen)
         self.block_table = torch.cat((perm[:blocks], perm[blocks:blocks + 2])).to(
             torch.int32).to(DEVICE)
-        slots = (self.block_table[torch.arange(context) // bs].long() * bs
-                 + torch.arange(context) % bs).to(DEVICE)
+        tokens = torch.arange(context, device=DEVICE)
+        slots = self.block_table[tokens // bs].long() * bs + tokens % bs
         for layer in range(shape.num_layers):
             kv = torch.randn(2, context, shape.num_kv_heads, d, generator=gen).to(dtype)
             store_kv_cache_ref(kv[0].to(DEVICE), kv[1].to(DEVICE), self.cache[layer, 0],

@@ -34,7 +34,8 @@ from echo_kernels.persistent_decode import (  # noqa: E402
 )
 
 BLOCK_SIZE = 16
-DEFAULT_SETTINGS = [dict(), dict(balanced_rows=False), dict(block_n=4), dict(block_n=16),
+DEFAULT_SETTINGS = [dict(), dict(stages=2), dict(stages=6), dict(stages=8),
+                    dict(balanced_rows=False), dict(block_n=4), dict(block_n=16),
                     dict(block_k=256), dict(programs_per_sm=2),
                     dict(max_registers=128, programs_per_sm=4)]
 AWQ_SETTINGS = [dict(), dict(awq_stages=4), dict(awq_stages=8), dict(awq_block_k=8),
