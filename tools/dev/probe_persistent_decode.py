@@ -1,7 +1,7 @@
 """Which tiles make the persistent decode step fastest, and how far is it from its read time?
 
     python tools/dev/probe_persistent_decode.py [--model qwen3-0.6b] [--context 256] [--sweep]
-        [--awq-group 128]
+        [--awq-group 128] [--phases --layers 2]
 
 #27's kernel (echo_kernels/persistent_decode.py) at a preset's real shapes with random bf16
 weights, one sequence whose `context` keys are in a paged cache: each tile setting's step
@@ -10,7 +10,9 @@ and timed with bench_kernels' bench_graph. Each output is checked against the fi
 setting's, and a barrier that gave up (a grid that was not co-resident) is reported. Printed:
 µs a step, the programs the grid got, and the layer weights' bytes over the time against the
 copy bandwidth measured in the same run. --awq-group: the four linear layers as random AWQ
-tensors (W4A16) of that group size, and the AWQ phases' settings.
+tensors (W4A16) of that group size, and the AWQ phases' settings. --phases: with the default
+tiles, launches of the step's first k phases for every k, each launch's µs and its increment
+over the one before (what each phase costs, its barrier included).
 """
 
 import argparse
@@ -122,6 +124,24 @@ def awq_tensors(name: str, n: int, k: int, group: int) -> dict[str, torch.Tensor
             f"{name}_scales": scales.to(torch.bfloat16)}
 
 
+def phase_times(step: Step) -> None:
+    """µs of launches of phases [0, k) for every k (the kernel's own phase_lo/phase_hi, the
+    sync counts zeroed in front of each launch, since a partial step leaves them set)."""
+    decode = step.decode(PersistentTiles())
+    phases = step.shape.num_layers * step.shape.layer_phases + 1
+    before = 0.0
+    for hi in range(1, phases + 1):
+        def launch(hi=hi):
+            decode.input.copy_(step.embedding[None])
+            decode.sync.zero_()
+            decode._launch(step.block_table, *step.inputs, 0, hi, True)
+        us = bench_graph([launch], inner=1) * 1e3
+        layer, phase = divmod(hi - 1, step.shape.layer_phases)
+        print(f"phases [0, {hi:3d}) (layer {layer}, phase {phase}): {us:8.1f} us "
+              f"(+{us - before:6.1f})", flush=True)
+        before = us
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-0.6b", help="a preset (qwen3-30b-a3b too)")
@@ -130,9 +150,14 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help=f"{len(SWEEP)} settings")
     parser.add_argument("--awq-group", type=int, default=0,
                         help="AWQ linear layers of this group size (their settings)")
+    parser.add_argument("--phases", action="store_true",
+                        help="each phase's time: launches of the first k phases")
     args = parser.parse_args()
     shape = replace(shape_of(args.model, args.layers), awq_group_size=args.awq_group)
     step = Step(shape, args.context)
+    if args.phases:
+        phase_times(step)
+        return
     copy_tbs = measure_ceilings()["copy_TBps"]
     floor_us = step.weight_bytes / copy_tbs / 1e6
     print(f"{args.model}: {shape.num_layers} layers, {step.weight_bytes / 1e6:.0f} MB of "
