@@ -25,8 +25,8 @@ or, where every layer's MLP is a mixture of experts, in place of the last two:
   down       each row block of the output sums the k experts' down projections by weight
 
 and a last phase norms the residual stream for the LM head (which stays a cuBLAS call). Every
-GEMV phase streams its rows in [BLOCK_N, BLOCK_K] tiles, and a program loads the first tile of
-its next phase before waiting at a barrier (weights never wait for activations). Rounding
+GEMV phase streams a program's rows in [BLOCK_N, BLOCK_K] tiles, several in flight through
+shared memory (Triton's pipeliner), one stream across its row blocks (_gemv_stream). Rounding
 follows the separate kernels' (norm.py, activation.py, the attention kernels): the same points
 in the model dtype, float32 arithmetic.
 
@@ -174,25 +174,6 @@ def _phase_span(N, GATED: tl.constexpr, BALANCED: tl.constexpr, BLOCK_N: tl.cons
         first = tl.program_id(0) * per_program
         return first, tl.minimum(first + per_program, outputs), per_block
     return tl.program_id(0) * per_block, outputs, per_block * grid
-
-
-@triton.jit
-def _first_tile(w_ptr, first, end, N, K: tl.constexpr, GATED: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The first [BLOCK_N, BLOCK_K] weight tile of the block at `first`; past `end` nothing is
-    read."""
-    rows, ok = _block_rows(first, end, N, GATED, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    ptrs = w_ptr + rows[:, None].to(tl.int64) * K + offs_k[None, :]
-    return tl.load(ptrs, mask=ok[:, None] & (offs_k[None, :] < K), other=0.0)
-
-
-@triton.jit
-def _phase_first_tile(w_ptr, N, K: tl.constexpr, GATED: tl.constexpr, BALANCED: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's first weight tile of a GEMV phase (loaded ahead of the phase)."""
-    first, end, step = _phase_span(N, GATED, BALANCED, BLOCK_N)
-    return _first_tile(w_ptr, first, end, N, K, GATED, BLOCK_N, BLOCK_K)
 
 
 # what a stream of GEMV row blocks is (_gemv_stream): row blocks of one weight; gate_up row
@@ -477,13 +458,12 @@ STORE, ADD_RESIDUAL, SWIGLU = (tl.constexpr(i) for i in range(3))
 
 
 @triton.jit
-def _gemv_phase(w_ptr, x_ptr, out_ptr, resid_ptr, ready_ptr, w, N: tl.constexpr,
+def _gemv_phase(w_ptr, x_ptr, out_ptr, resid_ptr, ready_ptr, N: tl.constexpr,
                 K: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr,
                 EVEN: tl.constexpr, BALANCED: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                 HEAD_DIM: tl.constexpr, STAGES: tl.constexpr, dtype: tl.constexpr):
-    """This program's row blocks (_phase_span) of out = W[N, K] @ x, w being its first block's
-    first tile, loaded; returns the next block's, which past the last reads nothing. EPILOGUE:
+    """This program's row blocks (_phase_span) of out = W[N, K] @ x (_gemv_stream). EPILOGUE:
     STORE the outputs, ADD_RESIDUAL (out = y + resid, rounded as the model's sum), or SWIGLU
     (GATED blocks of [gate rows, up rows] -> silu(gate) * up, N // 2 outputs). ready_ptr: the
     qkv GEMV's, whose units (a program's run, or a strided block) are marked when stored."""
@@ -498,7 +478,6 @@ def _gemv_phase(w_ptr, x_ptr, out_ptr, resid_ptr, ready_ptr, w, N: tl.constexpr,
             for o0 in range(first, end, step):
                 _mark_qkv_ready(ready_ptr, o0, tl.minimum(o0 + BLOCK_N, end), HEADS, KV_HEADS,
                                 HEAD_DIM)
-    return w
 
 
 @triton.jit
@@ -634,31 +613,15 @@ def _awq_phase(qw_ptr, qz_ptr, sc_ptr, x_ptr, out_ptr, resid_ptr, ready_ptr, par
 
 
 @triton.jit
-def _linear_first_tile(table_ptr, layer, COLUMN: tl.constexpr, N: tl.constexpr,
-                       K: tl.constexpr, GATED: tl.constexpr, BALANCED: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AWQ: tl.constexpr,
-                       dtype: tl.constexpr):
-    """This program's first weight tile of the layer's linear COLUMN (a GEMV phase of N
-    outputs by K); zeros for AWQ weights, whose phase stages its own tiles (_awq_phase)."""
-    if AWQ:
-        w = tl.zeros([BLOCK_N, BLOCK_K], dtype)
-    else:
-        w = _phase_first_tile(_pointer(table_ptr, layer, COLUMN, dtype), N, K, GATED,
-                              BALANCED, BLOCK_N, BLOCK_K)
-    return w
-
-
-@triton.jit
 def _linear_phase(table_ptr, layer, COLUMN: tl.constexpr, x_ptr, out_ptr, resid_ptr,
-                  ready_ptr, awq_part_ptr, counts_ptr, w, one_bits, N: tl.constexpr,
+                  ready_ptr, awq_part_ptr, counts_ptr, one_bits, N: tl.constexpr,
                   K: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr,
                   EVEN: tl.constexpr, BALANCED: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, AWQ: tl.constexpr, QGROUP: tl.constexpr,
                   AWQ_COLS: tl.constexpr, AWQ_BLOCK_K: tl.constexpr, AWQ_SPLITS: tl.constexpr,
                   AWQ_STAGES: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                   HEAD_DIM: tl.constexpr, STAGES: tl.constexpr, dtype: tl.constexpr):
-    """The GEMV phase of the layer's linear COLUMN, dense (_gemv_phase, w its first tile;
-    returns the next phase's) or AWQ (_awq_phase; w passes through)."""
+    """The GEMV phase of the layer's linear COLUMN, dense (_gemv_phase) or AWQ (_awq_phase)."""
     if AWQ:
         _awq_phase(_pointer(table_ptr, layer, COLUMN, tl.int32),
                    _pointer(table_ptr, layer, COLUMN + LINEARS, tl.int32),
@@ -667,10 +630,9 @@ def _linear_phase(table_ptr, layer, COLUMN: tl.constexpr, x_ptr, out_ptr, resid_
                    EPILOGUE, QGROUP, AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS,
                    KV_HEADS, HEAD_DIM, dtype)
     else:
-        w = _gemv_phase(_pointer(table_ptr, layer, COLUMN, dtype), x_ptr, out_ptr, resid_ptr,
-                        ready_ptr, w, N, K, GATED, EPILOGUE, EVEN, BALANCED, BLOCK_N, BLOCK_K,
-                        HEADS, KV_HEADS, HEAD_DIM, STAGES, dtype)
-    return w
+        _gemv_phase(_pointer(table_ptr, layer, COLUMN, dtype), x_ptr, out_ptr, resid_ptr,
+                    ready_ptr, N, K, GATED, EPILOGUE, EVEN, BALANCED, BLOCK_N, BLOCK_K, HEADS,
+                    KV_HEADS, HEAD_DIM, STAGES, dtype)
 
 
 @triton.jit
@@ -780,9 +742,6 @@ def _persistent_decode_kernel(
     per_split = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_T) * BLOCK_T
     n_splits = tl.cdiv(seq_len, per_split)
     barriers = 0
-    # each GEMV phase's first tile, loaded at the end of the phase before (before its barrier)
-    # or, in the launch's first phase, on entry
-    w = tl.zeros([BLOCK_N, BLOCK_K], dtype)
     # AWQ phases' arrival counts, one a column block
     counts_ptr = sync_ptr + SYNC_HEADS + 2 * KV_HEADS
     # the attention of a KV head waits for its qkv rows alone (_mark_qkv_ready), not behind
@@ -799,14 +758,11 @@ def _persistent_decode_kernel(
         if (phase_lo <= base) & (base < phase_hi):
             _normed_input(resid_ptr, delta_ptr, layer > 0, _pointer(table_ptr, layer, IN_NORM,
                           dtype), xn_ptr, resid_ptr + H, eps, H, NORM_BLOCK, dtype)
-            if phase_lo == base:
-                w = _linear_first_tile(table_ptr, layer, QKV, QKV_N, H, False, BALANCED,
-                                       BLOCK_N, BLOCK_K, AWQ, dtype)
-            w = _linear_phase(table_ptr, layer, QKV, xn_ptr, qkv_ptr, None,
-                              sync_ptr + SYNC_HEADS + KV_HEADS, awq_part_ptr, counts_ptr, w,
-                              one_bits, QKV_N, H, False, STORE, EVEN, BALANCED, BLOCK_N, BLOCK_K,
-                              AWQ, QGROUP, AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS,
-                              KV_HEADS, HEAD_DIM, GEMV_STAGES, dtype)
+            _linear_phase(table_ptr, layer, QKV, xn_ptr, qkv_ptr, None,
+                          sync_ptr + SYNC_HEADS + KV_HEADS, awq_part_ptr, counts_ptr, one_bits,
+                          QKV_N, H, False, STORE, EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP,
+                          AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS,
+                          HEAD_DIM, GEMV_STAGES, dtype)
         # --- attention ---
         if (phase_lo <= base + 1) & (base + 1 < phase_hi):
             for item in range(pid, KV_HEADS * n_splits, grid):
@@ -816,37 +772,22 @@ def _persistent_decode_kernel(
                                 per_split, qkv_unit, HEADS, KV_HEADS, HEAD_DIM, GROUP_PAD,
                                 SPLITS_PAD, BLOCK_SIZE, BLOCK_T, HAS_QK_NORM, BARRIERS, dtype,
                                 cache_dtype)
-            w = _linear_first_tile(table_ptr, layer, O_PROJ, H, O_K, False, BALANCED, BLOCK_N,
-                                   BLOCK_K, AWQ, dtype)
             barriers = _after_phase(sync_ptr, barriers, base + 2, phase_hi, BARRIERS)
         # --- o_proj and the residual: resid[0] = o + resid[1] ---
         if (phase_lo <= base + 2) & (base + 2 < phase_hi):
-            if phase_lo == base + 2:
-                w = _linear_first_tile(table_ptr, layer, O_PROJ, H, O_K, False, BALANCED,
-                                       BLOCK_N, BLOCK_K, AWQ, dtype)
-            w = _linear_phase(table_ptr, layer, O_PROJ, attn_ptr, resid_ptr, resid_ptr + H,
-                              None, awq_part_ptr, counts_ptr, w, one_bits, H, O_K, False,
-                              ADD_RESIDUAL, EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP,
-                              AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS,
-                              HEAD_DIM, GEMV_STAGES, dtype)
-            if IS_MOE:
-                w = _phase_first_tile(_pointer(table_ptr, layer, ROUTER, dtype),
-                                      EXPERTS, H, False, BALANCED, BLOCK_N, BLOCK_K)
-            else:
-                w = _linear_first_tile(table_ptr, layer, GATE_UP, 2 * INTER, H, True, BALANCED,
-                                       BLOCK_N, BLOCK_K, AWQ, dtype)
+            _linear_phase(table_ptr, layer, O_PROJ, attn_ptr, resid_ptr, resid_ptr + H, None,
+                          awq_part_ptr, counts_ptr, one_bits, H, O_K, False, ADD_RESIDUAL, EVEN,
+                          BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS, AWQ_BLOCK_K,
+                          AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS, HEAD_DIM, GEMV_STAGES, dtype)
             barriers = _after_phase(sync_ptr, barriers, base + 3, phase_hi, BARRIERS)
         if IS_MOE:
             # --- the router: the post-attention norm, the router's logits ---
             if (phase_lo <= base + 3) & (base + 3 < phase_hi):
                 _normed_input(resid_ptr, delta_ptr, False, _pointer(table_ptr, layer,
                               POST_NORM, dtype), xn_ptr, None, eps, H, NORM_BLOCK, dtype)
-                w_ptr = _pointer(table_ptr, layer, ROUTER, dtype)
-                if phase_lo == base + 3:
-                    w = _phase_first_tile(w_ptr, EXPERTS, H, False, BALANCED, BLOCK_N, BLOCK_K)
-                w = _gemv_phase(w_ptr, xn_ptr, logits_ptr, None, None, w, EXPERTS, H, False,
-                                STORE, EVEN, BALANCED, BLOCK_N, BLOCK_K, HEADS, KV_HEADS,
-                                HEAD_DIM, GEMV_STAGES, dtype)
+                _gemv_phase(_pointer(table_ptr, layer, ROUTER, dtype), xn_ptr, logits_ptr, None,
+                            None, EXPERTS, H, False, STORE, EVEN, BALANCED, BLOCK_N, BLOCK_K,
+                            HEADS, KV_HEADS, HEAD_DIM, GEMV_STAGES, dtype)
                 barriers = _after_phase(sync_ptr, barriers, base + 4, phase_hi, BARRIERS)
             # --- the chosen experts' gate_up and SwiGLU: [TOP_K, INTER] ---
             if (phase_lo <= base + 4) & (base + 4 < phase_hi):
@@ -865,39 +806,25 @@ def _persistent_decode_kernel(
                              first, end, step, route_w, route_ids, EXPERT_SUM, H, INTER, False,
                              STORE, EVEN, BLOCK_N, BLOCK_K, TOP_K, BLOCK_TOPK, GEMV_STAGES,
                              dtype)
-                if layer + 1 < num_layers:
-                    w = _phase_first_tile(_pointer(table_ptr, layer + 1, QKV, dtype),
-                                          QKV_N, H, False, BALANCED, BLOCK_N, BLOCK_K)
                 barriers = _after_phase(sync_ptr, barriers, base + 6, phase_hi, BARRIERS)
         else:
             # --- gate_up: the post-attention norm, both GEMVs, SwiGLU ---
             if (phase_lo <= base + 3) & (base + 3 < phase_hi):
                 _normed_input(resid_ptr, delta_ptr, False, _pointer(table_ptr, layer,
                               POST_NORM, dtype), xn_ptr, None, eps, H, NORM_BLOCK, dtype)
-                if phase_lo == base + 3:
-                    w = _linear_first_tile(table_ptr, layer, GATE_UP, 2 * INTER, H, True,
-                                           BALANCED, BLOCK_N, BLOCK_K, AWQ, dtype)
-                w = _linear_phase(table_ptr, layer, GATE_UP, xn_ptr, act_ptr, None, None,
-                                  awq_part_ptr, counts_ptr, w, one_bits, 2 * INTER, H, True,
-                                  SWIGLU, EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP,
-                                  AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS,
-                                  KV_HEADS, HEAD_DIM, GEMV_STAGES, dtype)
-                w = _linear_first_tile(table_ptr, layer, DOWN, H, INTER, False, BALANCED,
-                                       BLOCK_N, BLOCK_K, AWQ, dtype)
+                _linear_phase(table_ptr, layer, GATE_UP, xn_ptr, act_ptr, None, None,
+                              awq_part_ptr, counts_ptr, one_bits, 2 * INTER, H, True, SWIGLU,
+                              EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS,
+                              AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS, HEAD_DIM,
+                              GEMV_STAGES, dtype)
                 barriers = _after_phase(sync_ptr, barriers, base + 4, phase_hi, BARRIERS)
             # --- down: delta = W_down @ act ---
             if (phase_lo <= base + 4) & (base + 4 < phase_hi):
-                if phase_lo == base + 4:
-                    w = _linear_first_tile(table_ptr, layer, DOWN, H, INTER, False, BALANCED,
-                                           BLOCK_N, BLOCK_K, AWQ, dtype)
-                w = _linear_phase(table_ptr, layer, DOWN, act_ptr, delta_ptr, None, None,
-                                  awq_part_ptr, counts_ptr, w, one_bits, H, INTER, False, STORE,
-                                  EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS,
-                                  AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS, HEAD_DIM,
-                                  GEMV_STAGES, dtype)
-                if layer + 1 < num_layers:
-                    w = _linear_first_tile(table_ptr, layer + 1, QKV, QKV_N, H, False,
-                                           BALANCED, BLOCK_N, BLOCK_K, AWQ, dtype)
+                _linear_phase(table_ptr, layer, DOWN, act_ptr, delta_ptr, None, None,
+                              awq_part_ptr, counts_ptr, one_bits, H, INTER, False, STORE, EVEN,
+                              BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS, AWQ_BLOCK_K,
+                              AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS, HEAD_DIM, GEMV_STAGES,
+                              dtype)
                 barriers = _after_phase(sync_ptr, barriers, base + 5, phase_hi, BARRIERS)
     # --- the final norm of resid[0] + delta, one program ---
     last = num_layers * LAYER_PHASES
