@@ -882,8 +882,9 @@ class DecodeShape:
 
 @dataclass(frozen=True)
 class PersistentTiles:
-    """The launch's tile sizes. NOTE: not yet tuned on a GPU: block_n x block_k are the probe's
-    (tools/dev/probe_persistent_gemv.py), programs_per_sm its fastest setting."""
+    """The launch's tile sizes: block_n x block_k from tools/dev/probe_persistent_gemv.py,
+    programs_per_sm from probe_persistent_decode.py (H200, Qwen3-0.6B, 2026-12-05: 956 us a
+    step at 2 an SM against 1,119 at 3 and 1,224 at 4; stages 2-8 within 4%)."""
 
     block_n: int = 8  # GEMV rows a block (gate_up: half gate, half up)
     # weight tiles a program stages through shared memory (Triton's pipeliner): stages - 1 in
@@ -896,7 +897,7 @@ class PersistentTiles:
     # offline sm_90 compiles of Qwen3-30B-A3B's attention)
     block_t: int | None = None
     split_tokens: int = 64  # keys a split at least
-    programs_per_sm: int = 3  # at most: fewer when the compiled kernel's occupancy says so
+    programs_per_sm: int = 2  # at most: fewer when the compiled kernel's occupancy says so
     num_warps: int = 4
     # registers a thread at most (ptxas' maxnreg): unbounded, sm_90 code takes 217-255 at
     # Qwen3-0.6B/8B shapes, two programs an SM; 168 spills nothing and lets three in (offline

@@ -36,13 +36,12 @@ from echo_kernels.persistent_decode import (  # noqa: E402
 )
 
 BLOCK_SIZE = 16
-DEFAULT_SETTINGS = [dict(), dict(stages=2), dict(stages=6), dict(stages=8),
-                    dict(balanced_rows=False), dict(block_n=4), dict(block_n=16),
-                    dict(block_k=256), dict(programs_per_sm=2),
-                    dict(max_registers=128, programs_per_sm=4)]
-AWQ_SETTINGS = [dict(), dict(awq_stages=4), dict(awq_stages=8), dict(awq_block_k=8),
+DEFAULT_SETTINGS = [dict(), dict(stages=2), dict(balanced_rows=False), dict(block_n=4),
+                    dict(block_n=4, balanced_rows=False), dict(block_k=256),
+                    dict(programs_per_sm=1), dict(programs_per_sm=3)]
+AWQ_SETTINGS = [dict(), dict(awq_stages=2), dict(awq_stages=8), dict(awq_block_k=16),
                 dict(awq_cols=128), dict(awq_cols=512), dict(awq_splits=16), dict(awq_splits=64),
-                dict(programs_per_sm=2)]
+                dict(programs_per_sm=3)]
 SWEEP = [dict(block_n=n, block_k=k, programs_per_sm=p, max_registers=r)
          for n in (4, 8, 16) for k in (256, 512) for p, r in ((2, None), (3, 168), (4, 128))]
 
