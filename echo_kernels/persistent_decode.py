@@ -598,8 +598,8 @@ def _awq_phase(qw_ptr, qz_ptr, sc_ptr, x_ptr, out_ptr, resid_ptr, ready_ptr, par
         total = tl.zeros([COLS], tl.float32)
         # NOTE: Triton's pipeliner stages these int32 tiles through shared memory (cp.async,
         # STAGES - 1 ahead): the bytes in flight cost no registers, where a tile held ahead
-        # by hand, as _gemv_block does, left too few for the unpacked weights (offline sm_90
-        # compiles of Llama-3.1-8B's shapes: 208 bytes of spills at 168 registers)
+        # by hand in registers left too few for the unpacked weights (offline sm_90 compiles
+        # of Llama-3.1-8B's shapes: 208 bytes of spills at 168 registers)
         for tile in tl.range(first, end, num_stages=STAGES):
             packed = _awq_tile(qw_ptr, tile, packs, ok, N, BLOCK_K)
             x = tl.load(x_ptr + tile * BLOCK_K + offs_k, cache_modifier=".cg").to(tl.float32)
