@@ -426,26 +426,6 @@ def _attention_item(table_ptr, layer, item, qkv_ptr, attn_ptr, part_ptr, sync_pt
 
 
 @triton.jit
-def _prefetch_phase(w_ptr, N: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr,
-                    BALANCED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    STAGES: tl.constexpr, BARRIERS: tl.constexpr):
-    """Asks L2 for this program's first STAGES weight tiles of the next GEMV phase before the
-    barrier in front of it (weights wait for no activation): after the barrier the
-    pipeliner's first loads find them in L2 instead of waiting a memory latency. GPU only
-    (inline PTX): the interpreter has no prefetch to skip."""
-    if BARRIERS:
-        first, end, step = _phase_span(N, GATED, BALANCED, BLOCK_N)
-        rows, ok = _block_rows(first, end, N, GATED, BLOCK_N)
-        LINE: tl.constexpr = 64  # bf16/fp16 elements a 128-byte line
-        cols = tl.arange(0, STAGES * BLOCK_K // LINE) * LINE
-        lines = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
-        # rows past the program's and columns past K ask for the phase's first line instead
-        lines = tl.where(ok[:, None] & (cols[None, :] < K), lines, w_ptr)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                  [lines], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _after_phase(sync_ptr, barriers, next_phase, phase_hi, BARRIERS: tl.constexpr):
     """The grid barrier between a phase and the next when this launch runs the next (the
     count of barriers so far, updated)."""
@@ -792,9 +772,6 @@ def _persistent_decode_kernel(
                                 per_split, qkv_unit, HEADS, KV_HEADS, HEAD_DIM, GROUP_PAD,
                                 SPLITS_PAD, BLOCK_SIZE, BLOCK_T, HAS_QK_NORM, BARRIERS, dtype,
                                 cache_dtype)
-            if not AWQ:
-                _prefetch_phase(_pointer(table_ptr, layer, O_PROJ, dtype), H, O_K, False,
-                                BALANCED, BLOCK_N, BLOCK_K, GEMV_STAGES, BARRIERS)
             barriers = _after_phase(sync_ptr, barriers, base + 2, phase_hi, BARRIERS)
         # --- o_proj and the residual: resid[0] = o + resid[1] ---
         if (phase_lo <= base + 2) & (base + 2 < phase_hi):
@@ -802,12 +779,6 @@ def _persistent_decode_kernel(
                           awq_part_ptr, counts_ptr, one_bits, H, O_K, False, ADD_RESIDUAL, EVEN,
                           BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS, AWQ_BLOCK_K,
                           AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS, HEAD_DIM, GEMV_STAGES, dtype)
-            if IS_MOE:
-                _prefetch_phase(_pointer(table_ptr, layer, ROUTER, dtype), EXPERTS, H, False,
-                                BALANCED, BLOCK_N, BLOCK_K, GEMV_STAGES, BARRIERS)
-            elif not AWQ:
-                _prefetch_phase(_pointer(table_ptr, layer, GATE_UP, dtype), 2 * INTER, H, True,
-                                BALANCED, BLOCK_N, BLOCK_K, GEMV_STAGES, BARRIERS)
             barriers = _after_phase(sync_ptr, barriers, base + 3, phase_hi, BARRIERS)
         if IS_MOE:
             # --- the router: the post-attention norm, the router's logits ---
@@ -835,9 +806,6 @@ def _persistent_decode_kernel(
                              first, end, step, route_w, route_ids, EXPERT_SUM, H, INTER, False,
                              STORE, EVEN, BLOCK_N, BLOCK_K, TOP_K, BLOCK_TOPK, GEMV_STAGES,
                              dtype)
-                if layer + 1 < num_layers:
-                    _prefetch_phase(_pointer(table_ptr, layer + 1, QKV, dtype), QKV_N, H, False,
-                                    BALANCED, BLOCK_N, BLOCK_K, GEMV_STAGES, BARRIERS)
                 barriers = _after_phase(sync_ptr, barriers, base + 6, phase_hi, BARRIERS)
         else:
             # --- gate_up: the post-attention norm, both GEMVs, SwiGLU ---
@@ -849,9 +817,6 @@ def _persistent_decode_kernel(
                               EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS,
                               AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS, HEAD_DIM,
                               GEMV_STAGES, dtype)
-                if not AWQ:
-                    _prefetch_phase(_pointer(table_ptr, layer, DOWN, dtype), H, INTER, False,
-                                    BALANCED, BLOCK_N, BLOCK_K, GEMV_STAGES, BARRIERS)
                 barriers = _after_phase(sync_ptr, barriers, base + 4, phase_hi, BARRIERS)
             # --- down: delta = W_down @ act ---
             if (phase_lo <= base + 4) & (base + 4 < phase_hi):
@@ -860,9 +825,6 @@ def _persistent_decode_kernel(
                               BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS, AWQ_BLOCK_K,
                               AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS, HEAD_DIM, GEMV_STAGES,
                               dtype)
-                if (not AWQ) & (layer + 1 < num_layers):
-                    _prefetch_phase(_pointer(table_ptr, layer + 1, QKV, dtype), QKV_N, H, False,
-                                    BALANCED, BLOCK_N, BLOCK_K, GEMV_STAGES, BARRIERS)
                 barriers = _after_phase(sync_ptr, barriers, base + 5, phase_hi, BARRIERS)
     # --- the final norm of resid[0] + delta, one program ---
     last = num_layers * LAYER_PHASES
