@@ -74,11 +74,18 @@ def _grid_barrier(sync_ptr, target):
     """Wait until `target` arrivals in all (every program once a barrier since the launch)."""
     tl.debug_barrier()  # this program's stores before its arrival (the atomic releases them)
     tl.atomic_add(sync_ptr + SYNC_ARRIVALS, 1, sem="release", scope="gpu")
+    _wait_for(sync_ptr + SYNC_ARRIVALS, target, sync_ptr)
+
+
+@triton.jit
+def _wait_for(count_ptr, target, sync_ptr):
+    """Poll the count until it reaches target; past SPIN_LIMIT polls give up and set the error
+    flag instead of hanging."""
     polls = 0
     # NOTE: the add of 0 compiles to an acquire load, not an atomic (sm_90 SASS: LDG.STRONG.GPU
     # then CCTL.IVALL, which drops this SM's L1 lines): polls do not queue on the address, and
-    # every load after the barrier reads what the other programs wrote
-    while (tl.atomic_add(sync_ptr + SYNC_ARRIVALS, 0, sem="acquire", scope="gpu") < target) & (
+    # every load after the wait reads what the other programs wrote
+    while (tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < target) & (
             polls < SPIN_LIMIT):
         polls += 1
     if polls >= SPIN_LIMIT:
@@ -125,12 +132,7 @@ def _wait_qkv_ready(sync_ptr, ready_ptr, expected, BARRIERS: tl.constexpr):
     """Wait until `expected` units of the head's qkv rows have arrived. Without barriers (the
     interpreter, a launch a phase) the qkv phase has run: the count must be exact."""
     if BARRIERS:
-        polls = 0
-        while (tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") < expected) & (
-                polls < SPIN_LIMIT):
-            polls += 1
-        if polls >= SPIN_LIMIT:
-            tl.store(sync_ptr + SYNC_ERROR, 1)
+        _wait_for(ready_ptr, expected, sync_ptr)
     elif tl.load(ready_ptr) != expected:
         tl.store(sync_ptr + SYNC_ERROR, 1)
     tl.debug_barrier()
@@ -196,7 +198,7 @@ def _tile(w_base, rows, ok, k0, K: tl.constexpr, EVEN: tl.constexpr, BLOCK_K: tl
 
 @triton.jit
 def _segment(seg, MODE: tl.constexpr, w_ptr, first, end, step, route_ids, N: tl.constexpr,
-             K: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, TOP_K: tl.constexpr,
+             K: tl.constexpr, BLOCK_N: tl.constexpr, TOP_K: tl.constexpr,
              BLOCK_TOPK: tl.constexpr):
     """Row block `seg` of this program's stream (_gemv_stream): (its weight's base, its first
     output, the end of the outputs, its top-k slot)."""
@@ -255,7 +257,7 @@ def _gemv_stream(w_ptr, x_ptr, out_ptr, resid_ptr, first, end, step, route_w, ro
     for t in tl.range(0, count * TILES, num_stages=STAGES):
         kk = t % TILES
         base, o0, stop, j = _segment(t // TILES, MODE, w_ptr, first, end, step, route_ids, N, K,
-                                     GATED, BLOCK_N, TOP_K, BLOCK_TOPK)
+                                     BLOCK_N, TOP_K, BLOCK_TOPK)
         rows, ok = _block_rows(o0, stop, N, GATED, BLOCK_N)
         w = _tile(base, rows, ok, kk * BLOCK_K, K, EVEN, BLOCK_K)
         # another program wrote x: read it from L2 (.cg), never a stale L1 line
