@@ -3,7 +3,7 @@
 # tools/gpu_acceptance.sh so each fits one device call:
 #   source .gpu/prelude.sh; tools/dev/gpu_probes.sh STAGE...
 # Stages, rough minutes on an H200 (plus start-up): sweeps 5, int8-probe 2, l2-prefetch 2,
-# kv-contention 4.
+# kv-contention 4, kv-trace 5.
 # Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz, and the key lines
 # are printed.
 set -uo pipefail
@@ -36,6 +36,15 @@ stage_commands() {
       $PY tools/dev/probe_copy_contention.py 2>&1 | tee "$dir/copy_contention.log"
       $PY tools/dev/probe_kv_load_stall.py --model qwen3-8b 2>&1 \
         | tee "$dir/kv_load_stall.log" | grep -E "chunks of|ratio|p50|gb_per|calls" ;;
+    kv-trace)  # the decoders' kernels with and without loads in flight, then with the engine
+      # on a stream of the highest priority (the tier's side stream keeps the lowest)
+      for flag in "" --high-priority; do
+        echo "--- trace $flag"
+        $PY tools/dev/probe_kv_load_trace.py --out "$dir/trace$flag" $flag \
+          > "$dir/trace$flag.log" 2>&1
+        grep -v "^echo:" "$dir/trace$flag.log" \
+          | grep -E "decode_ratio|p50|gb_per_s\"|priority|^==|^   |^kernels"
+      done ;;
     *)
       echo "unknown stage $stage" >&2; return 2 ;;
   esac
