@@ -8,8 +8,9 @@ Runs tools/bench_kv_load_decode.py with the worker's host-side waits timed: KVTr
 and the runner's wait for each step's sampled tokens (_land). Prints the longest of each with
 the time since the first transfer started, so a stall can be told from a slow launch, then
 both split by the step's content: steps that compute prompt or history tokens (the resumed
-histories' first steps), decode-only steps while host-tier transfers are pending, and
-decode-only steps without any, each a count with median and longest launch and land.
+histories' first steps), decode-only steps while host-tier loads are pending, while only
+stores are (the fillers' write-through), and decode-only steps without any transfer, each a
+count with median and longest launch and land.
 --chunk-blocks and --chunks-in-flight replace kv_transfer's STAGING_BLOCKS and
 CHUNKS_IN_FLIGHT for the run.
 """
@@ -52,13 +53,16 @@ timed(model_runner.ModelRunner, "_land", "land")
 
 def step_content(runner, out) -> str:
     """What a launched step computes: prompt or history tokens, or decodes with host-tier
-    transfers pending (started by it or before), or plain decodes."""
+    loads pending (started by it or before), with only stores pending, or plain decodes."""
     if any(n > 1 for n in out.num_scheduled_tokens.values()):
         return "prefill"
     transfers = runner.kv_transfers
-    busy = out.kv_loads or out.kv_stores or (transfers is not None and any(
-        not t.reported for t in transfers._pending.values()))
-    return "decode, transfers pending" if busy else "decode"
+    pending = [t for t in transfers._pending.values() if not t.reported] if transfers else []
+    if out.kv_loads or any(t.loaded_bytes for t in pending):
+        return "decode, loads pending"
+    if out.kv_stores or pending:
+        return "decode, stores pending"
+    return "decode"
 
 
 def by_step() -> None:
