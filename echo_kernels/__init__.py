@@ -18,7 +18,12 @@ from echo_kernels.activation import silu_and_mul  # noqa: E402
 from echo_kernels.attention import flash_attn_varlen, paged_attention  # noqa: E402
 from echo_kernels.awq import awq_gemm, awq_gemv, awq_linear  # noqa: E402
 from echo_kernels.cache import store_kv_cache  # noqa: E402
-from echo_kernels.fused_moe import fused_moe, moe_align_block_size, moe_routing  # noqa: E402
+from echo_kernels.fused_moe import (  # noqa: E402
+    fused_moe,
+    fused_moe_from_logits,
+    moe_align_block_size,
+    moe_routing,
+)
 from echo_kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from echo_kernels.rejection import rejection_sample  # noqa: E402
 from echo_kernels.rope import rotary_embedding  # noqa: E402
@@ -33,6 +38,7 @@ __all__ = [
     "flash_attn_varlen",
     "fused_add_rms_norm",
     "fused_moe",
+    "fused_moe_from_logits",
     "gumbel_sample",
     "moe_align_block_size",
     "moe_routing",

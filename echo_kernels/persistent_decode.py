@@ -47,6 +47,7 @@ import triton.language as tl
 from echo_kernels.attention.common import LOG2E, online_softmax_step
 from echo_kernels.awq import _ONE_BITS, _group_offsets, _unpack_offsets
 from echo_kernels.device import sm_count
+from echo_kernels.fused_moe import route_row
 from echo_kernels.norm import apply_rms
 from echo_kernels.rope import rotated_rows
 
@@ -638,35 +639,6 @@ def _linear_phase(table_ptr, layer, COLUMN: tl.constexpr, x_ptr, out_ptr, resid_
 
 
 @triton.jit
-def _route(logits_ptr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-           BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr):
-    """(weights [BLOCK_TOPK] float32, expert ids [BLOCK_TOPK] int32) of the token: softmax,
-    top-k by logit with ties to the lower id, renormalized; fused_moe.moe_routing's rule. Every
-    program computes it from the router's logits (a few hundred bytes)."""
-    experts = tl.arange(0, BLOCK_E)
-    slots = tl.arange(0, BLOCK_TOPK)
-    in_e = experts < EXPERTS
-    x = tl.load(logits_ptr + experts, mask=in_e, other=0.0, cache_modifier=".cg")
-    x = tl.where(in_e, x.to(tl.float32), float("-inf"))
-    p = tl.exp(x - tl.max(x, 0))
-    p = p / tl.sum(p, 0)
-    taken = ~in_e
-    weights = tl.zeros([BLOCK_TOPK], tl.float32)
-    ids = tl.zeros([BLOCK_TOPK], tl.int32)
-    for j in tl.range(0, TOP_K):
-        candidates = tl.where(taken, float("-inf"), x)
-        best = tl.max(candidates, 0)
-        pick = tl.min(tl.where((candidates == best) & ~taken, experts, BLOCK_E), 0)
-        chosen = experts == pick
-        weights = tl.where(slots == j, tl.sum(tl.where(chosen, p, 0.0), 0), weights)
-        ids = tl.where(slots == j, pick, ids)
-        taken = taken | chosen
-    if RENORMALIZE:
-        weights = weights / tl.sum(weights, 0)
-    return weights, ids
-
-
-@triton.jit
 def _persistent_decode_kernel(
     table_ptr,  # int64 [num_layers, NUM_POINTERS]
     final_norm_ptr,  # [H]
@@ -793,16 +765,16 @@ def _persistent_decode_kernel(
                 barriers = _after_phase(sync_ptr, barriers, base + 4, phase_hi, BARRIERS)
             # --- the chosen experts' gate_up and SwiGLU: [TOP_K, INTER] ---
             if (phase_lo <= base + 4) & (base + 4 < phase_hi):
-                route_w, route_ids = _route(logits_ptr, EXPERTS, TOP_K, RENORMALIZE, BLOCK_E,
-                                            BLOCK_TOPK)
+                route_w, route_ids = route_row(logits_ptr, EXPERTS, TOP_K, RENORMALIZE, BLOCK_E,
+                                               BLOCK_TOPK)
                 _gemv_stream(_pointer(table_ptr, layer, GATE_UP, dtype), xn_ptr, act_ptr, None,
                              0, 0, 0, route_w, route_ids, EXPERT_ROWS, 2 * INTER, H, True, STORE,
                              EVEN, BLOCK_N, BLOCK_K, TOP_K, BLOCK_TOPK, GEMV_STAGES, dtype)
                 barriers = _after_phase(sync_ptr, barriers, base + 5, phase_hi, BARRIERS)
             # --- their down projections, weighted and summed: delta ---
             if (phase_lo <= base + 5) & (base + 5 < phase_hi):
-                route_w, route_ids = _route(logits_ptr, EXPERTS, TOP_K, RENORMALIZE, BLOCK_E,
-                                            BLOCK_TOPK)
+                route_w, route_ids = route_row(logits_ptr, EXPERTS, TOP_K, RENORMALIZE, BLOCK_E,
+                                               BLOCK_TOPK)
                 first, end, step = _phase_span(H, False, BALANCED, BLOCK_N)
                 _gemv_stream(_pointer(table_ptr, layer, DOWN, dtype), act_ptr, delta_ptr, None,
                              first, end, step, route_w, route_ids, EXPERT_SUM, H, INTER, False,

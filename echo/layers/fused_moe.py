@@ -19,26 +19,17 @@ from echo.layers.checkpoint_tensor import whole
 EXPERT_PROJECTIONS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", None)}
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
-    """(weights [M, k] float32, expert ids [M, k] int32): softmax, top-k, renormalized."""
-    if router_logits.is_cuda:
-        from echo_kernels import moe_routing
-
-        return moe_routing(router_logits, top_k, renormalize)
-    from echo_kernels.reference import moe_routing_ref
-
-    return moe_routing_ref(router_logits, top_k, renormalize)
-
-
-def experts_forward(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def moe_mlp(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+            router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    """The experts' output from the router's logits: softmax, top-k (renormalized when asked),
+    the chosen experts' MLPs weighted and summed (echo_kernels.fused_moe)."""
     if hidden.is_cuda:
-        from echo_kernels import fused_moe
+        from echo_kernels import fused_moe_from_logits
 
-        return fused_moe(hidden, w13, w2, weights, ids)
-    from echo_kernels.reference import fused_moe_ref
+        return fused_moe_from_logits(hidden, w13, w2, router_logits, top_k, renormalize)
+    from echo_kernels.reference import fused_moe_ref, moe_routing_ref
 
-    return fused_moe_ref(hidden, w13, w2, weights, ids)
+    return fused_moe_ref(hidden, w13, w2, *moe_routing_ref(router_logits, top_k, renormalize))
 
 
 class FusedMoE(nn.Module):
@@ -59,8 +50,7 @@ class FusedMoE(nn.Module):
         self.w2.weight_loader = self._load_w2
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(router_logits, self.top_k, self.renormalize)
-        out = experts_forward(hidden, self.w13, self.w2, weights, ids)
+        out = moe_mlp(hidden, self.w13, self.w2, router_logits, self.top_k, self.renormalize)
         return all_reduce(out, self.tp) if self.reduce_results and self.tp.size > 1 else out
 
     # ---- loading: shard_id (expert, "gate" | "up" | "down") for one expert's tensor, None for

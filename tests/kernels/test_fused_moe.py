@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from echo_kernels import fused_moe, moe_align_block_size, moe_routing
+from echo_kernels import fused_moe, fused_moe_from_logits, moe_align_block_size, moe_routing
 from echo_kernels.fused_moe import fused_moe_pairs
 from echo_kernels.reference import fused_moe_ref, moe_align_block_size_ref, moe_routing_ref
 
@@ -216,6 +216,46 @@ def test_fused_moe_pairs_tiles(device, gate_up, down):
     torch.testing.assert_close(out, fused_moe_ref(*inputs), atol=1e-5, rtol=1e-5)
 
 
+def moe_from_logits_ref(hidden, w13, w2, logits, top_k, renormalize):
+    return fused_moe_ref(hidden, w13, w2, *moe_routing_ref(logits, top_k, renormalize))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("rows, experts, top_k, route_in_pairs", [
+    (1, 8, 2, True), (4, 6, 3, True), (17, 8, 2, True), (4, 6, 3, False)])
+def test_fused_moe_from_logits_matches_reference(device, dtype, renormalize, rows, experts,
+                                                 top_k, route_in_pairs):
+    # routed in the pairs, 1 and 4 rows: every pair program routes its token (6 experts: a
+    # masked tail in the routing's block of 8); 17 rows (34 pairs): moe_routing, then the sorted
+    # tiles; not routed in the pairs: moe_routing, then the pair GEMVs
+    hidden, w13, w2, _, _ = moe_inputs(rows, experts, top_k, 64, 32, dtype, device, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(rows, experts, generator=gen) * 2).to(dtype).to(device)
+    out = fused_moe_from_logits(hidden, w13, w2, logits, top_k, renormalize,
+                                route_in_pairs=route_in_pairs)
+    assert out.shape == (rows, 64) and out.dtype == dtype
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(
+        out, moe_from_logits_ref(hidden, w13, w2, logits, top_k, renormalize), atol=atol,
+        rtol=rtol)
+
+
+def test_fused_moe_from_logits_ties(device):
+    # three logit values over 16 experts (and one row all equal): the pair programs must pick
+    # the reference's experts, ties to the lower id, or the rows come from other weights
+    hidden, w13, w2, _, _ = moe_inputs(3, 16, 5, 64, 32, torch.float32, device, seed=4)
+    logits = torch.randint(0, 3, (3, 16), generator=torch.Generator().manual_seed(4)).float()
+    logits[2] = 1.0
+    logits = logits.to(device)
+    for renormalize in (False, True):
+        out = fused_moe_from_logits(hidden, w13, w2, logits, 5, renormalize,
+                                    route_in_pairs=True)
+        torch.testing.assert_close(
+            out, moe_from_logits_ref(hidden, w13, w2, logits, 5, renormalize), atol=1e-5,
+            rtol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2, 64, 1024])
 def test_gpu_qwen3_30b_shapes(rows):
@@ -228,5 +268,8 @@ def test_gpu_qwen3_30b_shapes(rows):
     torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
     out = fused_moe(hidden, w13, w2, weights, ids)
     # bf16 rounding of silu(g) * u, of each pair's row and of the sum vs a float32 twin
-    torch.testing.assert_close(out, fused_moe_ref(hidden, w13, w2, weights, ids), atol=2e-2,
-                               rtol=2e-2)
+    want = fused_moe_ref(hidden, w13, w2, weights, ids)
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+    # 1 and 2 rows routed in the pair programs (64 and 1024 through moe_routing regardless)
+    routed = fused_moe_from_logits(hidden, w13, w2, logits, 8, True, route_in_pairs=True)
+    torch.testing.assert_close(routed, want, atol=2e-2, rtol=2e-2)
