@@ -651,11 +651,14 @@ def _pair_gemvs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k
 
 def fused_moe_from_logits(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                           router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                          route_in_pairs: bool = ROUTE_IN_PAIRS) -> torch.Tensor:
+                          route_in_pairs: bool | None = None) -> torch.Tensor:
     """The whole MoE MLP from the router's logits [M, E]: moe_routing's weights and experts,
     then fused_moe's result. With `route_in_pairs`, up to PAIR_MAX pairs the pair GEMVs route
     each token in every program (route_row, a few hundred bytes of logits): no routing launch
-    between the router and the experts; otherwise moe_routing, then fused_moe."""
+    between the router and the experts; otherwise moe_routing, then fused_moe. None:
+    ROUTE_IN_PAIRS, read at each call (a probe may set it before the engine starts)."""
+    if route_in_pairs is None:
+        route_in_pairs = ROUTE_IN_PAIRS
     assert router_logits.dim() == 2 and router_logits.stride(1) == 1
     num_tokens = hidden.shape[0]
     assert router_logits.shape == (num_tokens, w13.shape[0]) and 1 <= top_k <= w13.shape[0]
