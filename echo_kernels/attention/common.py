@@ -246,10 +246,20 @@ def to_dot_dtype(x, dot_dtype: tl.constexpr, IS_INT8_KV: tl.constexpr):
 
 
 @triton.jit
+def exact_dot(a, b, acc):
+    """tl.dot(a, b, acc), float32 operands multiplied in full float32 ("ieee"): Triton's default
+    for them is TF32 (a 10-bit mantissa), which a float32 model does not expect; transformers'
+    float32 matmuls are exact (torch leaves TF32 off). Other dtypes as tl.dot's default."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _scores(q, k, k_sc, pos, in_range, q_pos, qk_scale, MASKED: tl.constexpr,
             CAUSAL: tl.constexpr, IS_INT8_KV: tl.constexpr):
     """One tile's scores in log2 units, -inf where a key is past the range or in the future."""
-    qk = tl.dot(q, tl.trans(to_dot_dtype(k, q.dtype, IS_INT8_KV)))
+    qk = exact_dot(q, tl.trans(to_dot_dtype(k, q.dtype, IS_INT8_KV)), None)
     if IS_INT8_KV:
         qk = qk * (k_sc * qk_scale)[None, :]
     else:
@@ -395,7 +405,7 @@ def attend_key_range(
             acc_even = tl.dot(p, v_even, acc_even)
             acc_odd = tl.dot(p, v_odd, acc_odd)
         else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
+            acc = exact_dot(p.to(v.dtype), v, acc)
     if V_PAIRS:
         acc = tl.reshape(tl.join(acc_even, acc_odd), [acc.shape[0], HEAD_DIM])
     return acc, l_i, m_i
