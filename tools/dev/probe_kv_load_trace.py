@@ -7,7 +7,8 @@ Runs tools/bench_kv_load_decode.py (CUDA, the engine in this process) with the P
 on over two windows of --steps engine steps in which the decoders alone decode: one before the
 histories come back ("alone"), one while their loads are in flight ("loading"). Each window's
 trace goes to DIR/WINDOW.json.gz, and a summary is printed per window: per step, each stream's
-kernel time and the main stream's idle time between kernels, copies by direction, and the
+kernel time and the main stream's idle time between kernels, copies by direction, the host's
+longest CUDA calls (a synchronize or a pinned allocation waits for the device), and the
 kernels whose total time changed the most between the windows. The question it answers: is a
 step slower because its own kernels run slower (contention), because the main stream waits
 (gaps), or because of kernels that are not the step's.
@@ -100,6 +101,12 @@ def summarize(path: Path, steps: int) -> dict:
     copy_us: dict[str, float] = defaultdict(float)
     for e in copies:
         copy_us[e["name"]] += e["dur"] / steps
+    # the host's CUDA calls: a synchronize, an event wait or a pinned allocation (which waits
+    # for the whole device) shows here as the time the host spent in it
+    runtime_us: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            runtime_us[e["name"]] += e["dur"] / steps
     return {
         "main_stream": main,
         "main_span_us_per_step": span / steps,
@@ -112,6 +119,7 @@ def summarize(path: Path, steps: int) -> dict:
         "other_stream_kernels": sorted({e["name"][:60] for s, v in by_stream.items()
                                         if s != main for e in v}),
         "copies_us_per_step": dict(copy_us),
+        "host_cuda_calls_us_per_step": dict(sorted(runtime_us.items(), key=lambda r: -r[1])[:8]),
         "per_kernel": dict(per_kernel),
     }
 
@@ -161,6 +169,7 @@ def main() -> None:
         print(f"   other streams (us a step): {s['other_streams_us_per_step']}; "
               f"{s['other_stream_kernels']}")
         print(f"   copies (us a step): {s['copies_us_per_step']}")
+        print(f"   host CUDA calls (us a step): {s['host_cuda_calls_us_per_step']}")
     if len(summaries) == 2 and all(summaries.values()):
         a, b = summaries["alone"]["per_kernel"], summaries["loading"]["per_kernel"]
         diffs = sorted(((b.get(k, 0) - a.get(k, 0), k) for k in set(a) | set(b)),
