@@ -11,10 +11,13 @@ each run of consecutive host block ids is one copy.
 On CUDA the copies go on a side stream of their own, so a step's kernels on the main stream run
 while blocks move, a few chunks at a time (the runner issues more while it waits for a step); the
 block ids go up through a pinned ring allocated once (pinned_ring.py says why). Two orderings
-make that safe: a transfer's first chunk waits for the main stream's work queued before `start`
-(the KV it stores was written by earlier steps), and `release` makes the main stream wait for a
-transfer before later kernels reuse its device blocks. On CPU (tests, CI) the copies run
-synchronously inside `start`.
+make that safe: a transfer's gathers and scatters wait for the main stream's work queued before
+`start` (the KV it stores was written by earlier steps, the blocks it loads into were read by
+them), and `release` makes the main stream wait for a transfer before later kernels reuse its
+device blocks. With `split_streams` the gathers and scatters run on a second side stream, each
+chunk in a staging slot of its own, so the copy engine goes on to the next chunk's copy while a
+scatter waits for SMs that the steps' kernels hold (one stream serialises copy, scatter, copy).
+On CPU (tests, CI) the copies run synchronously inside `start`.
 """
 
 import time
@@ -33,6 +36,9 @@ STAGING_BLOCKS = 64
 # host's pumps; a whole transfer queued at once (128 chunks of Qwen3-8B) filled the stream's
 # command queue, and the host blocked 190 ms issuing it (docs/benchmarks.md, KV offload)
 CHUNKS_IN_FLIGHT = 2
+# gathers and scatters on a stream of their own beside the copies (KVTransfers): off until
+# timed on a GPU (tools/dev/gpu_probes.sh kv-split; built 2026-12-05 when no GPU was lent)
+SPLIT_STREAMS = False
 
 
 def host_tier_blocks(kv_offloading_size_gib: float, bytes_per_block: int, tp_size: int) -> int:
@@ -97,7 +103,7 @@ class _Transfer:
     ready: torch.cuda.Event | None = None  # the main stream's work at start (CUDA)
     index: torch.Tensor | None = None  # device_ids on the device, uploaded with the first chunk
     end: torch.cuda.Event | None = None  # after its last chunk (CUDA)
-    timings: list = field(default_factory=list)  # each chunk's (begin, end) events (CUDA)
+    timings: list = field(default_factory=list)  # each chunk's copy (begin, end) events (CUDA)
     wall_s: float = 0.0  # on CPU, where the copies are done in start
     reported: bool = False
 
@@ -130,14 +136,14 @@ class KVTransfers:
     HostKVCache. Transfers are identified by the caller's ids; one is pending from
     `start` until `release`. On CUDA a transfer's chunks are issued a few at a time (at most
     chunks_in_flight queued on the side stream), by start and then by each poll_done and pump,
-    so a transfer of gigabytes never blocks the host. Memory: one staging buffer of
-    max_blocks_per_chunk blocks (on CUDA it counts against the GPU beside the KV cache),
-    chunk-sized temporaries, a pinned ring for the block ids, and a few events per pending
-    transfer's chunks."""
+    so a transfer of gigabytes never blocks the host. Memory: a staging buffer of
+    max_blocks_per_chunk blocks (chunks_in_flight of them with split_streams; on CUDA it counts
+    against the GPU beside the KV cache: staging_blocks), chunk-sized temporaries, a pinned ring
+    for the block ids, and a few events per pending transfer's chunks."""
 
     def __init__(self, device_cache: StackedKVCache, host: HostKVCache, device: torch.device,
                  max_blocks_per_chunk: int = STAGING_BLOCKS,
-                 chunks_in_flight: int = CHUNKS_IN_FLIGHT):
+                 chunks_in_flight: int = CHUNKS_IN_FLIGHT, split_streams: bool = SPLIT_STREAMS):
         if max_blocks_per_chunk < 1:
             raise ValueError(f"max_blocks_per_chunk: must be >= 1, got {max_blocks_per_chunk}")
         if chunks_in_flight < 1:
@@ -164,11 +170,21 @@ class KVTransfers:
             self._parts.append((plane, offset, offset + size))
             offset += size
         self._cuda = self.device.type == "cuda"
+        # the host <-> device copies; the gathers and scatters on the same stream or, split, on
+        # a second one (the staging slot's and the chunk's events order the two)
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self.split_streams = split_streams and self._cuda
+        self._kernel_stream = (torch.cuda.Stream(self.device) if self.split_streams
+                               else self._stream)
         # a transfer's device ids: a store and a load of every device block fit without growing
         self._ids = (PinnedUploadRing(2 * self.num_device_blocks, self.device) if self._cuda
                      else None)
-        self._staging = torch.empty(max_blocks_per_chunk, offset, dtype=word, device=self.device)
+        slots = staging_blocks(max_blocks_per_chunk, chunks_in_flight,
+                               self.split_streams) // max_blocks_per_chunk
+        self._staging = torch.empty(slots, max_blocks_per_chunk, offset, dtype=word,
+                                    device=self.device)
+        self._slot_free: list[torch.cuda.Event | None] = [None] * slots  # after its last use
+        self._next_slot = 0
         self._host_words = host.data.view(word)
         self._pending: dict[int, _Transfer] = {}  # by start order
         self._in_flight: deque[torch.cuda.Event] = deque()  # the end of each queued chunk
@@ -190,8 +206,9 @@ class KVTransfers:
     @property
     def seconds(self) -> float:
         """Copy time of the transfers poll_done has reported: on CUDA the sum of their chunks'
-        times on the side stream (not its waits for the main stream or for the next chunk to be
-        issued), on CPU the wall time of start."""
+        host <-> device copies on the copy stream (from 2026-12-05 not their gathers and
+        scatters, which may overlap the next chunk's copy; nor waits), on CPU the wall time of
+        start."""
         return self._seconds
 
     @property
@@ -286,6 +303,7 @@ class KVTransfers:
         if self._cuda:
             self._issue(through=next(reversed(self._pending.values()), None))
             self._stream.synchronize()
+            self._kernel_stream.synchronize()
 
     @property
     def unissued(self) -> bool:
@@ -299,7 +317,9 @@ class KVTransfers:
 
     def _issue(self, through: _Transfer | None = None) -> None:
         """Issue chunks in start order while fewer than chunks_in_flight are queued, and every
-        chunk up to and including `through`'s last. (On CPU, start has done the copies.)"""
+        chunk up to and including `through`'s last. (On CPU, start has done the copies.)
+        Chunks end in issue order whichever stream ends them (a load's on the kernel stream, a
+        store's on the copy stream; each waits for the chunk before it on the other)."""
         if not self._cuda:
             return
         while self._in_flight and self._in_flight[0].query():
@@ -308,37 +328,97 @@ class KVTransfers:
             while not transfer.issued:
                 if through is None and len(self._in_flight) >= self.chunks_in_flight:
                     return
-                with torch.cuda.stream(self._stream):
-                    if transfer.index is None:
-                        self._stream.wait_event(transfer.ready)
+                if transfer.index is None:
+                    # the gathers and scatters touch device blocks the main stream used
+                    with torch.cuda.stream(self._kernel_stream):
+                        self._kernel_stream.wait_event(transfer.ready)
                         transfer.index = self._ids.upload(transfer.device_ids)
-                    begin = torch.cuda.Event(enable_timing=True)
-                    end = torch.cuda.Event(enable_timing=True)
-                    begin.record(self._stream)
-                    if transfer.chunks:
-                        self._copy_chunk(transfer, *transfer.chunks.popleft())
-                    end.record(self._stream)
-                transfer.timings.append((begin, end))
-                self._in_flight.append(end)
+                if transfer.chunks:
+                    done = self._issue_chunk(transfer, *transfer.chunks.popleft())
+                else:  # a transfer that moves nothing: done once the main stream's work is
+                    done = torch.cuda.Event()
+                    done.record(self._kernel_stream)
+                self._in_flight.append(done)
                 if not transfer.chunks:
-                    transfer.end = end
+                    transfer.end = done
             if transfer is through:
                 return
 
+    def _issue_chunk(self, transfer: _Transfer, store: bool, first: int, end: int,
+                     host_ids: list[int]) -> torch.cuda.Event:
+        """Queue a chunk in the next staging slot; returns the event after its last work."""
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % len(self._staging)
+        free = self._slot_free[slot]  # the slot's previous chunk has read or written it
+        copy, kernels = self._stream, self._kernel_stream
+        begin = torch.cuda.Event(enable_timing=True)
+        copied = torch.cuda.Event(enable_timing=True)
+        if store:
+            with torch.cuda.stream(kernels):
+                if free is not None:
+                    kernels.wait_event(free)
+                self._gather(transfer, slot, first, end)
+                gathered = torch.cuda.Event()
+                gathered.record(kernels)
+            with torch.cuda.stream(copy):
+                copy.wait_event(gathered)
+                begin.record(copy)
+                self._host_copies(slot, host_ids, store=True)
+                copied.record(copy)
+            done = copied
+        else:
+            with torch.cuda.stream(copy):
+                if free is not None:
+                    copy.wait_event(free)
+                begin.record(copy)
+                self._host_copies(slot, host_ids, store=False)
+                copied.record(copy)
+            with torch.cuda.stream(kernels):
+                kernels.wait_event(copied)
+                self._scatter(transfer, slot, first, end)
+                done = torch.cuda.Event()
+                done.record(kernels)
+        transfer.timings.append((begin, copied))
+        self._slot_free[slot] = done
+        return done
+
     def _copy_chunk(self, transfer: _Transfer, store: bool, first: int, end: int,
                     host_ids: list[int]) -> None:
+        """A chunk's gather and host copies, or host copies and scatter, in program order
+        (CPU)."""
+        if store:
+            self._gather(transfer, 0, first, end)
+            self._host_copies(0, host_ids, store=True)
+        else:
+            self._host_copies(0, host_ids, store=False)
+            self._scatter(transfer, 0, first, end)
+
+    def _gather(self, transfer: _Transfer, slot: int, first: int, end: int) -> None:
         # device ids are slices of the transfer's one upload: an upload per chunk costs the host
         # more than the chunk's own launches
-        index, n, staging = transfer.index[first:end], end - first, self._staging
-        if store:
-            for plane, a, b in self._parts:
-                staging[:n, a:b].copy_(plane.index_select(0, index).view(n, -1))
-            for pos, first_id, length in _runs(host_ids):
-                self._host_words[first_id:first_id + length].copy_(staging[pos:pos + length],
-                                                                   non_blocking=True)
-        else:
-            for pos, first_id, length in _runs(host_ids):
-                staging[pos:pos + length].copy_(self._host_words[first_id:first_id + length],
-                                                non_blocking=True)
-            for plane, a, b in self._parts:
-                plane.index_copy_(0, index, staging[:n, a:b].view(n, *plane.shape[1:]))
+        index, n, staging = transfer.index[first:end], end - first, self._staging[slot]
+        for plane, a, b in self._parts:
+            staging[:n, a:b].copy_(plane.index_select(0, index).view(n, -1))
+
+    def _scatter(self, transfer: _Transfer, slot: int, first: int, end: int) -> None:
+        index, n, staging = transfer.index[first:end], end - first, self._staging[slot]
+        for plane, a, b in self._parts:
+            plane.index_copy_(0, index, staging[:n, a:b].view(n, *plane.shape[1:]))
+
+    def _host_copies(self, slot: int, host_ids: list[int], store: bool) -> None:
+        """Between the staging slot and the host tier, a copy per run of consecutive host ids."""
+        staging = self._staging[slot]
+        for pos, first_id, length in _runs(host_ids):
+            host = self._host_words[first_id:first_id + length]
+            if store:
+                host.copy_(staging[pos:pos + length], non_blocking=True)
+            else:
+                staging[pos:pos + length].copy_(host, non_blocking=True)
+
+
+def staging_blocks(max_blocks_per_chunk: int = STAGING_BLOCKS,
+                   chunks_in_flight: int = CHUNKS_IN_FLIGHT,
+                   split_streams: bool = SPLIT_STREAMS) -> int:
+    """Blocks of device memory KVTransfers stages chunks in: a chunk's, or with split streams
+    one chunk's for each chunk in flight."""
+    return max_blocks_per_chunk * (chunks_in_flight if split_streams else 1)

@@ -26,7 +26,7 @@ from echo.worker.kernel_warmup import (
     warmup_metadata,
     warmup_positions,
 )
-from echo.worker.kv_transfer import STAGING_BLOCKS
+from echo.worker.kv_transfer import staging_blocks
 from echo.worker.sampling_inputs import worst_case_sampling_tensors
 
 
@@ -42,7 +42,7 @@ def determine_num_blocks(runner) -> int:
         peak = profile_activation_bytes(runner)
         budget = total * cache.gpu_memory_utilization - (total - free) - peak
     if cache.kv_offloading_size is not None:  # the host tier's staging buffer, on the device
-        budget -= STAGING_BLOCKS * runner.kv_cache_spec.bytes_per_block()
+        budget -= staging_blocks() * runner.kv_cache_spec.bytes_per_block()
     num_blocks = int(budget // runner.kv_bytes_per_block())
     if num_blocks < 1:
         raise RuntimeError("no memory left for the KV cache: raise gpu_memory_utilization "

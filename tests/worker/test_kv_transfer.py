@@ -210,15 +210,18 @@ _SPIN = 200_000_000  # GPU clock cycles torch.cuda._sleep spins: ~0.1 s
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("split_streams", [False, True])
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "int8"])
-def test_gpu_stores_wait_for_the_main_stream_and_release_orders_reuse(kv_cache_dtype):
+def test_gpu_stores_wait_for_the_main_stream_and_release_orders_reuse(kv_cache_dtype,
+                                                                      split_streams):
     device = torch.device("cuda")
     kv_spec = spec(torch.bfloat16, kv_cache_dtype, num_layers=4, block_size=16, num_kv_heads=8,
                    head_dim=128)
     stacked, caches, _ = random_cache(kv_spec, device, num_blocks=64)
     host = HostKVCache(kv_spec, 16, pin=True)
     assert host.pinned and host.data.is_pinned()
-    xfer = KVTransfers(stacked, host, device, max_blocks_per_chunk=2)
+    xfer = KVTransfers(stacked, host, device, max_blocks_per_chunk=2,
+                       split_streams=split_streams)
     torch.cuda.synchronize()
 
     # 1. blocks written on the main stream behind a long spin: a store that did not wait for
@@ -263,13 +266,15 @@ def test_gpu_stores_wait_for_the_main_stream_and_release_orders_reuse(kv_cache_d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_a_large_transfer_is_issued_a_few_chunks_at_a_time():
+@pytest.mark.parametrize("split_streams", [False, True])
+def test_gpu_a_large_transfer_is_issued_a_few_chunks_at_a_time(split_streams):
     device = torch.device("cuda")
     kv_spec = spec(torch.bfloat16, "auto", num_layers=4, block_size=16, num_kv_heads=8,
                    head_dim=128)
     stacked, caches, expected = random_cache(kv_spec, device, num_blocks=64)
     host = HostKVCache(kv_spec, 48, pin=True)
-    xfer = KVTransfers(stacked, host, device, max_blocks_per_chunk=2, chunks_in_flight=3)
+    xfer = KVTransfers(stacked, host, device, max_blocks_per_chunk=2, chunks_in_flight=3,
+                       split_streams=split_streams)
     torch.cuda.synchronize()
 
     # 20 chunks behind a spinning main stream: three queued, the rest issued by later polls
@@ -297,3 +302,30 @@ def test_gpu_a_large_transfer_is_issued_a_few_chunks_at_a_time():
     for got, e in zip(loaded, expected):
         assert torch.equal(got, e[:40])
     assert xfer.poll_done() == []  # released before it was reported
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_split_streams_reuse_a_staging_slot_only_after_its_scatter():
+    # the scatters' stream spins while the copy stream could run ahead: with 3 slots, chunk 4's
+    # copy into chunk 1's slot must wait for chunk 1's scatter, or chunk 1 loads chunk 4's bytes
+    device = torch.device("cuda")
+    kv_spec = spec(torch.bfloat16, "auto", num_layers=4, block_size=16, num_kv_heads=8,
+                   head_dim=128)
+    stacked, caches, expected = random_cache(kv_spec, device, num_blocks=64)
+    host = HostKVCache(kv_spec, 48, pin=True)
+    xfer = KVTransfers(stacked, host, device, max_blocks_per_chunk=2, chunks_in_flight=3,
+                       split_streams=True)
+    xfer.start(1, list(range(40)), list(range(40)), [], [])
+    xfer.wait_all()
+    assert xfer.poll_done() == [1]
+    xfer.release([1])
+    with torch.cuda.stream(xfer._kernel_stream):
+        torch.cuda._sleep(_SPIN)
+    xfer.start(2, [], [], list(range(40)), list(range(24, 64)))
+    xfer.wait_on_device(2)  # every chunk issued at once, past chunks_in_flight
+    loaded = [p[24:64].clone() for p in parts(caches)]
+    xfer.release([2])
+    torch.cuda.synchronize()
+    for got, e in zip(loaded, expected):
+        assert torch.equal(got, e[:40])

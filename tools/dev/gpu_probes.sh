@@ -3,7 +3,7 @@
 # tools/gpu_acceptance.sh so each fits one device call:
 #   source .gpu/prelude.sh; tools/dev/gpu_probes.sh STAGE...
 # Stages, rough minutes on an H200 (plus start-up): sweeps 5, int8-probe 2, l2-prefetch 2,
-# kv-contention 4, kv-trace 5, moe-route 6.
+# kv-contention 4, kv-trace 5, moe-route 6, kv-split 7.
 # Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz, and the key lines
 # are printed.
 set -uo pipefail
@@ -58,6 +58,15 @@ sys.argv = ['bench_latency.py', '--model', 'qwen3-30b-a3b', '--max-model-len', '
             '--iters', '2', '--num-scheduler-steps', '8']
 runpy.run_path('tools/bench_latency.py', run_name='__main__')" 2>&1 \
           | tee "$dir/latency_route_$on.log" | grep -v "^echo:" | tail -4
+      done ;;
+    kv-split)  # the host tier's gathers and scatters on a stream of their own (SPLIT_STREAMS):
+      # its GPU tests, then the decoders beside loads, one stream and split, by chunk size
+      $PY -m pytest -m gpu -q tests/worker/test_kv_transfer.py 2>&1 | tail -3
+      for run in "64 2 0" "64 2 1" "32 2 1" "16 4 1" "16 4 0"; do
+        set -- $run
+        $PY tools/dev/probe_kv_load_stall.py --model qwen3-8b --chunk-blocks $1 \
+          --chunks-in-flight $2 --split-streams $3 > "$dir/stall_$1_$2_$3.log" 2>&1
+        grep -E "chunks of|decode_ratio|p50|gb_per_s\"" "$dir/stall_$1_$2_$3.log"
       done ;;
     *)
       echo "unknown stage $stage" >&2; return 2 ;;
