@@ -264,10 +264,9 @@ def test_gpu_stores_wait_for_the_main_stream_and_release_orders_reuse(kv_cache_d
     assert xfer.bytes_moved == (3 * bpb, 4 * bpb) and xfer.seconds > 0
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("split_streams", [False, True])
-def test_gpu_a_large_transfer_is_issued_a_few_chunks_at_a_time(split_streams):
+def gpu_transfers(split_streams: bool):
+    """KVTransfers of 2-block chunks, 3 in flight, between 64 random device blocks and a 48-block
+    pinned host tier: (transfers, the cache tensors, their values before any transfer)."""
     device = torch.device("cuda")
     kv_spec = spec(torch.bfloat16, "auto", num_layers=4, block_size=16, num_kv_heads=8,
                    head_dim=128)
@@ -275,6 +274,14 @@ def test_gpu_a_large_transfer_is_issued_a_few_chunks_at_a_time(split_streams):
     host = HostKVCache(kv_spec, 48, pin=True)
     xfer = KVTransfers(stacked, host, device, max_blocks_per_chunk=2, chunks_in_flight=3,
                        split_streams=split_streams)
+    return xfer, caches, expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("split_streams", [False, True])
+def test_gpu_a_large_transfer_is_issued_a_few_chunks_at_a_time(split_streams):
+    xfer, caches, expected = gpu_transfers(split_streams)
     torch.cuda.synchronize()
 
     # 20 chunks behind a spinning main stream: three queued, the rest issued by later polls
@@ -309,13 +316,7 @@ def test_gpu_a_large_transfer_is_issued_a_few_chunks_at_a_time(split_streams):
 def test_gpu_split_streams_reuse_a_staging_slot_only_after_its_scatter():
     # the scatters' stream spins while the copy stream could run ahead: with 3 slots, chunk 4's
     # copy into chunk 1's slot must wait for chunk 1's scatter, or chunk 1 loads chunk 4's bytes
-    device = torch.device("cuda")
-    kv_spec = spec(torch.bfloat16, "auto", num_layers=4, block_size=16, num_kv_heads=8,
-                   head_dim=128)
-    stacked, caches, expected = random_cache(kv_spec, device, num_blocks=64)
-    host = HostKVCache(kv_spec, 48, pin=True)
-    xfer = KVTransfers(stacked, host, device, max_blocks_per_chunk=2, chunks_in_flight=3,
-                       split_streams=True)
+    xfer, caches, expected = gpu_transfers(split_streams=True)
     xfer.start(1, list(range(40)), list(range(40)), [], [])
     xfer.wait_all()
     assert xfer.poll_done() == [1]
