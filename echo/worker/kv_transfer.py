@@ -15,8 +15,8 @@ make that safe: a transfer's gathers and scatters wait for the main stream's wor
 `start` (the KV it stores was written by earlier steps, the blocks it loads into were read by
 them), and `release` makes the main stream wait for a transfer before later kernels reuse its
 device blocks. With `split_streams` the gathers and scatters run on a second side stream, each
-chunk in a staging slot of its own, so the copy engine goes on to the next chunk's copy while a
-scatter waits for SMs that the steps' kernels hold (one stream serialises copy, scatter, copy).
+chunk in a staging slot of its own, so the copy engine can go on to the next chunk's copy while
+a scatter waits for SMs that the steps' kernels hold (one stream serialises copy, scatter, copy).
 On CPU (tests, CI) the copies run synchronously inside `start`.
 """
 
