@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-8b")
     parser.add_argument("--load-format", default="dummy")
@@ -220,7 +220,11 @@ def main(argv: list[str] | None = None) -> dict:
                         help="GiB (default: what the histories and fillers take, +10%%)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = arguments().parse_args(argv)
     result = run(args)
     print(json.dumps(result, indent=1), flush=True)
     if args.json:

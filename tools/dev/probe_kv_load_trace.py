@@ -136,9 +136,7 @@ def main() -> None:
     ours, rest = parser.parse_known_args()
     ours.out.mkdir(parents=True, exist_ok=True)
     clock_init = bench_kv_load_decode.StepClock.__init__
-    num_decoders = 32
-    if "--decoders" in rest:
-        num_decoders = int(rest[rest.index("--decoders") + 1])
+    num_decoders = bench_kv_load_decode.arguments().parse_args(rest).decoders
     windows: list[Windows] = []
 
     def clock_with_windows(self, scheduler):
