@@ -18,8 +18,9 @@ waiting request whose prefix continues on the host gets GPU blocks for that part
 it waits (is_loading) until the load is reported done, when the blocks join the GPU prefix
 cache like any computed block; they stay held for the request until its admission finds them
 there (so the steps in between cannot evict them), or until it is freed. Transfers leave with a step
-(take_transfers) and come back done with its output (transfers_done); the scheduler never sees
-a host block.
+(take_transfers: the step's stores as one, each request's load as one of its own, so a request
+is admitted once its own blocks have landed) and come back done with a step's output
+(transfers_done); the scheduler never sees a host block.
 """
 
 import hashlib
@@ -30,6 +31,7 @@ import msgspec
 from echo.core.block_pool import BlockHash, BlockPool
 from echo.core.host_tier import HostTier
 from echo.core.request import Request
+from echo.core.sched_output import KVTransfer
 
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -69,27 +71,22 @@ class _RequestBlocks:
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
 
 
-class StepTransfers(NamedTuple):
-    """The copies one step starts: stores (GPU block, host block), loads (host block, GPU
-    block), and whether the step must wait for them on the device (it reuses swapped-out
-    blocks)."""
-
-    stores: list[tuple[int, int]]
-    loads: list[tuple[int, int]]
-    before_step: bool
-
-
 class _Transfer:
-    __slots__ = ("stores", "swaps", "loads", "load_hashes", "load_owners")
+    """A step's stores, or one request's load."""
 
-    def __init__(self):
+    __slots__ = ("stores", "swaps", "loads", "load_hashes", "owner")
+
+    def __init__(self, owner: str | None = None):
         self.stores: list[tuple[int, int]] = []  # each pins its GPU block until done
         # preempted blocks (swap), freed at once: the step that carries them orders its own
         # work after them on the device, since it may reuse the blocks
         self.swaps: list[tuple[int, int]] = []
         self.loads: list[tuple[int, int]] = []
         self.load_hashes: list[BlockHash] = []
-        self.load_owners: list[str] = []  # the request each load is for
+        self.owner = owner  # the request a load is for
+
+    def __bool__(self) -> bool:
+        return bool(self.stores or self.swaps or self.loads)
 
 
 class KVCacheManager:
@@ -106,11 +103,13 @@ class KVCacheManager:
         self._requests: dict[str, _RequestBlocks] = {}
         self.prefix_cache_queries = 0  # tokens looked up at admission, cumulative
         self.prefix_cache_hits = 0  # of which found in the cache
-        # the host tier (None without kv_offloading_size) and its transfers: those gathered
-        # for the next step, and those started (by transfer id, the step's id) not yet done
+        # the host tier (None without kv_offloading_size) and its transfers: the stores and the
+        # loads gathered for the next step, and those started (by transfer id) not yet done
         self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
-        self._next_transfer = _Transfer()
+        self._next_stores = _Transfer()
+        self._next_loads: list[_Transfer] = []
         self._transfers: dict[int, _Transfer] = {}
+        self._next_transfer_id = 0
         self._loading: set[str] = set()  # requests waiting for their loads
         self._loaded: dict[str, list[int]] = {}  # loaded blocks held until admission
         self._abandoned: set[str] = set()  # freed while loading: their loads are not held
@@ -244,7 +243,7 @@ class KVCacheManager:
         (preemption, which must free blocks now): the next step waits for the copy on the
         device before its own kernels, which may overwrite them."""
         host = self.host
-        stores = self._next_transfer.stores if pin else self._next_transfer.swaps
+        stores = self._next_stores.stores if pin else self._next_stores.swaps
         for block_id, block_hash in zip(state.block_ids[:state.num_cached_blocks], state.hashes):
             if block_hash in host:
                 continue
@@ -288,12 +287,12 @@ class KVCacheManager:
         finally:
             self.pool.free(computed.block_ids)
         self.host_hits += len(found) * self.block_size
-        transfer = self._next_transfer
+        transfer = _Transfer(owner=rid)
         for (host_block, block_hash), block_id in zip(found, block_ids):
             self.host.pin(host_block)
             transfer.loads.append((host_block, block_id))
             transfer.load_hashes.append(block_hash)
-            transfer.load_owners.append(rid)
+        self._next_loads.append(transfer)
         self._loading.add(rid)
         self._loaded_once.add(rid)
         return True
@@ -321,24 +320,28 @@ class KVCacheManager:
         self._loaded.clear()
         return dropped
 
-    def take_transfers(self, transfer_id: int) -> tuple[StepTransfers | None, list[int]]:
-        """The copies gathered for the step `transfer_id` (None if there are none), and the
-        transfers seen done since the last step (the workers may now reuse their blocks)."""
+    def take_transfers(self) -> tuple[list[KVTransfer], list[int]]:
+        """The copies gathered for the next step, in the order the workers start them (its
+        stores first: a load may fill a block a swap-out frees), and the transfers seen done
+        since the last step (the workers may now reuse their blocks)."""
         released, self._released = self._released, []
-        transfer = self._next_transfer
-        if not (transfer.stores or transfer.swaps or transfer.loads):
-            return None, released
-        self._transfers[transfer_id] = transfer
-        self._next_transfer = _Transfer()
-        return StepTransfers(transfer.stores + transfer.swaps, transfer.loads,
-                             bool(transfer.swaps)), released
+        gathered = [self._next_stores] if self._next_stores else []
+        gathered += self._next_loads
+        self._next_stores, self._next_loads = _Transfer(), []
+        plans = []
+        for transfer in gathered:
+            transfer_id = self._next_transfer_id
+            self._next_transfer_id += 1
+            self._transfers[transfer_id] = transfer
+            plans.append(KVTransfer(transfer_id, transfer.stores + transfer.swaps,
+                                    transfer.loads, bool(transfer.swaps)))
+        return plans, released
 
     @property
     def transfers_pending(self) -> bool:
         """Copies gathered for the next step or started and not reported done: the engine
         keeps stepping (with nothing else to run, steps that only carry or poll them)."""
-        following = self._next_transfer
-        return bool(self._transfers or following.stores or following.swaps or following.loads)
+        return bool(self._transfers or self._next_stores or self._next_loads)
 
     def transfers_done(self, transfer_ids: list[int]) -> None:
         """The workers finished these transfers: stored host blocks become findable and their
@@ -351,17 +354,20 @@ class KVCacheManager:
                 self.stored_blocks += 1
             if transfer.stores:  # unpinned
                 self.pool.free([block_id for block_id, _ in transfer.stores])
-            for (host_block, block_id), block_hash, rid in zip(
-                    transfer.loads, transfer.load_hashes, transfer.load_owners):
-                self.host.unpin(host_block)
-                self.pool.cache_block(block_id, block_hash)
-                self.loaded_blocks += 1
+            if transfer.loads:
+                rid = transfer.owner
+                for (host_block, block_id), block_hash in zip(transfer.loads,
+                                                              transfer.load_hashes):
+                    self.host.unpin(host_block)
+                    self.pool.cache_block(block_id, block_hash)
+                loaded = [block_id for _, block_id in transfer.loads]
+                self.loaded_blocks += len(loaded)
                 self._loading.discard(rid)
                 if rid in self._abandoned:  # cached all the same, held by nobody
-                    self.pool.free([block_id])
+                    self._abandoned.discard(rid)
+                    self.pool.free(loaded)
                 else:
-                    self._loaded.setdefault(rid, []).append(block_id)
-            self._abandoned.difference_update(transfer.load_owners)
+                    self._loaded[rid] = loaded
             self._released.append(transfer_id)
 
     def num_held_blocks(self, request: Request) -> int:
@@ -403,7 +409,7 @@ class KVCacheManager:
         for held in self._loaded.values():
             for block_id in held:
                 holders[block_id] += 1
-        for transfer in [*self._transfers.values(), self._next_transfer]:
+        for transfer in [*self._transfers.values(), self._next_stores, *self._next_loads]:
             for block_id, _ in transfer.stores:
                 holders[block_id] += 1
             for _, block_id in transfer.loads:

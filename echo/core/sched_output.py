@@ -11,6 +11,22 @@ import msgspec
 from echo.sampling_params import SamplingParams
 
 
+class KVTransfer(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Copies between the GPU KV cache and the host tier, reported done as a whole
+    (ModelRunnerOutput.finished_kv_transfers). A step's stores travel as one transfer and each
+    request's load as one of its own, so a request waits for its own blocks, not for every
+    block loaded beside them."""
+
+    transfer_id: int
+    # [GPU block, host block]: KV that earlier steps wrote
+    stores: list[tuple[int, int]] = []
+    # [host block, GPU block]: into blocks nothing reads until the transfer is reported done
+    loads: list[tuple[int, int]] = []
+    # the step reuses blocks these stores read (a preemption's swap-out): its kernels wait for
+    # the copies on the device
+    before_step: bool = False
+
+
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     req_id: str
     prompt_token_ids: list[int]
@@ -46,14 +62,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # step computes them with it and verifies them (num_scheduled_tokens counts them)
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
     # the KV cache's host tier (docs/ARCHITECTURE.md, KV offload): copies the workers start
-    # with this step, named by its step_id, on a stream of their own. Stores [GPU block, host
-    # block]: KV that earlier steps wrote; loads [host block, GPU block]: into blocks nothing
-    # reads until the transfer is reported done (ModelRunnerOutput.finished_kv_transfers)
-    kv_stores: list[tuple[int, int]] = []
-    kv_loads: list[tuple[int, int]] = []
-    # the step reuses blocks these stores read (a preemption's swap-out): its kernels wait for
-    # the copies on the device
-    kv_transfers_before_step: bool = False
+    # with this step, in order, on a stream of their own
+    kv_transfers: list[KVTransfer] = []
     # transfers the scheduler saw done: each worker orders its later work after them on its
     # own device (another rank's copies may lag rank 0's report), then forgets them
     released_kv_transfers: list[int] = []
@@ -70,7 +80,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 
     @property
     def has_kv_transfers(self) -> bool:
-        return bool(self.kv_stores or self.kv_loads or self.released_kv_transfers)
+        return bool(self.kv_transfers or self.released_kv_transfers)
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

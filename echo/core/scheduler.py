@@ -400,7 +400,7 @@ class Scheduler:
         draft_req_ids = self._draft_requests(scheduled_running, new_reqs) \
             if self.draft_model_tokens else []
         finished, self._finished_req_ids = self._finished_req_ids, []
-        transfers, released = self.kv.take_transfers(self._step_id)
+        transfers, released = self.kv.take_transfers()
         output = SchedulerOutput(
             step_id=self._step_id,
             scheduled_new_reqs=new_data,
@@ -410,13 +410,11 @@ class Scheduler:
             finished_req_ids=finished,
             structured_req_ids=structured,
             scheduled_spec_decode_tokens=spec_tokens,
+            kv_transfers=transfers,
             released_kv_transfers=released,
             num_decode_steps=num_steps,
             draft_req_ids=draft_req_ids,
         )
-        if transfers is not None:
-            output.kv_stores, output.kv_loads = transfers.stores, transfers.loads
-            output.kv_transfers_before_step = transfers.before_step
         self._step_id += 1
         return output
 

@@ -38,7 +38,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     logprobs: list[list[LogprobsEntry] | None] = []
     # request id -> the prompt logprobs this step's chunk produced (requests that asked only)
     prompt_logprobs: dict[str, PromptLogprobs] = {}
-    # KV host-tier transfers (SchedulerOutput.kv_stores / kv_loads) this rank finished since
+    # KV host-tier transfers (SchedulerOutput.kv_transfers) this rank finished since
     # its last output, by transfer id, and this rank's cumulative bytes stored and loaded and
     # copy seconds (the metrics' figures: every rank moves the same share)
     finished_kv_transfers: list[int] = []

@@ -395,13 +395,14 @@ class ModelRunner:
         transfers = self.kv_transfers
         if out.released_kv_transfers:
             transfers.release(out.released_kv_transfers)
-        if out.kv_stores or out.kv_loads:
+        if out.kv_transfers:
             with step_range("kv-transfers", out.step_id):
-                transfers.start(out.step_id, [d for d, _ in out.kv_stores],
-                                [h for _, h in out.kv_stores], [h for h, _ in out.kv_loads],
-                                [d for _, d in out.kv_loads])
-                if out.kv_transfers_before_step:
-                    transfers.wait_on_device(out.step_id)
+                for plan in out.kv_transfers:
+                    transfers.start(plan.transfer_id, [d for d, _ in plan.stores],
+                                    [h for _, h in plan.stores], [h for h, _ in plan.loads],
+                                    [d for _, d in plan.loads])
+                    if plan.before_step:
+                        transfers.wait_on_device(plan.transfer_id)
 
     def _land(self, step: "_StepInFlight") -> ModelRunnerOutput:
         start = time.perf_counter()

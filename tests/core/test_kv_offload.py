@@ -5,7 +5,15 @@ import pytest
 
 from echo.core.host_tier import HostTier
 from echo.core.kv_cache_manager import KVCacheManager
+from echo.core.sched_output import KVTransfer
 from tests.core.test_kv_cache_manager import BS, admit, req
+
+
+def take_one(kv: KVCacheManager) -> KVTransfer:
+    """The one transfer the next step carries."""
+    transfers, _ = kv.take_transfers()
+    assert len(transfers) == 1
+    return transfers[0]
 
 
 def run_to_end(kv: KVCacheManager, request) -> list[int]:
@@ -20,44 +28,44 @@ def test_a_finished_requests_full_blocks_are_stored_and_pinned_until_done():
     kv = KVCacheManager(num_blocks=8, block_size=BS, num_host_blocks=4)
     a = req("a", list(range(10)))  # two full blocks and a partial one
     assert run_to_end(kv, a) == [0, 1, 2]
-    transfers, released = kv.take_transfers(7)
-    assert transfers.stores == [(0, 0), (1, 1)] and transfers.loads == [] and released == []
+    transfers, released = kv.take_transfers()
+    assert transfers == [KVTransfer(0, [(0, 0), (1, 1)], [], False)] and released == []
     # pinned: the two stored blocks are held by their copy, the partial one is free
     assert kv.pool.ref_counts[:3] == [1, 1, 0]
     kv.check_invariants()
-    kv.transfers_done([7])
+    kv.transfers_done([0])
     assert kv.pool.ref_counts[:3] == [0, 0, 0] and kv.stored_blocks == 2
     assert kv.host.num_valid == 2
-    assert kv.take_transfers(8) == (None, [7])  # the workers learn it was seen done
+    assert kv.take_transfers() == ([], [0])  # the workers learn it was seen done
     kv.check_invariants()
     # the same prefix again: already on the host, nothing stored twice
     run_to_end(kv, req("b", list(range(10))))
-    assert kv.take_transfers(9) == (None, [])
+    assert kv.take_transfers() == ([], [])
 
 
 def test_a_prefix_evicted_from_the_gpu_is_loaded_from_the_host():
     kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8)
     prompt = list(range(12))  # three full blocks
     run_to_end(kv, req("a", prompt))
-    transfers, _ = kv.take_transfers(1)
-    assert transfers.stores == [(0, 0), (1, 1), (2, 2)]
-    kv.transfers_done([1])
+    transfer = take_one(kv)
+    assert transfer.stores == [(0, 0), (1, 1), (2, 2)]
+    kv.transfers_done([transfer.transfer_id])
     # another prompt takes every GPU block: a's cached blocks are evicted
     run_to_end(kv, req("x", list(range(100, 116))))
-    transfers, _ = kv.take_transfers(2)
-    assert len(transfers.stores) == 4  # x's own blocks go to the host too
-    kv.transfers_done([2])
+    transfer = take_one(kv)
+    assert len(transfer.stores) == 4  # x's own blocks go to the host too
+    kv.transfers_done([transfer.transfer_id])
     assert kv.get_computed_blocks(req("probe", prompt + [5])).num_tokens == 0
     # a's prefix plus one token: 3 blocks found on the host are loaded into fresh GPU blocks
     b = req("b", prompt + [5])
     computed = kv.get_computed_blocks(b)
     assert kv.start_load(b, computed) and kv.is_loading(b)
     assert kv.host_queries == 3 * BS and kv.host_hits == 3 * BS
-    transfers, _ = kv.take_transfers(3)
-    assert [h for h, _ in transfers.loads] == [0, 1, 2]
-    loaded = [d for _, d in transfers.loads]
+    transfer = take_one(kv)
+    assert [h for h, _ in transfer.loads] == [0, 1, 2] and transfer.stores == []
+    loaded = [d for _, d in transfer.loads]
     kv.check_invariants()
-    kv.transfers_done([3])
+    kv.transfers_done([transfer.transfer_id])
     assert not kv.is_loading(b) and kv.loaded_blocks == 3
     # now the GPU prefix cache has them: admission reuses them instead of computing
     computed = kv.get_computed_blocks(b)
@@ -67,21 +75,50 @@ def test_a_prefix_evicted_from_the_gpu_is_loaded_from_the_host():
     kv.check_invariants()
 
 
+def test_each_request_loads_in_a_transfer_of_its_own_and_is_admitted_once_its_own_landed():
+    """Two requests loading at once: the first may run while the second's blocks still move
+    (one transfer for both would hold the first until every block had landed)."""
+    kv = KVCacheManager(num_blocks=5, block_size=BS, num_host_blocks=10)
+    first_prompt, second_prompt = list(range(8)), list(range(20, 28))  # two full blocks each
+    for rid, prompt, host_ids in (("a", first_prompt, [0, 1]), ("c", second_prompt, [2, 3]),
+                                  ("x", list(range(100, 120)), [4, 5, 6, 7, 8])):
+        run_to_end(kv, req(rid, prompt))  # x takes every GPU block: a's and c's are evicted
+        store = take_one(kv)
+        assert [h for _, h in store.stores] == host_ids
+        kv.transfers_done([store.transfer_id])
+    b1, b2 = req("b1", first_prompt + [1]), req("b2", second_prompt + [1])
+    assert kv.start_load(b1, kv.get_computed_blocks(b1))
+    assert kv.start_load(b2, kv.get_computed_blocks(b2))
+    transfers, released = kv.take_transfers()
+    assert released == [2]  # the stores seen done since the last step
+    assert [(t.transfer_id, [h for h, _ in t.loads], t.stores) for t in transfers] == [
+        (3, [0, 1], []), (4, [2, 3], [])]
+    kv.transfers_done([3])
+    assert not kv.is_loading(b1) and kv.is_loading(b2)
+    computed = kv.get_computed_blocks(b1)
+    assert computed == ([d for _, d in transfers[0].loads], 8)
+    assert kv.allocate_slots(b1, 1, computed) == [4]  # b1 runs; b2's blocks stay held
+    kv.check_invariants()
+    assert kv.take_transfers() == ([], [3])
+    kv.transfers_done([4])
+    assert not kv.is_loading(b2) and kv.loaded_blocks == 4
+    assert kv.get_computed_blocks(b2).block_ids == [d for _, d in transfers[1].loads]
+    kv.check_invariants()
+
+
 def test_an_abort_during_a_load_frees_everything():
     kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8)
     prompt = list(range(8))
     run_to_end(kv, req("a", prompt))
-    kv.take_transfers(1)
-    kv.transfers_done([1])
+    kv.transfers_done([take_one(kv).transfer_id])
     run_to_end(kv, req("x", list(range(50, 66))))  # evicts a's blocks from the GPU
-    kv.take_transfers(2)
-    kv.transfers_done([2])
+    kv.transfers_done([take_one(kv).transfer_id])
     b = req("b", prompt + [1])
     assert kv.start_load(b, kv.get_computed_blocks(b))
-    kv.take_transfers(3)
+    load = take_one(kv)
     kv.free(b)  # aborted while its load is in flight: the load still holds its blocks
     kv.check_invariants()
-    kv.transfers_done([3])
+    kv.transfers_done([load.transfer_id])
     kv.check_invariants()
     assert kv.num_free_blocks == 4 and kv.host.num_valid >= 2
 
@@ -107,7 +144,7 @@ def test_a_full_host_tier_evicts_its_least_recently_used_block_but_never_a_pinne
 def test_without_a_host_tier_nothing_changes():
     kv = KVCacheManager(num_blocks=8, block_size=BS)
     run_to_end(kv, req("a", list(range(10))))
-    assert kv.take_transfers(0) == (None, [])
+    assert kv.take_transfers() == ([], [])
     assert kv.pool.ref_counts == [0] * 8
     assert not kv.start_load(req("b", list(range(10))), kv.get_computed_blocks(
         req("b", list(range(10)))))
@@ -141,9 +178,10 @@ def test_a_swap_preempts_one_request_like_recompute_and_orders_the_step_after_it
     assert second.num_scheduled_tokens == {"a": 1} and sched.num_preemptions == 1
     assert [r.request_id for r in sched.waiting] == ["b"]
     if mode == "swap":  # b's two full blocks are copied out before the step reuses one
-        assert len(second.kv_stores) == 2 and second.kv_transfers_before_step
+        [swap] = second.kv_transfers
+        assert len(swap.stores) == 2 and swap.loads == [] and swap.before_step
     else:
-        assert second.kv_stores == [] and not second.kv_transfers_before_step
+        assert second.kv_transfers == []
     sched.kv.check_invariants()
 
 
@@ -151,9 +189,9 @@ def test_a_prefix_cache_reset_forgets_the_host_tier_too():
     kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8)
     prompt = list(range(8))
     run_to_end(kv, req("a", prompt))
-    kv.take_transfers(1)
+    store = take_one(kv)
     assert not kv.reset_prefix_cache()  # a copy is in flight
-    kv.transfers_done([1])
+    kv.transfers_done([store.transfer_id])
     assert kv.reset_prefix_cache() and kv.host.num_valid == 0
     b = req("b", prompt + [1])
     assert not kv.start_load(b, kv.get_computed_blocks(b))  # stale KV is not loaded

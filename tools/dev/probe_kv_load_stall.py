@@ -58,9 +58,9 @@ def step_content(runner, out) -> str:
         return "prefill"
     transfers = runner.kv_transfers
     pending = [t for t in transfers._pending.values() if not t.reported] if transfers else []
-    if out.kv_loads or any(t.loaded_bytes for t in pending):
+    if any(t.loads for t in out.kv_transfers) or any(t.loaded_bytes for t in pending):
         return "decode, loads pending"
-    if out.kv_stores or pending:
+    if out.kv_transfers or pending:
         return "decode, stores pending"
     return "decode"
 
