@@ -26,6 +26,7 @@ from echo.models.arch import (
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+QUANTIZATION_METHODS = ("awq", "compressed-tensors")  # quant_method of the W4A16 checkpoints
 # "auto" and "bf16" store K/V in the model dtype; "int8" adds per-token-head float32 scales
 KV_CACHE_DTYPES = ("auto", "bf16", "int8")
 DEVICES = ("auto", "cuda", "cpu")
@@ -97,7 +98,8 @@ MODEL_ARGS = (
               "engine seed: dummy weights and the sampling of requests that give no seed"),
     EngineArg("quantization", str, None,
               "the checkpoint's weight format, checked against its config.json's "
-              "quantization_config (read from there when not given)", choices=("awq",)),
+              "quantization_config (read from there when not given)",
+              choices=QUANTIZATION_METHODS),
     EngineArg("speculative_config", dict, None,
               'speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
               '"num_speculative_tokens": 4, "prompt_lookup_max": 4}'),
@@ -526,10 +528,13 @@ def _create(model: str | None, **kwargs) -> EngineConfig:
     arch = arch_from_hf_config(hf_config, source=f"{path or model}/config.json")
     quantization = model_kwargs.get("quantization")
     if quantization is not None:
-        _check_choice(quantization, "quantization", ("awq",))
+        _check_choice(quantization, "quantization", QUANTIZATION_METHODS)
         _check(arch.quantization is not None, "quantization",
                f"{quantization!r} given, but {path or model}/config.json has no "
                "quantization_config: the weights are not quantized")
+        _check(arch.quantization.method == quantization, "quantization",
+               f"{quantization!r} given, but {path or model}/config.json's weights are "
+               f"{arch.quantization.method!r}")
 
     device = _resolve_device(device_cfg.device)
     backend = device_cfg.attention_backend

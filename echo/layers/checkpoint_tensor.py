@@ -24,5 +24,6 @@ class CheckpointTensor:
 
 
 def whole(x: "torch.Tensor | CheckpointTensor") -> torch.Tensor:
-    """All of x, as a tensor (read from the checkpoint now if it is a CheckpointTensor)."""
-    return x.whole() if isinstance(x, CheckpointTensor) else x
+    """All of x, as a tensor (read from the checkpoint now if it is a CheckpointTensor or
+    another lazy view with `whole()`, such as compressed_tensors.AwqView)."""
+    return x if isinstance(x, torch.Tensor) else x.whole()

@@ -11,6 +11,8 @@ from torch import nn
 from echo.config import ModelConfig
 from echo.distributed.parallel_state import SINGLE, TPGroup
 from echo.layers.checkpoint_tensor import CheckpointTensor, whole
+from echo.layers.compressed_tensors import as_awq_tensors
+from echo.layers.quantization import PACK_QUANTIZED
 from echo.models.registry import model_class
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -61,7 +63,11 @@ def load_weights(model: nn.Module, folder: Path) -> None:
     map_name = getattr(model, "map_checkpoint_name", lambda name: None)
     tied = model.arch.tie_word_embeddings
     loaded: set[str] = set()
-    for name, weight in iterate_weights(folder):
+    weights = iterate_weights(folder)
+    quant = model.arch.quantization
+    if quant is not None and quant.format == PACK_QUANTIZED:
+        weights = as_awq_tensors(weights, quant, _device_of(model))
+    for name, weight in weights:
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
         shard_id = None
@@ -75,16 +81,21 @@ def load_weights(model: nn.Module, folder: Path) -> None:
                     break
         param = params.get(name)
         if param is None:
-            raise ValueError(f"{folder}: checkpoint tensor {name!r} has no place in the model")
+            raise ValueError(f"{folder}: checkpoint tensor "
+                             f"{getattr(weight, 'source_name', name)!r} has no place in the model")
         try:
             getattr(param, "weight_loader", _default_loader)(param, weight, shard_id)
         except ValueError as e:
-            raise ValueError(f"{folder}: {name}: {e}") from None
+            raise ValueError(f"{folder}: {getattr(weight, 'source_name', name)}: {e}") from None
         loaded.add(name)
     expected = {n for n in params if not (tied and n == "lm_head.weight")}
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"{folder}: checkpoint lacks {len(missing)} weight(s), e.g. {missing[:3]}")
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
