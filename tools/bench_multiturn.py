@@ -12,8 +12,9 @@ recomputed, with one (--kv-offloading-size, GiB) it is loaded. Prompts are rando
 and answers have a fixed length (ignore_eos), so dummy weights do; nothing is downloaded.
 
 Reports, per turn, TTFT p50/p99 (AsyncClient: the engine in its own processes, as served), and
-for the run the prefix-cache hit rate of each tier (GPU hits include loaded blocks) and the
-output throughput. --json writes it all; --plot draws TTFT p50/p99 by turn.
+for the run the prefix-cache hit rate of each tier (GPU hits include loaded blocks), the mean
+wait of a loading request for its load, and the output throughput. --json writes it all;
+--plot draws TTFT p50/p99 by turn.
 """
 
 import argparse
@@ -89,6 +90,8 @@ async def run(args: argparse.Namespace) -> dict:
         "gpu_hit_rate": stats.prefix_cache_hits / max(1, stats.prefix_cache_queries),
         "host_hit_rate": stats.kv_host_hits / max(1, stats.kv_host_queries),
         "stored_blocks": stats.kv_stored_blocks, "loaded_blocks": stats.kv_loaded_blocks,
+        # what a load added to a loading request's first token, on average
+        "load_wait_ms_mean": 1e3 * stats.kv_load_wait_seconds / max(1, stats.kv_loads),
         "output_tok_per_s": generated / elapsed, "elapsed_s": elapsed,
     }
 

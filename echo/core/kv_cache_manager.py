@@ -24,6 +24,7 @@ is admitted once its own blocks have landed) and come back done with a step's ou
 """
 
 import hashlib
+from time import monotonic
 from typing import NamedTuple
 
 import msgspec
@@ -74,7 +75,7 @@ class _RequestBlocks:
 class _Transfer:
     """A step's stores, or one request's load."""
 
-    __slots__ = ("stores", "swaps", "loads", "load_hashes", "owner")
+    __slots__ = ("stores", "swaps", "loads", "load_hashes", "owner", "started")
 
     def __init__(self, owner: str | None = None):
         self.stores: list[tuple[int, int]] = []  # each pins its GPU block until done
@@ -84,6 +85,7 @@ class _Transfer:
         self.loads: list[tuple[int, int]] = []
         self.load_hashes: list[BlockHash] = []
         self.owner = owner  # the request a load is for
+        self.started = 0.0  # monotonic() when a step took it
 
     def __bool__(self) -> bool:
         return bool(self.stores or self.swaps or self.loads)
@@ -119,6 +121,10 @@ class KVCacheManager:
         self.host_hits = 0  # of which found there (and loaded)
         self.stored_blocks = 0  # cumulative
         self.loaded_blocks = 0
+        # requests whose loads landed, and the seconds from the step that started each load to
+        # the output that reported it done (what a load adds to a request's first token)
+        self.loads_done = 0
+        self.load_wait_seconds = 0.0
 
     @property
     def num_blocks(self) -> int:
@@ -328,8 +334,9 @@ class KVCacheManager:
         gathered = [self._next_stores] if self._next_stores else []
         gathered += self._next_loads
         self._next_stores, self._next_loads = _Transfer(), []
-        plans = []
+        plans, now = [], monotonic() if gathered else 0.0
         for transfer in gathered:
+            transfer.started = now
             transfer_id = self._next_transfer_id
             self._next_transfer_id += 1
             self._transfers[transfer_id] = transfer
@@ -362,6 +369,8 @@ class KVCacheManager:
                     self.pool.cache_block(block_id, block_hash)
                 loaded = [block_id for _, block_id in transfer.loads]
                 self.loaded_blocks += len(loaded)
+                self.loads_done += 1
+                self.load_wait_seconds += monotonic() - transfer.started
                 self._loading.discard(rid)
                 if rid in self._abandoned:  # cached all the same, held by nobody
                     self._abandoned.discard(rid)

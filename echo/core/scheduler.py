@@ -597,6 +597,8 @@ class Scheduler:
             kv_host_hits=kv.host_hits,
             kv_stored_blocks=kv.stored_blocks,
             kv_loaded_blocks=kv.loaded_blocks,
+            kv_loads=kv.loads_done,
+            kv_load_wait_seconds=kv.load_wait_seconds,
             kv_stored_bytes=stored * tp,
             kv_loaded_bytes=loaded * tp,
             kv_transfer_seconds=seconds,

@@ -68,6 +68,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     kv_host_hits: int = 0
     kv_stored_blocks: int = 0
     kv_loaded_blocks: int = 0
+    # requests whose host-tier loads landed, and the seconds each waited for them (from the
+    # step that started the load to the output that reported it done), summed
+    kv_loads: int = 0
+    kv_load_wait_seconds: float = 0.0
     # ... and the bytes and copy seconds of all ranks together
     kv_stored_bytes: int = 0
     kv_loaded_bytes: int = 0

@@ -88,6 +88,11 @@ ENGINE_SERIES = (
      "kv_stored_blocks"),
     (_COUNTER, "echo:kv_offload_loaded_blocks", "KV blocks loaded from the host tier.",
      "kv_loaded_blocks"),
+    (_COUNTER, "echo:kv_offload_loads", "Requests whose prefix was loaded from the host tier.",
+     "kv_loads"),
+    (_COUNTER, "echo:kv_offload_load_wait_seconds",
+     "Time requests waited for their host-tier loads, from the step that started each to the "
+     "output that reported it done.", "kv_load_wait_seconds"),
     (_COUNTER, "echo:kv_offload_stored_bytes", "Bytes copied to the host tier (all ranks).",
      "kv_stored_bytes"),
     (_COUNTER, "echo:kv_offload_loaded_bytes", "Bytes loaded from the host tier (all ranks).",

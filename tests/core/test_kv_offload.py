@@ -75,9 +75,12 @@ def test_a_prefix_evicted_from_the_gpu_is_loaded_from_the_host():
     kv.check_invariants()
 
 
-def test_each_request_loads_in_a_transfer_of_its_own_and_is_admitted_once_its_own_landed():
+def test_each_request_loads_in_a_transfer_of_its_own_and_is_admitted_once_its_own_landed(
+        monkeypatch):
     """Two requests loading at once: the first may run while the second's blocks still move
-    (one transfer for both would hold the first until every block had landed)."""
+    (one transfer for both would hold the first until every block had landed). Each one's wait
+    is counted from the step that took its load to the report that it landed."""
+    clock = iter([5.0, 5.25, 6.0])  # the loads' step, the first landing, the second
     kv = KVCacheManager(num_blocks=5, block_size=BS, num_host_blocks=10)
     first_prompt, second_prompt = list(range(8)), list(range(20, 28))  # two full blocks each
     for rid, prompt, host_ids in (("a", first_prompt, [0, 1]), ("c", second_prompt, [2, 3]),
@@ -89,6 +92,7 @@ def test_each_request_loads_in_a_transfer_of_its_own_and_is_admitted_once_its_ow
     b1, b2 = req("b1", first_prompt + [1]), req("b2", second_prompt + [1])
     assert kv.start_load(b1, kv.get_computed_blocks(b1))
     assert kv.start_load(b2, kv.get_computed_blocks(b2))
+    monkeypatch.setattr("echo.core.kv_cache_manager.monotonic", lambda: next(clock))
     transfers, released = kv.take_transfers()
     assert released == [2]  # the stores seen done since the last step
     assert [(t.transfer_id, [h for h, _ in t.loads], t.stores) for t in transfers] == [
@@ -102,6 +106,7 @@ def test_each_request_loads_in_a_transfer_of_its_own_and_is_admitted_once_its_ow
     assert kv.take_transfers() == ([], [3])
     kv.transfers_done([4])
     assert not kv.is_loading(b2) and kv.loaded_blocks == 4
+    assert kv.loads_done == 2 and kv.load_wait_seconds == 0.25 + 1.0
     assert kv.get_computed_blocks(b2).block_ids == [d for _, d in transfers[1].loads]
     kv.check_invariants()
 

@@ -68,6 +68,9 @@ def test_multi_turn_greedy_tokens_equal_with_offload_on_and_off(smollm2):
     assert on_stats.kv_stored_bytes == on_stats.kv_stored_blocks * block_bytes
     assert on_stats.kv_loaded_bytes == on_stats.kv_loaded_blocks * block_bytes
     assert on_stats.kv_transfer_seconds > 0
+    # each load is one request's: at least one request loaded, none loaded twice
+    assert 0 < on_stats.kv_loads <= on_stats.kv_loaded_blocks
+    assert on_stats.kv_load_wait_seconds > 0
     assert on_stats.prefix_cache_hits > off_stats.prefix_cache_hits
 
 
