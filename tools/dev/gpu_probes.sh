@@ -3,7 +3,7 @@
 # tools/gpu_acceptance.sh so each fits one device call:
 #   source .gpu/prelude.sh; tools/dev/gpu_probes.sh STAGE...
 # Stages, rough minutes on an H200 (plus start-up): sweeps 5, int8-probe 2, l2-prefetch 2,
-# kv-contention 4, kv-trace 5, moe-route 6, kv-split 7.
+# kv-contention 4, kv-trace 7, moe-route 6, kv-split 7.
 # Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz, and the key lines
 # are printed.
 set -uo pipefail
@@ -37,12 +37,16 @@ stage_commands() {
       $PY tools/dev/probe_kv_load_stall.py --model qwen3-8b 2>&1 \
         | tee "$dir/kv_load_stall.log" | grep -E "chunks of|ratio|p50|gb_per|calls" ;;
     kv-trace)  # the decoders' kernels with and without loads in flight, then with the engine
-      # on a stream of the highest priority (the tier's side stream keeps the lowest)
-      for flag in "" --high-priority; do
-        echo "--- trace $flag"
-        $PY tools/dev/probe_kv_load_trace.py --out "$dir/trace$flag" $flag \
-          > "$dir/trace$flag.log" 2>&1
-        grep -v "^echo:" "$dir/trace$flag.log" \
+      # on a stream of the highest priority (the tier's side stream keeps the lowest), then
+      # without PDL (do kernels launched early, waiting on their predecessor, lose their SMs
+      # to the tier's scatters? the contention probe's GEMMs ran without PDL)
+      for variant in "1" "1 --high-priority" "0"; do
+        set -- $variant
+        local pdl=$1 name="trace_pdl$1${2:-}"
+        echo "--- ECHO_PDL=$pdl ${2:-}"
+        ECHO_PDL=$pdl $PY tools/dev/probe_kv_load_trace.py --out "$dir/$name" ${2:-} \
+          > "$dir/$name.log" 2>&1
+        grep -v "^echo:" "$dir/$name.log" \
           | grep -E "decode_ratio|p50|gb_per_s\"|priority|^==|^   |^kernels"
       done ;;
     moe-route)  # the pair GEMVs routing their tokens (ROUTE_IN_PAIRS) against moe_routing
