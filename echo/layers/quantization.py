@@ -82,6 +82,14 @@ def _parse_compressed_tensors(cfg: dict, where: str) -> AwqConfig:
         raise ValueError(f"{where}.config_groups: exactly one group is supported, got "
                          f"{len(groups) if isinstance(groups, dict) else groups!r}")
     (name, group), = groups.items()
+    ignore = cfg.get("ignore") or ()
+    for rule in ignore:
+        if str(rule).startswith("re:"):
+            try:
+                re.compile(str(rule)[3:])
+            except re.error as e:
+                raise ValueError(f"{where}.ignore: {rule!r} is not a valid pattern ({e})") \
+                    from None
     where = f"{where}.config_groups.{name}"
     targets = group.get("targets", ["Linear"])
     if targets != ["Linear"]:
@@ -100,6 +108,5 @@ def _parse_compressed_tensors(cfg: dict, where: str) -> AwqConfig:
     for field, ok, rule in checks:
         if not ok:
             raise ValueError(f"{where}.weights.{field}: {rule}, got {weights.get(field)!r}")
-    ignore = cfg.get("ignore") or ()
     return AwqConfig(int(weights["group_size"]), tuple(str(m) for m in ignore), PACK_QUANTIZED,
                      weights.get("symmetric", True))

@@ -173,6 +173,7 @@ def test_packs_follow_awqs_order_and_symmetric_zero_points_are_eights():
     ({"input_activations": {"num_bits": 8}}, "input_activations"),
     ({"targets": ["re:.*mlp.*"]}, "targets"),
     ({"second_group": True}, "quantization_config.config_groups"),
+    ({"ignore": ["re:(unclosed"]}, "quantization_config.ignore"),
 ])
 def test_unsupported_compressed_tensors_configs_name_the_field(ct_model, tmp_path, change,
                                                                field):
