@@ -14,9 +14,12 @@ block ids go up through a pinned ring allocated once (pinned_ring.py says why). 
 make that safe: a transfer's gathers and scatters wait for the main stream's work queued before
 `start` (the KV it stores was written by earlier steps, the blocks it loads into were read by
 them), and `release` makes the main stream wait for a transfer before later kernels reuse its
-device blocks. With `split_streams` the gathers and scatters run on a second side stream, each
-chunk in a staging slot of its own, so the copy engine can go on to the next chunk's copy while
-a scatter waits for SMs that the steps' kernels hold (one stream serialises copy, scatter, copy).
+device blocks. The copy mode ("split") may put the gathers and scatters on a second side
+stream, each chunk in a staging slot of its own, so the copy engine can go on to the next
+chunk's copy while a scatter waits for SMs that the steps' kernels hold (one stream serialises
+copy, scatter, copy); or ("direct") skip staging: each block moves between its host block and
+the cache's strided segments in one strided copy per cache tensor by the copy engine
+(strided_copy.py), with no kernel and no SM, at the cost of a driver call per block.
 On CPU (tests, CI) the copies run synchronously inside `start`.
 """
 
@@ -29,6 +32,7 @@ import torch
 
 from echo.worker.kv_cache import KVCacheSpec, StackedKVCache, kv_cache_spec
 from echo.worker.pinned_ring import PinnedUploadRing
+from echo.worker.strided_copy import StridedCopier
 
 # blocks a host-tier chunk moves through the device staging buffer (counted in the KV budget)
 STAGING_BLOCKS = 64
@@ -36,9 +40,12 @@ STAGING_BLOCKS = 64
 # host's pumps; a whole transfer queued at once (128 chunks of Qwen3-8B) filled the stream's
 # command queue, and the host blocked 190 ms issuing it (docs/benchmarks.md, KV offload)
 CHUNKS_IN_FLIGHT = 2
-# gathers and scatters on a stream of their own beside the copies (KVTransfers): off until
-# timed on a GPU (tools/dev/gpu_probes.sh kv-split; built 2026-12-05 when no GPU was lent)
-SPLIT_STREAMS = False
+# how chunks move (module docstring): "staged" through a staging buffer on one side stream,
+# "split" with its gathers and scatters on a second one, "direct" by strided copies without
+# staging. Staged until the others are timed on a GPU (tools/dev/gpu_probes.sh kv-split; both
+# built 2026-12-05, when no GPU was lent)
+COPY_MODES = ("staged", "split", "direct")
+COPY_MODE = "staged"
 
 
 def host_tier_blocks(kv_offloading_size_gib: float, bytes_per_block: int, tp_size: int) -> int:
@@ -101,6 +108,7 @@ class _Transfer:
     device_ids: list[int]  # the stores' device blocks, then the loads'
     chunks: deque  # (store?, first, end position in device_ids, host ids) not issued yet
     ready: torch.cuda.Event | None = None  # the main stream's work at start (CUDA)
+    ordered: bool = False  # the side streams wait for `ready` (before the first chunk)
     index: torch.Tensor | None = None  # device_ids on the device, uploaded with the first chunk
     end: torch.cuda.Event | None = None  # after its last chunk (CUDA)
     timings: list = field(default_factory=list)  # each chunk's copy (begin, end) events (CUDA)
@@ -137,17 +145,19 @@ class KVTransfers:
     `start` until `release`. On CUDA a transfer's chunks are issued a few at a time (at most
     chunks_in_flight queued on the side stream), by start and then by each poll_done and pump,
     so a transfer of gigabytes never blocks the host. Memory: a staging buffer of
-    max_blocks_per_chunk blocks (chunks_in_flight of them with split_streams; on CUDA it counts
-    against the GPU beside the KV cache: staging_blocks), chunk-sized temporaries, a pinned ring
-    for the block ids, and a few events per pending transfer's chunks."""
+    max_blocks_per_chunk blocks (chunks_in_flight of them when split, none when direct; on CUDA
+    it counts against the GPU beside the KV cache: staging_blocks), chunk-sized temporaries, a
+    pinned ring for the block ids, and a few events per pending transfer's chunks."""
 
     def __init__(self, device_cache: StackedKVCache, host: HostKVCache, device: torch.device,
                  max_blocks_per_chunk: int = STAGING_BLOCKS,
-                 chunks_in_flight: int = CHUNKS_IN_FLIGHT, split_streams: bool = SPLIT_STREAMS):
+                 chunks_in_flight: int = CHUNKS_IN_FLIGHT, copy_mode: str = COPY_MODE):
         if max_blocks_per_chunk < 1:
             raise ValueError(f"max_blocks_per_chunk: must be >= 1, got {max_blocks_per_chunk}")
         if chunks_in_flight < 1:
             raise ValueError(f"chunks_in_flight: must be >= 1, got {chunks_in_flight}")
+        if copy_mode not in COPY_MODES:
+            raise ValueError(f"copy_mode: must be one of {COPY_MODES}, got {copy_mode!r}")
         self.host, self.device = host, torch.device(device)
         self.max_blocks_per_chunk, self.chunks_in_flight = max_blocks_per_chunk, chunks_in_flight
         self.num_device_blocks = device_cache.kv.shape[2]
@@ -173,14 +183,21 @@ class KVTransfers:
         # the host <-> device copies; the gathers and scatters on the same stream or, split, on
         # a second one (the staging slot's and the chunk's events order the two)
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
-        self.split_streams = split_streams and self._cuda
+        self.copy_mode = copy_mode
+        self.split_streams = copy_mode == "split" and self._cuda
+        self.direct = copy_mode == "direct"
         self._kernel_stream = (torch.cuda.Stream(self.device) if self.split_streams
                                else self._stream)
+        if self.direct:  # each cache tensor's block: height segments of width bytes, pitch apart
+            self._geometry = _direct_geometry(planes)
+            self._to_host = StridedCopier(to_device=False, stream=self._stream)
+            self._to_device = StridedCopier(to_device=True, stream=self._stream)
         # a transfer's device ids: a store and a load of every device block fit without growing
-        self._ids = (PinnedUploadRing(2 * self.num_device_blocks, self.device) if self._cuda
-                     else None)
-        slots = staging_blocks(max_blocks_per_chunk, chunks_in_flight,
-                               self.split_streams) // max_blocks_per_chunk
+        self._ids = (PinnedUploadRing(2 * self.num_device_blocks, self.device)
+                     if self._cuda and not self.direct else None)
+        # (on the CPU chunks are copied one at a time: one slot, none when direct)
+        mode = copy_mode if self._cuda or self.direct else "staged"
+        slots = staging_blocks(max_blocks_per_chunk, chunks_in_flight, mode) // max_blocks_per_chunk
         self._staging = torch.empty(slots, max_blocks_per_chunk, offset, dtype=word,
                                     device=self.device)
         self._slot_free: list[torch.cuda.Event | None] = [None] * slots  # after its last use
@@ -248,7 +265,11 @@ class KVTransfers:
             began = time.perf_counter()
             transfer.index = torch.tensor(transfer.device_ids, dtype=torch.int64)
             while transfer.chunks:
-                self._copy_chunk(transfer, *transfer.chunks.popleft())
+                chunk = transfer.chunks.popleft()
+                if self.direct:
+                    self._direct_copies(transfer, *chunk)
+                else:
+                    self._copy_chunk(transfer, *chunk)
             transfer.wall_s = time.perf_counter() - began
             return
         # the blocks stored were written, and those loaded into were last used, by kernels
@@ -328,11 +349,16 @@ class KVTransfers:
             while not transfer.issued:
                 if through is None and len(self._in_flight) >= self.chunks_in_flight:
                     return
-                if transfer.index is None:
-                    # the gathers and scatters touch device blocks the main stream used
-                    with torch.cuda.stream(self._kernel_stream):
-                        self._kernel_stream.wait_event(transfer.ready)
-                        transfer.index = self._ids.upload(transfer.device_ids)
+                if not transfer.ordered:
+                    # the gathers and scatters (direct: the copies) touch device blocks the
+                    # main stream used
+                    transfer.ordered = True
+                    if self.direct:
+                        self._stream.wait_event(transfer.ready)
+                    else:
+                        with torch.cuda.stream(self._kernel_stream):
+                            self._kernel_stream.wait_event(transfer.ready)
+                            transfer.index = self._ids.upload(transfer.device_ids)
                 if transfer.chunks:
                     done = self._issue_chunk(transfer, *transfer.chunks.popleft())
                 else:  # a transfer that moves nothing: done once the main stream's work is
@@ -346,7 +372,16 @@ class KVTransfers:
 
     def _issue_chunk(self, transfer: _Transfer, store: bool, first: int, end: int,
                      host_ids: list[int]) -> torch.cuda.Event:
-        """Queue a chunk in the next staging slot; returns the event after its last work."""
+        """Queue a chunk in the next staging slot (direct: its strided copies); returns the
+        event after its last work."""
+        if self.direct:
+            begin = torch.cuda.Event(enable_timing=True)
+            copied = torch.cuda.Event(enable_timing=True)
+            begin.record(self._stream)
+            self._direct_copies(transfer, store, first, end, host_ids)
+            copied.record(self._stream)
+            transfer.timings.append((begin, copied))
+            return copied
         slot = self._next_slot
         self._next_slot = (slot + 1) % len(self._staging)
         free = self._slot_free[slot]  # the slot's previous chunk has read or written it
@@ -393,6 +428,21 @@ class KVTransfers:
             self._host_copies(0, host_ids, store=False)
             self._scatter(transfer, 0, first, end)
 
+    def _direct_copies(self, transfer: _Transfer, store: bool, first: int, end: int,
+                       host_ids: list[int]) -> None:
+        """A chunk's blocks straight between the cache and their host blocks: per block and
+        cache tensor, one strided copy of its 2 * num_layers segments."""
+        copier = self._to_host if store else self._to_device
+        host_base, bytes_per_block = self.host.data.data_ptr(), self.host.bytes_per_block
+        for device_id, host_id in zip(transfer.device_ids[first:end], host_ids):
+            host_block = host_base + host_id * bytes_per_block
+            for base, block_stride, pitch, width, height, offset in self._geometry:
+                device_block = base + device_id * block_stride
+                if store:
+                    copier.copy(host_block + offset, width, device_block, pitch, width, height)
+                else:
+                    copier.copy(device_block, pitch, host_block + offset, width, width, height)
+
     def _gather(self, transfer: _Transfer, slot: int, first: int, end: int) -> None:
         # device ids are slices of the transfer's one upload: an upload per chunk costs the host
         # more than the chunk's own launches
@@ -417,8 +467,25 @@ class KVTransfers:
 
 
 def staging_blocks(max_blocks_per_chunk: int = STAGING_BLOCKS,
-                   chunks_in_flight: int = CHUNKS_IN_FLIGHT,
-                   split_streams: bool = SPLIT_STREAMS) -> int:
-    """Blocks of device memory KVTransfers stages chunks in: a chunk's, or with split streams
-    one chunk's for each chunk in flight."""
-    return max_blocks_per_chunk * (chunks_in_flight if split_streams else 1)
+                   chunks_in_flight: int = CHUNKS_IN_FLIGHT, copy_mode: str = COPY_MODE) -> int:
+    """Blocks of device memory KVTransfers stages chunks in: a chunk's, split one chunk's for
+    each chunk in flight, direct none."""
+    if copy_mode == "direct":
+        return 0
+    return max_blocks_per_chunk * (chunks_in_flight if copy_mode == "split" else 1)
+
+
+def _direct_geometry(planes: list[torch.Tensor]) -> list[tuple[int, int, int, int, int, int]]:
+    """Per cache tensor (StackedKVCache.planes, [num_blocks, 2 * num_layers, bytes]): its
+    address, block stride, segment pitch, segment bytes, segments, and its offset in a host
+    block (the tensors' segments follow one another there, each tensor's in order)."""
+    geometry, offset = [], 0
+    for plane in planes:
+        blocks, segments, width = plane.shape
+        if plane.stride(2) != 1:
+            raise ValueError(f"a KV cache tensor's segments must be contiguous, got strides "
+                             f"{plane.stride()}")
+        geometry.append((plane.data_ptr(), plane.stride(0), plane.stride(1), width, segments,
+                         offset))
+        offset += segments * width
+    return geometry

@@ -1,11 +1,13 @@
 """The KV host tier's copies: blocks stored to host memory and loaded back are bit-exact in every
-layer's K, V and int8 scales, and no other device block changes."""
+layer's K, V and int8 scales, and no other device block changes, whether a chunk goes through the
+staging buffer or moves by strided copies ("direct": on the CPU the same strided copies row by
+row, so their addresses and pitches are checked here)."""
 
 import pytest
 import torch
 
 from echo.worker.kv_cache import KVCacheSpec
-from echo.worker.kv_transfer import HostKVCache, KVTransfers, host_tier_blocks
+from echo.worker.kv_transfer import COPY_MODES, HostKVCache, KVTransfers, host_tier_blocks
 
 CPU = torch.device("cpu")
 NUM_BLOCKS = 12
@@ -35,10 +37,10 @@ def random_cache(kv_spec: KVCacheSpec, device=CPU, num_blocks=NUM_BLOCKS):
     return stacked, caches, [p.clone() for p in parts(caches)]
 
 
-def setup(kv_spec, num_host_blocks=6, chunk=64):
+def setup(kv_spec, num_host_blocks=6, chunk=64, copy_mode="staged"):
     stacked, caches, originals = random_cache(kv_spec)
     host = HostKVCache(kv_spec, num_host_blocks, pin=False)
-    return caches, originals, host, KVTransfers(stacked, host, CPU, chunk)
+    return caches, originals, host, KVTransfers(stacked, host, CPU, chunk, copy_mode=copy_mode)
 
 
 def round_trip(xfer, caches, stored, host_ids, loaded_into):
@@ -65,10 +67,11 @@ def assert_moved(caches, originals, moves: dict[int, int], zeroed=()):
             assert torch.equal(p[block], expected), block
 
 
+@pytest.mark.parametrize("copy_mode", ["staged", "direct"])
 @pytest.mark.parametrize("model_dtype, kv_cache_dtype", DTYPES)
-def test_store_then_load_into_other_blocks_is_bit_exact(model_dtype, kv_cache_dtype):
+def test_store_then_load_into_other_blocks_is_bit_exact(model_dtype, kv_cache_dtype, copy_mode):
     kv_spec = spec(model_dtype, kv_cache_dtype)
-    caches, originals, host, xfer = setup(kv_spec)
+    caches, originals, host, xfer = setup(kv_spec, copy_mode=copy_mode)
     round_trip(xfer, caches, [3, 7, 1], [0, 5, 2], [9, 2, 4])
     assert_moved(caches, originals, {3: 9, 7: 2, 1: 4}, zeroed={3, 7, 1})
     bpb = kv_spec.bytes_per_block()
@@ -76,9 +79,10 @@ def test_store_then_load_into_other_blocks_is_bit_exact(model_dtype, kv_cache_dt
     assert xfer.seconds >= 0
 
 
-def test_a_host_block_is_the_device_blocks_bytes_layer_by_layer():
+@pytest.mark.parametrize("copy_mode", ["staged", "direct"])
+def test_a_host_block_is_the_device_blocks_bytes_layer_by_layer(copy_mode):
     kv_spec = spec(torch.bfloat16, "int8")
-    caches, originals, host, xfer = setup(kv_spec)
+    caches, originals, host, xfer = setup(kv_spec, copy_mode=copy_mode)
     xfer.start(1, [3], [4], [], [])
     # layer 0's K, V, layer 1's K, V ..., then layer 0's K and V scales ... in their stored
     # [heads, block_size] order
@@ -89,16 +93,19 @@ def test_a_host_block_is_the_device_blocks_bytes_layer_by_layer():
     assert torch.equal(host.data[4], expected)
 
 
+@pytest.mark.parametrize("copy_mode", ["staged", "direct"])
 @pytest.mark.parametrize("model_dtype, kv_cache_dtype", DTYPES)
-def test_more_blocks_than_a_chunk_and_runs_of_host_ids(model_dtype, kv_cache_dtype):
-    caches, originals, host, xfer = setup(spec(model_dtype, kv_cache_dtype), 8, chunk=2)
+def test_more_blocks_than_a_chunk_and_runs_of_host_ids(model_dtype, kv_cache_dtype, copy_mode):
+    caches, originals, host, xfer = setup(spec(model_dtype, kv_cache_dtype), 8, chunk=2,
+                                          copy_mode=copy_mode)
     # chunks [0, 5] [6, 10] [11]; host runs 3-4, then 5 | 0, 7 (a run split by a chunk)
     round_trip(xfer, caches, [0, 5, 6, 10, 11], [3, 4, 5, 0, 7], [1, 2, 3, 4, 7])
     assert_moved(caches, originals, {0: 1, 5: 2, 6: 3, 10: 4, 11: 7}, zeroed={0, 5, 6, 10, 11})
 
 
-def test_one_transfer_stores_before_it_loads():
-    caches, originals, host, xfer = setup(spec(kv_cache_dtype="int8"))
+@pytest.mark.parametrize("copy_mode", ["staged", "direct"])
+def test_one_transfer_stores_before_it_loads(copy_mode):
+    caches, originals, host, xfer = setup(spec(kv_cache_dtype="int8"), copy_mode=copy_mode)
     # block 5 goes to host 1, which is loaded into block 6 within the same transfer
     xfer.start(1, [5, 8], [1, 0], [1], [6])
     assert_moved(caches, originals, {5: 6})
@@ -166,6 +173,8 @@ def test_bad_construction_names_the_argument():
         KVTransfers(caches, other, CPU)
     with pytest.raises(ValueError, match="max_blocks_per_chunk"):
         KVTransfers(caches, HostKVCache(kv_spec, 2, pin=False), CPU, max_blocks_per_chunk=0)
+    with pytest.raises(ValueError, match="copy_mode"):
+        KVTransfers(caches, HostKVCache(kv_spec, 2, pin=False), CPU, copy_mode="fast")
     with pytest.raises(ValueError, match="num_host_blocks"):
         HostKVCache(kv_spec, -1, pin=False)
 
@@ -210,18 +219,17 @@ _SPIN = 200_000_000  # GPU clock cycles torch.cuda._sleep spins: ~0.1 s
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("split_streams", [False, True])
+@pytest.mark.parametrize("copy_mode", COPY_MODES)
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "int8"])
 def test_gpu_stores_wait_for_the_main_stream_and_release_orders_reuse(kv_cache_dtype,
-                                                                      split_streams):
+                                                                      copy_mode):
     device = torch.device("cuda")
     kv_spec = spec(torch.bfloat16, kv_cache_dtype, num_layers=4, block_size=16, num_kv_heads=8,
                    head_dim=128)
     stacked, caches, _ = random_cache(kv_spec, device, num_blocks=64)
     host = HostKVCache(kv_spec, 16, pin=True)
     assert host.pinned and host.data.is_pinned()
-    xfer = KVTransfers(stacked, host, device, max_blocks_per_chunk=2,
-                       split_streams=split_streams)
+    xfer = KVTransfers(stacked, host, device, max_blocks_per_chunk=2, copy_mode=copy_mode)
     torch.cuda.synchronize()
 
     # 1. blocks written on the main stream behind a long spin: a store that did not wait for
@@ -264,7 +272,7 @@ def test_gpu_stores_wait_for_the_main_stream_and_release_orders_reuse(kv_cache_d
     assert xfer.bytes_moved == (3 * bpb, 4 * bpb) and xfer.seconds > 0
 
 
-def gpu_transfers(split_streams: bool):
+def gpu_transfers(copy_mode: str):
     """KVTransfers of 2-block chunks, 3 in flight, between 64 random device blocks and a 48-block
     pinned host tier: (transfers, the cache tensors, their values before any transfer)."""
     device = torch.device("cuda")
@@ -273,15 +281,15 @@ def gpu_transfers(split_streams: bool):
     stacked, caches, expected = random_cache(kv_spec, device, num_blocks=64)
     host = HostKVCache(kv_spec, 48, pin=True)
     xfer = KVTransfers(stacked, host, device, max_blocks_per_chunk=2, chunks_in_flight=3,
-                       split_streams=split_streams)
+                       copy_mode=copy_mode)
     return xfer, caches, expected
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("split_streams", [False, True])
-def test_gpu_a_large_transfer_is_issued_a_few_chunks_at_a_time(split_streams):
-    xfer, caches, expected = gpu_transfers(split_streams)
+@pytest.mark.parametrize("copy_mode", COPY_MODES)
+def test_gpu_a_large_transfer_is_issued_a_few_chunks_at_a_time(copy_mode):
+    xfer, caches, expected = gpu_transfers(copy_mode)
     torch.cuda.synchronize()
 
     # 20 chunks behind a spinning main stream: three queued, the rest issued by later polls
@@ -316,7 +324,7 @@ def test_gpu_a_large_transfer_is_issued_a_few_chunks_at_a_time(split_streams):
 def test_gpu_split_streams_reuse_a_staging_slot_only_after_its_scatter():
     # the scatters' stream spins while the copy stream could run ahead: with 3 slots, chunk 4's
     # copy into chunk 1's slot must wait for chunk 1's scatter, or chunk 1 loads chunk 4's bytes
-    xfer, caches, expected = gpu_transfers(split_streams=True)
+    xfer, caches, expected = gpu_transfers("split")
     xfer.start(1, list(range(40)), list(range(40)), [], [])
     xfer.wait_all()
     assert xfer.poll_done() == [1]

@@ -63,13 +63,14 @@ sys.argv = ['bench_latency.py', '--model', 'qwen3-30b-a3b', '--max-model-len', '
 runpy.run_path('tools/bench_latency.py', run_name='__main__')" 2>&1 \
           | tee "$dir/latency_route_$on.log" | grep -v "^echo:" | tail -4
       done ;;
-    kv-split)  # the host tier's gathers and scatters on a stream of their own (SPLIT_STREAMS):
-      # its GPU tests, then the decoders beside loads, one stream and split, by chunk size
+    kv-split)  # the host tier's copy modes (kv_transfer.COPY_MODE): its GPU tests, then the
+      # decoders beside loads, staged on one side stream, split over two, and direct (strided
+      # copies, no staging or kernels), by chunk size
       $PY -m pytest -m gpu -q tests/worker/test_kv_transfer.py 2>&1 | tail -3
-      for run in "64 2 0" "64 2 1" "32 2 1" "16 4 1" "16 4 0"; do
+      for run in "64 2 staged" "64 2 split" "64 2 direct" "16 4 split" "16 4 direct"; do
         set -- $run
         $PY tools/dev/probe_kv_load_stall.py --model qwen3-8b --chunk-blocks $1 \
-          --chunks-in-flight $2 --split-streams $3 > "$dir/stall_$1_$2_$3.log" 2>&1
+          --chunks-in-flight $2 --copy-mode $3 > "$dir/stall_$1_$2_$3.log" 2>&1
         grep -E "chunks of|decode_ratio|p50|gb_per_s\"" "$dir/stall_$1_$2_$3.log"
       done ;;
     *)

@@ -1,7 +1,7 @@
 """Where does a decode step stall while host-tier loads are in flight?
 
     python tools/dev/probe_kv_load_stall.py [--chunk-blocks N] [--chunks-in-flight N] \\
-        [--split-streams 0|1] [bench_kv_load_decode arguments]
+        [--copy-mode staged|split|direct] [bench_kv_load_decode arguments]
 
 Runs tools/bench_kv_load_decode.py with the worker's host-side waits timed: KVTransfers.start
 (the host issuing a transfer's copies), ModelRunner.launch (a step's whole prepare and launch),
@@ -11,8 +11,8 @@ both split by the step's content: steps that compute prompt or history tokens (t
 histories' first steps), decode-only steps while host-tier loads are pending, while only
 stores are (the fillers' write-through), and decode-only steps without any transfer, each a
 count with median and longest launch and land.
---chunk-blocks, --chunks-in-flight and --split-streams 0|1 replace kv_transfer's
-STAGING_BLOCKS, CHUNKS_IN_FLIGHT and SPLIT_STREAMS for the run.
+--chunk-blocks, --chunks-in-flight and --copy-mode replace kv_transfer's STAGING_BLOCKS,
+CHUNKS_IN_FLIGHT and COPY_MODE for the run.
 """
 
 import argparse
@@ -108,13 +108,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--chunk-blocks", type=int, default=kv_transfer.STAGING_BLOCKS)
     parser.add_argument("--chunks-in-flight", type=int, default=kv_transfer.CHUNKS_IN_FLIGHT)
-    parser.add_argument("--split-streams", type=int, choices=(0, 1),
-                        default=int(kv_transfer.SPLIT_STREAMS))
+    parser.add_argument("--copy-mode", choices=kv_transfer.COPY_MODES,
+                        default=kv_transfer.COPY_MODE)
     ours, rest = parser.parse_known_args()
     kv_transfer.KVTransfers.__init__.__defaults__ = (ours.chunk_blocks, ours.chunks_in_flight,
-                                                     bool(ours.split_streams))
-    print(f"chunks of {ours.chunk_blocks} blocks, {ours.chunks_in_flight} in flight, split "
-          f"streams {bool(ours.split_streams)}")
+                                                     ours.copy_mode)
+    print(f"chunks of {ours.chunk_blocks} blocks, {ours.chunks_in_flight} in flight, copy "
+          f"mode {ours.copy_mode}")
     bench_kv_load_decode.main(rest)
     first = records["start"][0][0] if records["start"] else 0.0
     for key, values in records.items():
