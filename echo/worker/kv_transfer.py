@@ -32,7 +32,7 @@ import torch
 
 from echo.worker.kv_cache import KVCacheSpec, StackedKVCache, kv_cache_spec
 from echo.worker.pinned_ring import PinnedUploadRing
-from echo.worker.strided_copy import StridedCopier
+from echo.worker.strided_copy import StridedCopier, max_pitch
 
 # blocks a host-tier chunk moves through the device staging buffer (counted in the KV budget)
 STAGING_BLOCKS = 64
@@ -190,6 +190,14 @@ class KVTransfers:
                                else self._stream)
         if self.direct:  # each cache tensor's block: height segments of width bytes, pitch apart
             self._geometry = _direct_geometry(planes)
+            index = self.device.index if self.device.index is not None else (
+                torch.cuda.current_device() if self._cuda else None)
+            limit = max_pitch(index) if self._cuda else None
+            pitch = max(pitch for _, _, pitch, _, _, _ in self._geometry)
+            if limit is not None and pitch > limit:
+                raise ValueError(f"copy_mode: 'direct' needs the KV cache's segment pitch "
+                                 f"({pitch} bytes: blocks x segment bytes) within the device's "
+                                 f"maximum pitch ({limit}); use 'staged' for this pool")
             self._to_host = StridedCopier(to_device=False, stream=self._stream)
             self._to_device = StridedCopier(to_device=True, stream=self._stream)
         # a transfer's device ids: a store and a load of every device block fit without growing

@@ -12,6 +12,7 @@ import ctypes
 import functools
 
 _HOST, _DEVICE = 1, 2  # CUmemorytype
+_MAX_PITCH = 11  # CU_DEVICE_ATTRIBUTE_MAX_PITCH
 
 
 class _Memcpy2D(ctypes.Structure):
@@ -35,6 +36,23 @@ def _driver():
     lib.cuMemcpy2DAsync_v2.restype = ctypes.c_int
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     return lib
+
+
+def _check(result: int, call: str) -> None:
+    if result != 0:
+        message = ctypes.c_char_p()
+        _driver().cuGetErrorString(result, ctypes.byref(message))
+        raise RuntimeError(f"{call}: error {result} ({(message.value or b'?').decode()})")
+
+
+def max_pitch(device_index: int) -> int:
+    """The largest pitch a strided copy may have on this CUDA device (the driver refuses
+    more; 2**31 - 1 on recent GPUs)."""
+    lib, device, value = _driver(), ctypes.c_int(), ctypes.c_int()
+    _check(lib.cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
+    _check(lib.cuDeviceGetAttribute(ctypes.byref(value), _MAX_PITCH, device),
+           "cuDeviceGetAttribute")
+    return value.value
 
 
 class StridedCopier:
@@ -67,9 +85,5 @@ class StridedCopier:
             desc.srcDevice, desc.dstHost = src, dst
         desc.srcPitch, desc.dstPitch = src_pitch, dst_pitch
         desc.WidthInBytes, desc.Height = width, height
-        result = self._lib.cuMemcpy2DAsync_v2(ctypes.byref(desc), self._handle)
-        if result != 0:
-            message = ctypes.c_char_p()
-            self._lib.cuGetErrorString(result, ctypes.byref(message))
-            raise RuntimeError(f"cuMemcpy2DAsync: error {result} "
-                               f"({(message.value or b'?').decode()})")
+        _check(self._lib.cuMemcpy2DAsync_v2(ctypes.byref(desc), self._handle),
+               "cuMemcpy2DAsync")

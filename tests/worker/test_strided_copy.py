@@ -4,7 +4,7 @@ by row) and by the copy engine on the GPU (cuMemcpy2DAsync), against slicing."""
 import pytest
 import torch
 
-from echo.worker.strided_copy import StridedCopier
+from echo.worker.strided_copy import StridedCopier, max_pitch
 
 
 def test_cpu_rows_go_from_one_pitch_to_the_other():
@@ -30,3 +30,4 @@ def test_gpu_strided_device_rows_to_pinned_host_and_back():
                                                       host.data_ptr(), 16, 16, 6)
     stream.synchronize()
     assert torch.equal(cache[:, 20:36].cpu(), host)
+    assert max_pitch(torch.cuda.current_device()) >= 40  # the driver answers (2**31 - 1 on H100)
