@@ -47,7 +47,7 @@ def _check(result: int, call: str) -> None:
 
 def max_pitch(device_index: int) -> int:
     """The largest pitch a strided copy may have on this CUDA device (the driver refuses
-    more; 2**31 - 1 on recent GPUs)."""
+    more)."""
     lib, device, value = _driver(), ctypes.c_int(), ctypes.c_int()
     _check(lib.cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
     _check(lib.cuDeviceGetAttribute(ctypes.byref(value), _MAX_PITCH, device),
