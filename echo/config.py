@@ -34,6 +34,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
 PREEMPTION_MODES = ("recompute", "swap")
+KV_OFFLOADING_POLICIES = ("write_through", "write_back")  # SGLang HiCache's names
 ROUTER_POLICIES = ("cache_aware", "least_load", "round_robin")  # echo.engine.router's
 # the most decode steps per scheduling round trip (num_scheduler_steps)
 MAX_SCHEDULER_STEPS = 64
@@ -147,6 +148,11 @@ class CacheConfig:
         "recompute", "what preemption does with a request's blocks: recompute, free them "
         "(the GPU prefix cache may still hold them); swap, also copy them to the host tier "
         "(needs kv_offloading_size)", choices=PREEMPTION_MODES)
+    kv_offloading_policy: str = _arg(
+        "write_through", "when blocks go to the host tier: write_through, a finished "
+        "request's full blocks as it finishes; write_back, a cached block only when the GPU "
+        "evicts it (the step that reuses the block waits for its copy)",
+        choices=KV_OFFLOADING_POLICIES)
 
     def __post_init__(self):
         _check_int(self.block_size, "block_size")
@@ -171,6 +177,9 @@ class CacheConfig:
         _check_choice(self.preemption_mode, "preemption_mode", PREEMPTION_MODES)
         _check(self.preemption_mode == "recompute" or self.kv_offloading_size is not None,
                "preemption_mode", "swap needs a host tier: give kv_offloading_size")
+        _check_choice(self.kv_offloading_policy, "kv_offloading_policy", KV_OFFLOADING_POLICIES)
+        _check(self.kv_offloading_policy == "write_through" or self.kv_offloading_size is not None,
+               "kv_offloading_policy", "write_back needs a host tier: give kv_offloading_size")
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,8 @@ async def run(args: argparse.Namespace) -> dict:
     engine_args = {"load_format": args.load_format, "max_model_len": args.max_model_len,
                    "max_num_seqs": args.max_num_seqs, "device": args.device,
                    "num_gpu_blocks_override": args.num_gpu_blocks_override,
-                   "kv_offloading_size": args.kv_offloading_size}
+                   "kv_offloading_size": args.kv_offloading_size,
+                   "kv_offloading_policy": args.kv_offloading_policy}
     engine_args = {k: v for k, v in engine_args.items() if v is not None}
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     async with AsyncClient(args.model, **engine_args) as client:
@@ -86,6 +87,7 @@ async def run(args: argparse.Namespace) -> dict:
     return {
         "model": args.model, "conversations": args.conversations, "turns": turns,
         "kv_offloading_size": args.kv_offloading_size,
+        "kv_offloading_policy": args.kv_offloading_policy,
         "num_gpu_blocks": client.engine_info.get("num_gpu_blocks"),
         "gpu_hit_rate": stats.prefix_cache_hits / max(1, stats.prefix_cache_queries),
         "host_hit_rate": stats.kv_host_hits / max(1, stats.kv_host_queries),
@@ -132,6 +134,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--kv-offloading-size", type=float, default=None,
                         help="GiB of host tier; none: off")
+    parser.add_argument("--kv-offloading-policy", default=None,
+                        choices=("write_through", "write_back"),
+                        help="when blocks go to the host tier (engine default: write_through)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)

@@ -27,6 +27,9 @@ class BlockPool:
         # free cached blocks, least recently freed first; OrderedDict gives O(1) removal from
         # the middle when a prefix hit takes one back
         self._free_cached: OrderedDict[int, None] = OrderedDict()
+        # (block id, hash) of each cached block allocation evicted, for a caller that sets a
+        # list here and drains it (the host tier's write-back); None: not recorded
+        self.evicted: list[tuple[int, BlockHash]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -118,3 +121,5 @@ class BlockPool:
         block_hash = self.block_hashes[block_id]
         self.block_hashes[block_id] = None
         del self._cached[block_hash]
+        if self.evicted is not None:
+            self.evicted.append((block_id, block_hash))

@@ -13,7 +13,9 @@ next runs after it.
 With a host tier (kv_offloading_size, echo/core/host_tier.py) the manager also hides a second
 level under the prefix cache. A request's full blocks are written through to the host when it
 finishes (and when it is preempted, with store_on_preempt): each store pins its GPU block with
-one reference until the workers report the copy done, so nobody overwrites it meanwhile. A
+one reference until the workers report the copy done, so nobody overwrites it meanwhile. With
+write_back they are not: a cached block goes to the host only when an allocation evicts it,
+and the step that reuses it waits for that copy on the device (a swap-out's ordering). A
 waiting request whose prefix continues on the host gets GPU blocks for that part and a load;
 it waits (is_loading) until the load is reported done, when the blocks join the GPU prefix
 cache like any computed block; they stay held for the request until its admission finds them
@@ -94,7 +96,7 @@ class _Transfer:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_host_blocks: int = 0, num_lookahead_tokens: int = 0,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, write_back: bool = False):
         self.block_size = block_size
         # slots past a request's scheduled tokens, up to max_model_len, that the workers may
         # write in the same step: a drafter's KV for the tokens it proposes
@@ -108,6 +110,9 @@ class KVCacheManager:
         # the host tier (None without kv_offloading_size) and its transfers: the stores and the
         # loads gathered for the next step, and those started (by transfer id) not yet done
         self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
+        self.write_back = write_back and self.host is not None
+        if self.write_back:
+            self.pool.evicted = []
         self._next_stores = _Transfer()
         self._next_loads: list[_Transfer] = []
         self._transfers: dict[int, _Transfer] = {}
@@ -183,7 +188,7 @@ class KVCacheManager:
             if num_needed <= 0:  # the common decode step: the last block has room
                 new_block_ids = []
             elif num_needed <= self.pool.num_free_blocks:
-                new_block_ids = self.pool.allocate(num_needed)
+                new_block_ids = self._allocate(num_needed)
                 block_ids.extend(new_block_ids)
             else:
                 return None
@@ -221,7 +226,7 @@ class KVCacheManager:
         held = self._loaded.pop(request.request_id, None)
         if held:  # loaded from the host for this admission: the block table holds them now
             self.pool.free(held)
-        new_block_ids = self.pool.allocate(num_needed) if num_needed > 0 else []
+        new_block_ids = self._allocate(num_needed) if num_needed > 0 else []
         state.block_ids.extend(new_block_ids)
         return new_block_ids
 
@@ -239,9 +244,25 @@ class KVCacheManager:
         state = self._requests.pop(rid, None)
         if state is None or not state.block_ids:
             return
-        if store and self.host is not None:
+        if store and self.host is not None and (preempted or not self.write_back):
             self._store(state, pin=not preempted)
         self.pool.free(state.block_ids)
+
+    def _allocate(self, n: int) -> list[int]:
+        """pool.allocate, and with write_back a copy to the host of each cached block it evicted
+        that the host lacks: unpinned, like a swap-out, since the block is reused at once (the
+        step waits for the copy on the device; a full or busy tier drops the block)."""
+        block_ids = self.pool.allocate(n)
+        evicted = self.pool.evicted
+        if evicted:
+            host, swaps = self.host, self._next_stores.swaps
+            for block_id, block_hash in evicted:
+                if block_hash not in host:
+                    host_block = host.start_store(block_hash)
+                    if host_block is not None:
+                        swaps.append((block_id, host_block))
+            evicted.clear()
+        return block_ids
 
     def _store(self, state: _RequestBlocks, pin: bool) -> None:
         """Queue copies of a request's full blocks the host lacks. Pinned (finished requests):
@@ -289,7 +310,7 @@ class KVCacheManager:
             found = found[:max(0, self.pool.num_free_blocks)]
             if not found:
                 return False
-            block_ids = self.pool.allocate(len(found))
+            block_ids = self._allocate(len(found))
         finally:
             self.pool.free(computed.block_ids)
         self.host_hits += len(found) * self.block_size

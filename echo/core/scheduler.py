@@ -99,7 +99,8 @@ class Scheduler:
         self.kv = KVCacheManager(num_gpu_blocks, self.block_size,
                                  cache_config.enable_prefix_caching, num_host_blocks,
                                  num_lookahead_tokens=draft_model_tokens,
-                                 max_model_len=self.max_model_len)
+                                 max_model_len=self.max_model_len,
+                                 write_back=cache_config.kv_offloading_policy == "write_back")
         # a preempted request's blocks go to the host tier (swap) or are only freed
         self.store_on_preempt = cache_config.preemption_mode == "swap"
         self.tensor_parallel_size = tensor_parallel_size

@@ -111,6 +111,36 @@ def test_each_request_loads_in_a_transfer_of_its_own_and_is_admitted_once_its_ow
     kv.check_invariants()
 
 
+def test_write_back_stores_a_cached_block_only_when_an_allocation_evicts_it():
+    """4 GPU blocks of 4 tokens. a (10 tokens) finishes: nothing is stored, its two full blocks
+    stay cached (freed last-first: block 1 is evicted before block 0). x (16 tokens) takes the
+    plain blocks 2 and 3, then evicts 1 and 0: each is copied to the host first, unpinned, and
+    the step waits for it (before_step). b repeats a's prefix: loading it evicts x's first two
+    blocks (0, 1), whose write-backs go ahead of the load into the same blocks."""
+    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8, write_back=True)
+    assert run_to_end(kv, req("a", list(range(10)))) == [0, 1, 2]
+    assert kv.take_transfers() == ([], [])
+    x = req("x", list(range(100, 116)))
+    assert admit(kv, x) == [2, 3, 1, 0]
+    assert kv.take_transfers() == ([KVTransfer(0, [(1, 0), (0, 1)], [], True)], [])
+    kv.check_invariants()  # unpinned: the write-backs hold no reference
+    kv.transfers_done([0])
+    assert kv.host.num_valid == 2 and kv.stored_blocks == 2
+    kv.free(x)
+    b = req("b", list(range(10)) + [5])
+    assert kv.start_load(b, kv.get_computed_blocks(b))
+    transfers, released = kv.take_transfers()
+    assert released == [0]
+    # a's block 0 went to host block 1 and its block 1 to host block 0
+    assert transfers == [KVTransfer(1, [(0, 2), (1, 3)], [], True),
+                         KVTransfer(2, [], [(1, 0), (0, 1)], False)]
+    kv.check_invariants()
+    kv.transfers_done([1, 2])
+    computed = kv.get_computed_blocks(b)
+    assert computed == ([0, 1], 8) and kv.host.num_valid == 4
+    kv.check_invariants()
+
+
 def test_an_abort_during_a_load_frees_everything():
     kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8)
     prompt = list(range(8))

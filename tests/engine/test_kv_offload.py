@@ -54,9 +54,20 @@ def run_conversations(model: str, vocab: int = 9200, **extra) -> tuple[list[list
         llm.shutdown()
 
 
-def test_multi_turn_greedy_tokens_equal_with_offload_on_and_off(smollm2):
-    off, off_stats = run_conversations(smollm2)
-    on, on_stats = run_conversations(smollm2, kv_offloading_size=OFFLOAD_GIB)
+@pytest.fixture(scope="module")
+def without_offload(smollm2):
+    return run_conversations(smollm2)
+
+
+@pytest.fixture(scope="module")
+def write_through(smollm2):
+    return run_conversations(smollm2, kv_offloading_size=OFFLOAD_GIB)
+
+
+def test_multi_turn_greedy_tokens_equal_with_offload_on_and_off(without_offload,
+                                                                  write_through):
+    off, off_stats = without_offload
+    on, on_stats = write_through
     assert on == off
     # the histories did not fit: without the host tier later turns recomputed prefixes ...
     assert off_stats.kv_loaded_blocks == 0
@@ -74,9 +85,24 @@ def test_multi_turn_greedy_tokens_equal_with_offload_on_and_off(smollm2):
     assert on_stats.prefix_cache_hits > off_stats.prefix_cache_hits
 
 
-def test_random_aborts_leave_both_tiers_accounted(tiny_llama):
+def test_write_back_gives_the_same_tokens_and_stores_only_what_the_gpu_evicts(
+        smollm2, without_offload, write_through):
+    """Write-back stores a block only when an allocation evicts it: a subset of what
+    write-through stores (every finished request's full blocks), short of the blocks still
+    cached on the GPU at the end; histories still come back from the host."""
+    off, _ = without_offload
+    _, through = write_through
+    on, back = run_conversations(smollm2, kv_offloading_size=OFFLOAD_GIB,
+                                 kv_offloading_policy="write_back")
+    assert on == off
+    assert 0 < back.kv_stored_blocks < through.kv_stored_blocks
+    assert back.kv_loaded_blocks > 0
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_random_aborts_leave_both_tiers_accounted(tiny_llama, policy):
     config = EngineConfig.create(str(tiny_llama), kv_offloading_size=0.01,
-                                 preemption_mode="swap", **ARGS)
+                                 preemption_mode="swap", kv_offloading_policy=policy, **ARGS)
     engine = EngineCore(config)
     rng = random.Random(0)
     chats = conversations(turns=2, num=8, vocab=VOCAB)
@@ -116,6 +142,11 @@ def test_bad_offload_arguments_name_their_field(smollm2):
                             enable_prefix_caching=False)
     with pytest.raises(ValueError, match="preemption_mode"):
         EngineConfig.create(smollm2, device="cpu", preemption_mode="swap")
+    with pytest.raises(ValueError, match="kv_offloading_policy"):
+        EngineConfig.create(smollm2, device="cpu", kv_offloading_policy="write_back")
+    with pytest.raises(ValueError, match="kv_offloading_policy"):
+        EngineConfig.create(smollm2, device="cpu", kv_offloading_size=1,
+                            kv_offloading_policy="lazy")
 
 
 def test_two_ranks_move_their_own_shards(tiny_llama):
