@@ -4,7 +4,7 @@
 # Stages: tests kernels latency offline profile profile-tail serving int8-pool kv-offload
 # structured awq moe persistent persistent-models persistent-awq, and tp and profile-tp (two
 # GPUs). Rough minutes on an H200: tests 11 (two calls: tests/kernels, then the rest), kernels
-# 2, latency 3, offline 5, profile 5, profile-tail 2, serving 4, int8-pool 2, kv-offload 6,
+# 2, latency 3, offline 5, profile 5, profile-tail 2, serving 4, int8-pool 2, kv-offload 8,
 # structured 4, awq 8, moe 6, persistent 6, persistent-models 8 and persistent-awq 8
 # (guesses: not yet run), tp 6 (plus start-up): pick what fits the device budget. Logs and
 # JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the device tool returns
@@ -133,7 +133,8 @@ stage_commands() {
       # with the GPU pool about a quarter of the conversations' final working set
       $PY tools/bench_kv_load_decode.py --model qwen3-8b --json "$dir/kv_load_decode.json" \
         2>&1 | tail -30
-      for offload in "" "--kv-offloading-size 16"; do
+      for offload in "" "--kv-offloading-size 16" \
+          "--kv-offloading-size 16 --kv-offloading-policy write_back"; do
         # shellcheck disable=SC2086
         $PY tools/bench_multiturn.py --model qwen3-8b --num-gpu-blocks-override 1500 $offload \
           --json "$dir/multiturn${offload// /_}.json" 2>&1 | tail -8
