@@ -13,8 +13,8 @@ from tests.helpers import VOCAB, echo_greedy_tokens, hf_greedy_tokens, randomize
 from tests.kernels.test_awq import pack_awq, quantize_rtn
 from tests.models.test_logits_vs_transformers import (
     PROMPTS,
+    assert_prefill_logits_match,
     echo_logits,
-    hf_logits,
     make_runner,
     prefill_output,
 )
@@ -25,8 +25,11 @@ AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point
               "version": "gemm"}
 
 
-def write_awq_model(folder, family: str):
-    """(echo's AWQ folder, transformers' model with the dequantized weights)."""
+def write_quantized_model(folder, family: str, quant_config: dict, quantize, seed: int = 0):
+    """A tiny random Llama or Qwen3 saved with its linear layers quantized: (the folder,
+    transformers' model holding the dequantized weights). quantize(name, weight [out, in])
+    gives the layer's checkpoint tensors (suffix -> tensor) and its dequantized weight, or None
+    to keep the layer dense."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -38,28 +41,39 @@ def write_awq_model(folder, family: str):
             Qwen3ForCausalLM
     else:
         config, model_cls = LlamaConfig(rope_theta=10000.0, **common), LlamaForCausalLM
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = randomize_norms(model_cls(config).to(torch.float32).eval())
     tensors = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if not any(f".{p}." in name for p in QUANTIZED):
+            quantized = (quantize(name, param.detach())
+                         if any(f".{p}." in name for p in QUANTIZED) else None)
+            if quantized is None:
                 tensors[name] = param.detach().clone().contiguous()
                 continue
-            w = param.detach().T.contiguous()  # AWQ multiplies x @ W with W [in, out]
-            q, z, s = quantize_rtn(w, GROUP)
+            layer_tensors, dequantized = quantized
             base = name.removesuffix(".weight")
-            tensors[f"{base}.qweight"] = pack_awq(q)
-            tensors[f"{base}.qzeros"] = pack_awq(z)
-            tensors[f"{base}.scales"] = s
-            groups = torch.arange(w.shape[0]) // GROUP
-            param.copy_(((q - z[groups]).float() * s.float()[groups]).T)  # the dequantized W
+            tensors.update({f"{base}.{suffix}": t for suffix, t in layer_tensors.items()})
+            param.copy_(dequantized)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, folder / "model.safetensors")
     cfg = {**config.to_dict(), "architectures": [model_cls.__name__],
-           "quantization_config": AWQ_CONFIG, "torch_dtype": "float32"}
+           "quantization_config": quant_config, "torch_dtype": "float32"}
     (folder / "config.json").write_text(json.dumps(cfg))
     return folder, model
+
+
+def write_awq_model(folder, family: str):
+    """(echo's AWQ folder, transformers' model with the dequantized weights)."""
+
+    def quantize(name, weight):
+        w = weight.T.contiguous()  # AWQ multiplies x @ W with W [in, out]
+        q, z, s = quantize_rtn(w, GROUP)
+        groups = torch.arange(w.shape[0]) // GROUP
+        return ({"qweight": pack_awq(q), "qzeros": pack_awq(z), "scales": s},
+                ((q - z[groups]).float() * s.float()[groups]).T)
+
+    return write_quantized_model(folder, family, AWQ_CONFIG, quantize)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -69,12 +83,7 @@ def awq_model(request, tmp_path_factory):
 
 def test_prefill_logits_match_transformers_with_the_dequantized_weights(awq_model):
     folder, hf = awq_model
-    logits = echo_logits(make_runner(folder), prefill_output(PROMPTS))
-    start = 0
-    for prompt in PROMPTS:
-        torch.testing.assert_close(logits[start:start + len(prompt)], hf_logits(hf, prompt),
-                                   atol=1e-4, rtol=1e-4)
-        start += len(prompt)
+    assert_prefill_logits_match(echo_logits(make_runner(folder), prefill_output(PROMPTS)), hf)
 
 
 def test_greedy_tokens_equal_transformers_at_one_and_two_ranks(awq_model):

@@ -12,18 +12,18 @@ from safetensors.torch import load_file, save_file
 
 from echo import LLM
 from echo.layers.compressed_tensors import AwqView
-from tests.helpers import VOCAB, echo_greedy_tokens, hf_greedy_tokens, randomize_norms
+from tests.helpers import echo_greedy_tokens, hf_greedy_tokens
 from tests.kernels.test_awq import quantize_rtn
+from tests.models.test_awq_models import write_quantized_model
 from tests.models.test_logits_vs_transformers import (
     PROMPTS,
+    assert_prefill_logits_match,
     echo_logits,
-    hf_logits,
     make_runner,
     prefill_output,
 )
 
 GROUP = 32
-QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DENSE_LAYER = "model.layers.1.mlp.down_proj"  # left out by an "re:" ignore rule
 
 
@@ -67,35 +67,12 @@ def quantize(w: torch.Tensor, symmetric: bool) -> tuple[dict, torch.Tensor]:
 
 def write_ct_model(folder, family: str, symmetric: bool):
     """(echo's folder, transformers' model with the dequantized weights)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                  rms_norm_eps=1e-6)
-    if family == "qwen3":
-        config, model_cls = Qwen3Config(head_dim=32, rope_theta=10000.0, **common), \
-            Qwen3ForCausalLM
-    else:
-        config, model_cls = LlamaConfig(rope_theta=10000.0, **common), LlamaForCausalLM
-    torch.manual_seed(1)
-    model = randomize_norms(model_cls(config).to(torch.float32).eval())
-    tensors = {}
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            base = name.removesuffix(".weight")
-            if not any(f".{p}." in name for p in QUANTIZED) or base == DENSE_LAYER:
-                tensors[name] = param.detach().clone().contiguous()
-                continue
-            packed, dequant = quantize(param.detach(), symmetric)
-            tensors.update({f"{base}.{k}": v for k, v in packed.items()})
-            param.copy_(dequant)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, folder / "model.safetensors")
-    cfg = {**config.to_dict(), "architectures": [model_cls.__name__],
-           "quantization_config": ct_config(symmetric), "torch_dtype": "float32"}
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder, model
+    def quantize_layer(name, weight):
+        return None if name.removesuffix(".weight") == DENSE_LAYER else quantize(weight,
+                                                                                  symmetric)
+
+    return write_quantized_model(folder, family, ct_config(symmetric), quantize_layer, seed=1)
 
 
 @pytest.fixture(scope="module", params=[("llama", True), ("qwen3", False)],
@@ -110,12 +87,7 @@ def test_prefill_logits_match_transformers_with_the_dequantized_weights(ct_model
     runner = make_runner(folder)
     quant = runner.model.model.layers[0].mlp.down_proj.quant
     assert quant is not None and runner.model.model.layers[1].mlp.down_proj.quant is None
-    logits = echo_logits(runner, prefill_output(PROMPTS))
-    start = 0
-    for prompt in PROMPTS:
-        torch.testing.assert_close(logits[start:start + len(prompt)], hf_logits(hf, prompt),
-                                   atol=1e-4, rtol=1e-4)
-        start += len(prompt)
+    assert_prefill_logits_match(echo_logits(runner, prefill_output(PROMPTS)), hf)
 
 
 def test_greedy_tokens_equal_transformers_at_one_and_two_ranks(ct_model):

@@ -49,18 +49,23 @@ def hf_logits(model, prompt: list[int]) -> torch.Tensor:
 PROMPTS = [[1, 5, 9, 33, 7], list(range(3, 40)), [1] + list(range(90, 127)) * 2, [1, 2]]
 
 
+def assert_prefill_logits_match(logits: torch.Tensor, hf, prompts=PROMPTS,
+                                tolerance: float = 1e-4) -> None:
+    """The logits of one step over prompts (prefill_output: prompt after prompt) against
+    transformers' for each prompt alone."""
+    start = 0
+    for prompt in prompts:
+        torch.testing.assert_close(logits[start:start + len(prompt)].cpu(), hf_logits(hf, prompt),
+                                   atol=tolerance, rtol=tolerance)
+        start += len(prompt)
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama_tied", "tiny_qwen3",
                                      "tiny_qwen3_untied"])
 def test_prefill_logits_match_transformers(fixture, request):
     folder = request.getfixturevalue(fixture)
     runner, hf = make_runner(folder), load_hf(folder)
-    logits = echo_logits(runner, prefill_output(PROMPTS))
-    start = 0
-    for prompt in PROMPTS:
-        expected = hf_logits(hf, prompt)
-        torch.testing.assert_close(logits[start:start + len(prompt)], expected, atol=1e-4,
-                                   rtol=1e-4)
-        start += len(prompt)
+    assert_prefill_logits_match(echo_logits(runner, prefill_output(PROMPTS)), hf)
 
 
 def test_chunked_prefill_over_cached_prefix_matches_transformers(tiny_qwen3):

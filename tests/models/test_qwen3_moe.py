@@ -11,8 +11,8 @@ from echo.models.arch import arch_from_hf_config
 from tests.helpers import VOCAB, echo_greedy_tokens, hf_greedy_tokens, load_hf, randomize_norms
 from tests.models.test_logits_vs_transformers import (
     PROMPTS,
+    assert_prefill_logits_match,
     echo_logits,
-    hf_logits,
     make_runner,
     prefill_output,
 )
@@ -59,12 +59,7 @@ def test_config_reads_the_experts_under_either_name(tiny_moe):
 def test_prefill_logits_match_transformers(tmp_path, norm_topk_prob):
     folder = write_tiny_moe(tmp_path, norm_topk_prob)
     runner, hf = make_runner(folder), load_hf(folder)
-    logits = echo_logits(runner, prefill_output(PROMPTS))
-    start = 0
-    for prompt in PROMPTS:
-        torch.testing.assert_close(logits[start:start + len(prompt)], hf_logits(hf, prompt),
-                                   atol=1e-4, rtol=1e-4)
-        start += len(prompt)
+    assert_prefill_logits_match(echo_logits(runner, prefill_output(PROMPTS)), hf)
 
 
 def test_packed_expert_layout_loads_the_same(tiny_moe, tmp_path):

@@ -6,7 +6,7 @@ import torch
 from echo import LLM, SamplingParams
 from tests.entrypoints.test_llm import PROMPTS
 from tests.helpers import load_hf
-from tests.models.test_logits_vs_transformers import hf_logits, prefill_output
+from tests.models.test_logits_vs_transformers import assert_prefill_logits_match, prefill_output
 
 pytestmark = pytest.mark.gpu
 
@@ -27,12 +27,7 @@ def test_triton_prefill_logits_match_transformers(fixture, request):
     runner.input_batch.update(out, runner.vocab_size)
     with torch.inference_mode():
         logits = runner.model.compute_logits(runner.forward(runner.input_batch.prepare(out)))
-    hf, start = load_hf(folder), 0
-    for prompt in PROMPTS:
-        expected = hf_logits(hf, prompt)
-        torch.testing.assert_close(logits[start:start + len(prompt)].cpu(), expected,
-                                   atol=2e-2, rtol=2e-2)
-        start += len(prompt)
+    assert_prefill_logits_match(logits, load_hf(folder), PROMPTS, tolerance=2e-2)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
