@@ -19,7 +19,8 @@ stream, each chunk in a staging slot of its own, so the copy engine can go on to
 chunk's copy while a scatter waits for SMs that the steps' kernels hold (one stream serialises
 copy, scatter, copy); or ("direct") skip staging: each block moves between its host block and
 the cache's strided segments in one strided copy per cache tensor by the copy engine
-(strided_copy.py), with no kernel and no SM, at the cost of a driver call per block.
+(strided_copy.py), with no kernel and no SM, at the cost of a driver call per block; stores
+and loads then go on a stream each, so a swap-out is not queued behind loads.
 On CPU (tests, CI) the copies run synchronously inside `start`.
 """
 
@@ -108,7 +109,6 @@ class _Transfer:
     device_ids: list[int]  # the stores' device blocks, then the loads'
     chunks: deque  # (store?, first, end position in device_ids, host ids) not issued yet
     ready: torch.cuda.Event | None = None  # the main stream's work at start (CUDA)
-    ordered: bool = False  # the side streams wait for `ready` (before the first chunk)
     index: torch.Tensor | None = None  # device_ids on the device, uploaded with the first chunk
     end: torch.cuda.Event | None = None  # after its last chunk (CUDA)
     timings: list = field(default_factory=list)  # each chunk's copy (begin, end) events (CUDA)
@@ -188,6 +188,12 @@ class KVTransfers:
         self.direct = copy_mode == "direct"
         self._kernel_stream = (torch.cuda.Stream(self.device) if self.split_streams
                                else self._stream)
+        # direct: stores (device to host) on a stream of their own, so a swap-out the next
+        # step waits for is not queued behind loads going the other way (the copy engines of
+        # the two directions run at once); a load waits for the stores issued before it
+        self._store_stream = (torch.cuda.Stream(self.device) if self.direct and self._cuda
+                              else self._stream)
+        self._last_store: torch.cuda.Event | None = None
         if self.direct:  # each cache tensor's block: height segments of width bytes, pitch apart
             self._geometry = _direct_geometry(planes)
             index = self.device.index if self.device.index is not None else (
@@ -198,7 +204,7 @@ class KVTransfers:
                 raise ValueError(f"copy_mode: 'direct' needs the KV cache's segment pitch "
                                  f"({pitch} bytes: blocks x segment bytes) within the device's "
                                  f"maximum pitch ({limit}); use 'staged' for this pool")
-            self._to_host = StridedCopier(to_device=False, stream=self._stream)
+            self._to_host = StridedCopier(to_device=False, stream=self._store_stream)
             self._to_device = StridedCopier(to_device=True, stream=self._stream)
         # a transfer's device ids: a store and a load of every device block fit without growing
         self._ids = (PinnedUploadRing(2 * self.num_device_blocks, self.device)
@@ -288,8 +294,9 @@ class KVTransfers:
 
     def poll_done(self) -> list[int]:
         """Ids of started transfers that have completed, oldest first, each reported once. Never
-        blocks: issues more chunks where the side stream has room, then queries events (one
-        stream, so transfers complete in start order)."""
+        blocks: issues more chunks where the side stream has room, then queries events. A
+        transfer is reported only after those started before it (in direct mode a load may
+        finish before an earlier store; it waits for its report)."""
         self._issue()
         done = []
         for transfer_id, transfer in self._pending.items():
@@ -331,8 +338,8 @@ class KVTransfers:
         """Block until every started transfer is complete (shutdown, tests)."""
         if self._cuda:
             self._issue(through=next(reversed(self._pending.values()), None))
-            self._stream.synchronize()
-            self._kernel_stream.synchronize()
+            for stream in {self._stream, self._kernel_stream, self._store_stream}:
+                stream.synchronize()
 
     @property
     def unissued(self) -> bool:
@@ -347,8 +354,10 @@ class KVTransfers:
     def _issue(self, through: _Transfer | None = None) -> None:
         """Issue chunks in start order while fewer than chunks_in_flight are queued, and every
         chunk up to and including `through`'s last. (On CPU, start has done the copies.)
-        Chunks end in issue order whichever stream ends them (a load's on the kernel stream, a
-        store's on the copy stream; each waits for the chunk before it on the other)."""
+        Staged chunks end in issue order whichever stream ends them (a load's on the kernel
+        stream, a store's on the copy stream; each waits for the chunk before it on the
+        other); direct ones may not (stores and loads on a stream each), which only makes the
+        count of chunks in flight conservative."""
         if not self._cuda:
             return
         while self._in_flight and self._in_flight[0].query():
@@ -357,16 +366,11 @@ class KVTransfers:
             while not transfer.issued:
                 if through is None and len(self._in_flight) >= self.chunks_in_flight:
                     return
-                if not transfer.ordered:
-                    # the gathers and scatters (direct: the copies) touch device blocks the
-                    # main stream used
-                    transfer.ordered = True
-                    if self.direct:
-                        self._stream.wait_event(transfer.ready)
-                    else:
-                        with torch.cuda.stream(self._kernel_stream):
-                            self._kernel_stream.wait_event(transfer.ready)
-                            transfer.index = self._ids.upload(transfer.device_ids)
+                if transfer.index is None and not self.direct:
+                    # the gathers and scatters touch device blocks the main stream used
+                    with torch.cuda.stream(self._kernel_stream):
+                        self._kernel_stream.wait_event(transfer.ready)
+                        transfer.index = self._ids.upload(transfer.device_ids)
                 if transfer.chunks:
                     done = self._issue_chunk(transfer, *transfer.chunks.popleft())
                 else:  # a transfer that moves nothing: done once the main stream's work is
@@ -383,11 +387,19 @@ class KVTransfers:
         """Queue a chunk in the next staging slot (direct: its strided copies); returns the
         event after its last work."""
         if self.direct:
+            stream = self._store_stream if store else self._stream
+            # the copies touch device blocks the main stream used; a load may fill a block a
+            # store issued before it reads (a swap-out in the same step)
+            stream.wait_event(transfer.ready)
+            if not store and self._last_store is not None:
+                stream.wait_event(self._last_store)
             begin = torch.cuda.Event(enable_timing=True)
             copied = torch.cuda.Event(enable_timing=True)
-            begin.record(self._stream)
+            begin.record(stream)
             self._direct_copies(transfer, store, first, end, host_ids)
-            copied.record(self._stream)
+            copied.record(stream)
+            if store:
+                self._last_store = copied
             transfer.timings.append((begin, copied))
             return copied
         slot = self._next_slot

@@ -245,10 +245,10 @@ def test_gpu_stores_wait_for_the_main_stream_and_release_orders_reuse(kv_cache_d
     assert xfer.poll_done() == [1]
     xfer.release([1])
 
-    # 2. the side stream spins before a store of block 5; released at once (as a TP rank whose
-    # copies lag rank 0's report), so the main stream's overwrite waits for the copy: without
-    # that wait it would zero block 5 before the store read it
-    with torch.cuda.stream(xfer._stream):
+    # 2. the stores' side stream spins before a store of block 5; released at once (as a TP
+    # rank whose copies lag rank 0's report), so the main stream's overwrite waits for the
+    # copy: without that wait it would zero block 5 before the store read it
+    with torch.cuda.stream(xfer._store_stream):
         torch.cuda._sleep(_SPIN)
     xfer.start(2, [5], [7], [], [])
     xfer.release([2])
@@ -338,3 +338,42 @@ def test_gpu_split_streams_reuse_a_staging_slot_only_after_its_scatter():
     torch.cuda.synchronize()
     for got, e in zip(loaded, expected):
         assert torch.equal(got, e[:40])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_direct_swap_outs_do_not_wait_for_loads_and_loads_wait_for_them():
+    """Direct mode: a store (a swap-out the next step waits for) is not queued behind a load on
+    its way in, while a load into a block being stored waits for that store."""
+    xfer, caches, expected = gpu_transfers("direct")
+    xfer.start(1, list(range(8)), list(range(8)), [], [])  # blocks 0-7 to host 0-7
+    xfer.wait_all()
+    xfer.poll_done()
+    xfer.release([1])
+    with torch.cuda.stream(xfer._stream):  # the loads' stream is held back
+        torch.cuda._sleep(_SPIN)
+    xfer.start(2, [], [], [0, 1], [40, 41])
+    xfer.start(3, [9], [20], [], [])  # block 9 out, while the load above still waits
+    xfer.wait_on_device(3)
+    torch.cuda.current_stream().synchronize()
+    assert not xfer._pending[2].end.query(), "the store waited for the held-back load"
+    # a store of block 10 then a load into block 10 (a swap-out's block reused in one step)
+    xfer.start(4, [10], [21], [], [])
+    xfer.start(5, [], [], [2], [10])
+    xfer.wait_all()
+    torch.cuda.synchronize()
+    host = xfer.host.data
+    for p, e in zip(parts(caches), expected):
+        assert torch.equal(p[40], e[0]) and torch.equal(p[41], e[1])
+        assert torch.equal(p[10], e[2])  # the load landed after the store read block 10
+    bpb = xfer.host.bytes_per_block
+    assert torch.equal(host[21], _block_bytes(expected, 10, bpb))
+    assert torch.equal(host[20], _block_bytes(expected, 9, bpb))
+
+
+def _block_bytes(values, block: int, bytes_per_block: int) -> torch.Tensor:
+    """A device block's bytes as the host tier lays them out (K, V of each layer in order)."""
+    stacked = torch.cat([v[block].contiguous().view(torch.uint8).reshape(-1).cpu()
+                         for v in values])
+    assert stacked.numel() == bytes_per_block
+    return stacked
