@@ -25,6 +25,16 @@ def step_timeout_s() -> float:
     return float(os.environ.get("ECHO_STEP_TIMEOUT_S", "600"))
 
 
+def kv_copy_mode() -> str:
+    """How the KV host tier's copies move blocks (ECHO_KV_COPY_MODE: staged, the default, split
+    or direct; echo/worker/kv_transfer.py), so the modes can be timed against each other in the
+    engine's own processes before one becomes the default."""
+    value = os.environ.get("ECHO_KV_COPY_MODE", "staged")
+    if value not in ("staged", "split", "direct"):
+        raise ValueError(f"ECHO_KV_COPY_MODE must be staged, split or direct, got {value!r}")
+    return value
+
+
 def nvtx_enabled() -> bool:
     """Emit NVTX ranges around engine phases (ECHO_NVTX=1); off costs nothing."""
     return os.environ.get("ECHO_NVTX", "0") == "1"

@@ -1,5 +1,7 @@
 """echo.envs: the environment switches and their defaults."""
 
+import pytest
+
 from echo import envs
 
 
@@ -15,3 +17,13 @@ def test_step_timeout_defaults_to_ten_minutes(monkeypatch):
     assert envs.step_timeout_s() == 600
     monkeypatch.setenv("ECHO_STEP_TIMEOUT_S", "2.5")
     assert envs.step_timeout_s() == 2.5
+
+
+def test_kv_copy_mode_is_staged_by_default_and_names_a_bad_value(monkeypatch):
+    monkeypatch.delenv("ECHO_KV_COPY_MODE", raising=False)
+    assert envs.kv_copy_mode() == "staged"
+    monkeypatch.setenv("ECHO_KV_COPY_MODE", "direct")
+    assert envs.kv_copy_mode() == "direct"
+    monkeypatch.setenv("ECHO_KV_COPY_MODE", "fast")
+    with pytest.raises(ValueError, match="ECHO_KV_COPY_MODE"):
+        envs.kv_copy_mode()

@@ -133,11 +133,18 @@ stage_commands() {
       # with the GPU pool about a quarter of the conversations' final working set
       $PY tools/bench_kv_load_decode.py --model qwen3-8b --json "$dir/kv_load_decode.json" \
         2>&1 | tail -30
-      for offload in "" "--kv-offloading-size 16" \
-          "--kv-offloading-size 16 --kv-offloading-policy write_back"; do
+      # the host tier written through, then written back with direct copies (a write-back's
+      # copy on a staged mode's one stream would queue behind loads)
+      for run in "staged" "staged --kv-offloading-size 16" \
+          "direct --kv-offloading-size 16 --kv-offloading-policy write_back"; do
+        set -- $run
+        local mode=$1
+        shift
+        echo "ECHO_KV_COPY_MODE=$mode $*"
         # shellcheck disable=SC2086
-        $PY tools/bench_multiturn.py --model qwen3-8b --num-gpu-blocks-override 1500 $offload \
-          --json "$dir/multiturn${offload// /_}.json" 2>&1 | tail -8
+        ECHO_KV_COPY_MODE=$mode $PY tools/bench_multiturn.py --model qwen3-8b \
+          --num-gpu-blocks-override 1500 "$@" --json "$dir/multiturn_${mode}_$#.json" 2>&1 \
+          | tail -8
       done ;;
     structured)  # #25: the constrained decode step, the core's grammar work, and a profile
       local tok=${TOKENIZER:+--tokenizer $TOKENIZER}  # a folder with SmolLM2's tokenizer files

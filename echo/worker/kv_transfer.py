@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from echo import envs
 from echo.worker.kv_cache import KVCacheSpec, StackedKVCache, kv_cache_spec
 from echo.worker.pinned_ring import PinnedUploadRing
 from echo.worker.strided_copy import StridedCopier, max_pitch
@@ -43,10 +44,9 @@ STAGING_BLOCKS = 64
 CHUNKS_IN_FLIGHT = 2
 # how chunks move (module docstring): "staged" through a staging buffer on one side stream,
 # "split" with its gathers and scatters on a second one, "direct" by strided copies without
-# staging. Staged until the others are timed on a GPU (tools/dev/gpu_probes.sh kv-split; both
-# built 2026-12-05, when no GPU was lent)
+# staging. ECHO_KV_COPY_MODE (echo/envs.py) picks one; staged until the others are timed on a
+# GPU (tools/dev/gpu_probes.sh kv-split; both built 2026-12-05, when no GPU was lent)
 COPY_MODES = ("staged", "split", "direct")
-COPY_MODE = "staged"
 
 
 def host_tier_blocks(kv_offloading_size_gib: float, bytes_per_block: int, tp_size: int) -> int:
@@ -151,11 +151,12 @@ class KVTransfers:
 
     def __init__(self, device_cache: StackedKVCache, host: HostKVCache, device: torch.device,
                  max_blocks_per_chunk: int = STAGING_BLOCKS,
-                 chunks_in_flight: int = CHUNKS_IN_FLIGHT, copy_mode: str = COPY_MODE):
+                 chunks_in_flight: int = CHUNKS_IN_FLIGHT, copy_mode: str | None = None):
         if max_blocks_per_chunk < 1:
             raise ValueError(f"max_blocks_per_chunk: must be >= 1, got {max_blocks_per_chunk}")
         if chunks_in_flight < 1:
             raise ValueError(f"chunks_in_flight: must be >= 1, got {chunks_in_flight}")
+        copy_mode = envs.kv_copy_mode() if copy_mode is None else copy_mode
         if copy_mode not in COPY_MODES:
             raise ValueError(f"copy_mode: must be one of {COPY_MODES}, got {copy_mode!r}")
         self.host, self.device = host, torch.device(device)
@@ -487,9 +488,10 @@ class KVTransfers:
 
 
 def staging_blocks(max_blocks_per_chunk: int = STAGING_BLOCKS,
-                   chunks_in_flight: int = CHUNKS_IN_FLIGHT, copy_mode: str = COPY_MODE) -> int:
+                   chunks_in_flight: int = CHUNKS_IN_FLIGHT, copy_mode: str | None = None) -> int:
     """Blocks of device memory KVTransfers stages chunks in: a chunk's, split one chunk's for
-    each chunk in flight, direct none."""
+    each chunk in flight, direct none (copy_mode: ECHO_KV_COPY_MODE's when not given)."""
+    copy_mode = envs.kv_copy_mode() if copy_mode is None else copy_mode
     if copy_mode == "direct":
         return 0
     return max_blocks_per_chunk * (chunks_in_flight if copy_mode == "split" else 1)

@@ -99,8 +99,10 @@ def test_write_back_gives_the_same_tokens_and_stores_only_what_the_gpu_evicts(
     assert back.kv_loaded_blocks > 0
 
 
-@pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_random_aborts_leave_both_tiers_accounted(tiny_llama, policy):
+@pytest.mark.parametrize("policy, copy_mode", [("write_through", "staged"),
+                                               ("write_back", "direct")])
+def test_random_aborts_leave_both_tiers_accounted(tiny_llama, policy, copy_mode, monkeypatch):
+    monkeypatch.setenv("ECHO_KV_COPY_MODE", copy_mode)  # the workers' KVTransfers read it
     config = EngineConfig.create(str(tiny_llama), kv_offloading_size=0.01,
                                  preemption_mode="swap", kv_offloading_policy=policy, **ARGS)
     engine = EngineCore(config)

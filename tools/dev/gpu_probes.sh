@@ -63,7 +63,7 @@ sys.argv = ['bench_latency.py', '--model', 'qwen3-30b-a3b', '--max-model-len', '
 runpy.run_path('tools/bench_latency.py', run_name='__main__')" 2>&1 \
           | tee "$dir/latency_route_$on.log" | grep -v "^echo:" | tail -4
       done ;;
-    kv-split)  # the host tier's copy modes (kv_transfer.COPY_MODE): its GPU tests, then the
+    kv-split)  # the host tier's copy modes (ECHO_KV_COPY_MODE): its GPU tests, then the
       # decoders beside loads, staged on one side stream, split over two, and direct (strided
       # copies, no staging or kernels), by chunk size
       $PY -m pytest -m gpu -q tests/worker/test_kv_transfer.py 2>&1 | tail -3

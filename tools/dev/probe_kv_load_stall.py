@@ -12,7 +12,7 @@ histories' first steps), decode-only steps while host-tier loads are pending, wh
 stores are (the fillers' write-through), and decode-only steps without any transfer, each a
 count with median and longest launch and land.
 --chunk-blocks, --chunks-in-flight and --copy-mode replace kv_transfer's STAGING_BLOCKS,
-CHUNKS_IN_FLIGHT and COPY_MODE for the run.
+CHUNKS_IN_FLIGHT and ECHO_KV_COPY_MODE for the run.
 """
 
 import argparse
@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_kv_load_decode  # noqa: E402
 
+from echo import envs  # noqa: E402
 from echo.worker import kv_transfer, model_runner  # noqa: E402
 
 records: dict[str, list[tuple[float, float]]] = {"start": [], "launch": [], "land": []}
@@ -108,9 +109,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--chunk-blocks", type=int, default=kv_transfer.STAGING_BLOCKS)
     parser.add_argument("--chunks-in-flight", type=int, default=kv_transfer.CHUNKS_IN_FLIGHT)
-    parser.add_argument("--copy-mode", choices=kv_transfer.COPY_MODES,
-                        default=kv_transfer.COPY_MODE)
+    parser.add_argument("--copy-mode", choices=kv_transfer.COPY_MODES, default=None,
+                        help="default: ECHO_KV_COPY_MODE's")
     ours, rest = parser.parse_known_args()
+    if ours.copy_mode is None:
+        ours.copy_mode = envs.kv_copy_mode()
     kv_transfer.KVTransfers.__init__.__defaults__ = (ours.chunk_blocks, ours.chunks_in_flight,
                                                      ours.copy_mode)
     print(f"chunks of {ours.chunk_blocks} blocks, {ours.chunks_in_flight} in flight, copy "
