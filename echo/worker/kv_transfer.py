@@ -197,14 +197,14 @@ class KVTransfers:
         self._last_store: torch.cuda.Event | None = None
         if self.direct:  # each cache tensor's block: height segments of width bytes, pitch apart
             self._geometry = _direct_geometry(planes)
-            index = self.device.index if self.device.index is not None else (
-                torch.cuda.current_device() if self._cuda else None)
-            limit = max_pitch(index) if self._cuda else None
-            pitch = max(pitch for _, _, pitch, _, _, _ in self._geometry)
-            if limit is not None and pitch > limit:
-                raise ValueError(f"copy_mode: 'direct' needs the KV cache's segment pitch "
-                                 f"({pitch} bytes: blocks x segment bytes) within the device's "
-                                 f"maximum pitch ({limit}); use 'staged' for this pool")
+            if self._cuda:
+                pitch = max(pitch for _, _, pitch, _, _, _ in self._geometry)
+                index = self.device.index
+                limit = max_pitch(torch.cuda.current_device() if index is None else index)
+                if pitch > limit:
+                    raise ValueError(f"copy_mode: 'direct' needs the KV cache's segment pitch "
+                                     f"({pitch} bytes: blocks x segment bytes) within the "
+                                     f"device's maximum pitch ({limit}); use 'staged'")
             self._to_host = StridedCopier(to_device=False, stream=self._store_stream)
             self._to_device = StridedCopier(to_device=True, stream=self._stream)
         # a transfer's device ids: a store and a load of every device block fit without growing
