@@ -66,7 +66,7 @@ def load_weights(model: nn.Module, folder: Path) -> None:
     weights = iterate_weights(folder)
     quant = model.arch.quantization
     if quant is not None and quant.format == PACK_QUANTIZED:
-        weights = as_awq_tensors(weights, quant, _device_of(model))
+        weights = as_awq_tensors(weights, quant, next(model.parameters()).device)
     for name, weight in weights:
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
@@ -92,10 +92,6 @@ def load_weights(model: nn.Module, folder: Path) -> None:
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"{folder}: checkpoint lacks {len(missing)} weight(s), e.g. {missing[:3]}")
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
