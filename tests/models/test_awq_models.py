@@ -86,13 +86,16 @@ def test_prefill_logits_match_transformers_with_the_dequantized_weights(awq_mode
     assert_prefill_logits_match(echo_logits(make_runner(folder), prefill_output(PROMPTS)), hf)
 
 
-def test_greedy_tokens_equal_transformers_at_one_and_two_ranks(awq_model):
-    folder, hf = awq_model
+def assert_greedy_like_transformers(folder, hf, **engine_args) -> None:
+    """16 greedy tokens after a 30-token prompt, echo's (with engine_args) and transformers'."""
     prompt = list(range(10, 40))
-    expected = hf_greedy_tokens(hf, prompt, 16)
+    assert echo_greedy_tokens(folder, [prompt], 16, **engine_args) == \
+        [hf_greedy_tokens(hf, prompt, 16)], engine_args
+
+
+def test_greedy_tokens_equal_transformers_at_one_and_two_ranks(awq_model):
     for tp in (1, 2):
-        assert echo_greedy_tokens(folder, [prompt], 16, tensor_parallel_size=tp) == \
-            [expected], f"tensor_parallel_size={tp}"
+        assert_greedy_like_transformers(*awq_model, tensor_parallel_size=tp)
 
 
 @pytest.mark.parametrize("change,field", [
@@ -112,29 +115,29 @@ def test_unsupported_quantization_configs_name_the_field(awq_model, tmp_path, ch
         LLM(str(tmp_path), device="cpu", num_gpu_blocks_override=16)
 
 
+def assert_load_refused(folder, tmp_path, tensors: dict, match: str) -> None:
+    """folder's config.json with these tensors instead of its own: loading names `match`."""
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tmp_path), device="cpu", num_gpu_blocks_override=16)
+
+
 def test_missing_or_misshapen_awq_tensors_name_the_tensor(awq_model, tmp_path):
     folder, _ = awq_model
-    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     tensors = load_file(folder / "model.safetensors")
     scales = "model.layers.0.self_attn.o_proj.scales"
-    save_file({k: v for k, v in tensors.items() if k != scales}, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match="o_proj.scales"):
-        LLM(str(tmp_path), device="cpu", num_gpu_blocks_override=16)
+    assert_load_refused(folder, tmp_path, {k: v for k, v in tensors.items() if k != scales},
+                        "o_proj.scales")
     qweight = "model.layers.1.mlp.down_proj.qweight"
-    save_file({**tensors, qweight: tensors[qweight][:, :4].contiguous()},
-              tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match="down_proj.qweight"):
-        LLM(str(tmp_path), device="cpu", num_gpu_blocks_override=16)
+    misshapen = {**tensors, qweight: tensors[qweight][:, :4].contiguous()}
+    assert_load_refused(folder, tmp_path, misshapen, "down_proj.qweight")
 
 
 @pytest.mark.gpu
 def test_gpu_kernels_and_graphs_give_transformers_greedy_tokens(awq_model):
     """On the GPU the linear layers run awq_gemv / awq_gemm, decodes replay CUDA graphs."""
-    folder, hf = awq_model
-    prompt = list(range(10, 40))
-    expected = hf_greedy_tokens(hf, prompt, 16)
-    assert echo_greedy_tokens(folder, [prompt], 16, device="cuda", dtype="float32") == \
-        [expected]
+    assert_greedy_like_transformers(*awq_model, device="cuda", dtype="float32")
 
 
 

@@ -8,13 +8,16 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from echo import LLM
 from echo.layers.compressed_tensors import AwqView
-from tests.helpers import echo_greedy_tokens, hf_greedy_tokens
 from tests.kernels.test_awq import quantize_rtn
-from tests.models.test_awq_models import write_quantized_model
+from tests.models.test_awq_models import (
+    assert_greedy_like_transformers,
+    assert_load_refused,
+    write_quantized_model,
+)
 from tests.models.test_logits_vs_transformers import (
     PROMPTS,
     assert_prefill_logits_match,
@@ -91,12 +94,8 @@ def test_prefill_logits_match_transformers_with_the_dequantized_weights(ct_model
 
 
 def test_greedy_tokens_equal_transformers_at_one_and_two_ranks(ct_model):
-    folder, hf = ct_model
-    prompt = list(range(10, 40))
-    expected = hf_greedy_tokens(hf, prompt, 16)
     for tp in (1, 2):
-        assert echo_greedy_tokens(folder, [prompt], 16, tensor_parallel_size=tp) == \
-            [expected], f"tensor_parallel_size={tp}"
+        assert_greedy_like_transformers(*ct_model, tensor_parallel_size=tp)
 
 
 def test_a_ranks_slice_of_a_converted_tensor_is_the_same_slice_of_the_whole(ct_model):
@@ -169,18 +168,13 @@ def test_unsupported_compressed_tensors_configs_name_the_field(ct_model, tmp_pat
 
 def test_act_order_and_misshapen_tensors_name_the_checkpoint_tensor(ct_model, tmp_path):
     folder, _ = ct_model
-    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     tensors = load_file(folder / "model.safetensors")
     g_idx = "model.layers.0.self_attn.o_proj.weight_g_idx"
-    save_file({**tensors, g_idx: torch.zeros(64, dtype=torch.int32)},
-              tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match="o_proj.weight_g_idx"):
-        LLM(str(tmp_path), device="cpu", num_gpu_blocks_override=16)
+    assert_load_refused(folder, tmp_path, {**tensors, g_idx: torch.zeros(64, dtype=torch.int32)},
+                        "o_proj.weight_g_idx")
     packed = "model.layers.0.mlp.down_proj.weight_packed"
-    save_file({**tensors, packed: tensors[packed][:, :4].contiguous()},
-              tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match="down_proj.weight_packed"):
-        LLM(str(tmp_path), device="cpu", num_gpu_blocks_override=16)
+    assert_load_refused(folder, tmp_path, {**tensors, packed: tensors[packed][:, :4].contiguous()},
+                        "down_proj.weight_packed")
 
 
 def test_the_quantization_argument_names_the_checkpoints_method(ct_model):
@@ -196,8 +190,4 @@ def test_the_quantization_argument_names_the_checkpoints_method(ct_model):
 @pytest.mark.gpu
 def test_gpu_kernels_and_graphs_give_transformers_greedy_tokens(ct_model):
     """On the GPU the tensors are converted on the device and run awq_gemv / awq_gemm."""
-    folder, hf = ct_model
-    prompt = list(range(10, 40))
-    expected = hf_greedy_tokens(hf, prompt, 16)
-    assert echo_greedy_tokens(folder, [prompt], 16, device="cuda", dtype="float32") == \
-        [expected]
+    assert_greedy_like_transformers(*ct_model, device="cuda", dtype="float32")
