@@ -66,7 +66,8 @@ runpy.run_path('tools/bench_latency.py', run_name='__main__')" 2>&1 \
     kv-split)  # the host tier's copy modes (ECHO_KV_COPY_MODE): its GPU tests, then the
       # decoders beside loads, staged on one side stream, split over two, and direct (strided
       # copies, no staging or kernels), by chunk size
-      $PY -m pytest -m gpu -q tests/worker/test_kv_transfer.py 2>&1 | tail -3
+      $PY -m pytest -m gpu -q tests/worker/test_kv_transfer.py tests/worker/test_strided_copy.py \
+        2>&1 | tail -3
       for run in "64 2 staged" "64 2 split" "64 2 direct" "16 4 split" "16 4 direct"; do
         set -- $run
         $PY tools/dev/probe_kv_load_stall.py --model qwen3-8b --chunk-blocks $1 \
