@@ -25,12 +25,15 @@ def step_timeout_s() -> float:
     return float(os.environ.get("ECHO_STEP_TIMEOUT_S", "600"))
 
 
+KV_COPY_MODES = ("staged", "split", "direct")
+
+
 def kv_copy_mode() -> str:
     """How the KV host tier's copies move blocks (ECHO_KV_COPY_MODE: staged, the default, split
     or direct; echo/worker/kv_transfer.py), so the modes can be timed against each other in the
     engine's own processes before one becomes the default."""
     value = os.environ.get("ECHO_KV_COPY_MODE", "staged")
-    if value not in ("staged", "split", "direct"):
+    if value not in KV_COPY_MODES:
         raise ValueError(f"ECHO_KV_COPY_MODE must be staged, split or direct, got {value!r}")
     return value
 

@@ -26,6 +26,7 @@ is admitted once its own blocks have landed) and come back done with a step's ou
 """
 
 import hashlib
+from collections.abc import Iterable
 from time import monotonic
 from typing import NamedTuple
 
@@ -245,7 +246,8 @@ class KVCacheManager:
         if state is None or not state.block_ids:
             return
         if store and self.host is not None and (preempted or not self.write_back):
-            self._store(state, pin=not preempted)
+            self._store(zip(state.block_ids[:state.num_cached_blocks], state.hashes),
+                        pin=not preempted)
         self.pool.free(state.block_ids)
 
     def _allocate(self, n: int) -> list[int]:
@@ -255,23 +257,19 @@ class KVCacheManager:
         block_ids = self.pool.allocate(n)
         evicted = self.pool.evicted
         if evicted:
-            host, swaps = self.host, self._next_stores.swaps
-            for block_id, block_hash in evicted:
-                if block_hash not in host:
-                    host_block = host.start_store(block_hash)
-                    if host_block is not None:
-                        swaps.append((block_id, host_block))
+            self._store(evicted, pin=False)
             evicted.clear()
         return block_ids
 
-    def _store(self, state: _RequestBlocks, pin: bool) -> None:
-        """Queue copies of a request's full blocks the host lacks. Pinned (finished requests):
-        the GPU block keeps a reference until the copy is done, and nothing waits. Unpinned
-        (preemption, which must free blocks now): the next step waits for the copy on the
-        device before its own kernels, which may overwrite them."""
+    def _store(self, blocks: Iterable[tuple[int, BlockHash]], pin: bool) -> None:
+        """Queue copies of the full blocks (block id, hash) the host lacks. Pinned (finished
+        requests): the GPU block keeps a reference until the copy is done, and nothing waits.
+        Unpinned (a preemption, which must free blocks now, or a write-back's eviction): the next
+        step waits for the copy on the device before its own kernels, which may overwrite
+        them."""
         host = self.host
         stores = self._next_stores.stores if pin else self._next_stores.swaps
-        for block_id, block_hash in zip(state.block_ids[:state.num_cached_blocks], state.hashes):
+        for block_id, block_hash in blocks:
             if block_hash in host:
                 continue
             host_block = host.start_store(block_hash)

@@ -25,15 +25,10 @@ _AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's int32 j holds column 8j + th
 _SYMMETRIC_ZEROS = 0x88888888 - 2**32  # eight nibbles of 8, as an int32
 
 
-def _unpack(packed: torch.Tensor, dim: int) -> torch.Tensor:
-    """compressed-tensors' int32 packing along dim -> uint8 values 0..15, 8x as many along it
-    (a nibble at a time: no temporary 8x the int32 source)."""
+def _unpack(packed: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' int32 packing along the last dimension -> uint8 values 0..15, 8x as
+    many along it (a nibble at a time: no temporary 8x the int32 source)."""
     rows, cols = packed.shape
-    if dim == 0:
-        values = torch.empty(rows, AWQ_PACK, cols, dtype=torch.uint8, device=packed.device)
-        for i in range(AWQ_PACK):
-            values[:, i, :] = (packed >> (4 * i)) & 15
-        return values.view(rows * AWQ_PACK, cols)
     values = torch.empty(rows, cols, AWQ_PACK, dtype=torch.uint8, device=packed.device)
     for i in range(AWQ_PACK):
         values[:, :, i] = (packed >> (4 * i)) & 15
@@ -106,9 +101,9 @@ class AwqView:
         if part.dtype != torch.int32:
             raise ValueError(f"{self.source_name}: must be int32 (packed nibbles), got "
                              f"{part.dtype}")
-        if self.kind == "qweight":
-            return _pack_awq(_unpack(part, dim=1).t().contiguous())
-        return _pack_awq(_unpack(part, dim=0).t().contiguous())  # qzeros
+        if self.kind == "qweight":  # packed along the inputs: unpack, then transpose
+            return _pack_awq(_unpack(part).t().contiguous())
+        return _pack_awq(_unpack(part.t()))  # qzeros, packed along the outputs: the reverse
 
 
 # checkpoint suffix -> the AWQ tensor it becomes

@@ -46,7 +46,7 @@ CHUNKS_IN_FLIGHT = 2
 # "split" with its gathers and scatters on a second one, "direct" by strided copies without
 # staging. ECHO_KV_COPY_MODE (echo/envs.py) picks one; staged until the others are timed on a
 # GPU (tools/dev/gpu_probes.sh kv-split; both built 2026-12-05, when no GPU was lent)
-COPY_MODES = ("staged", "split", "direct")
+COPY_MODES = envs.KV_COPY_MODES
 
 
 def host_tier_blocks(kv_offloading_size_gib: float, bytes_per_block: int, tp_size: int) -> int:
@@ -196,7 +196,7 @@ class KVTransfers:
                               else self._stream)
         self._last_store: torch.cuda.Event | None = None
         if self.direct:  # each cache tensor's block: height segments of width bytes, pitch apart
-            self._geometry = _direct_geometry(planes)
+            self._geometry = _direct_geometry(self._parts)
             if self._cuda:
                 pitch = max(pitch for _, _, pitch, _, _, _ in self._geometry)
                 index = self.device.index
@@ -210,8 +210,8 @@ class KVTransfers:
         # a transfer's device ids: a store and a load of every device block fit without growing
         self._ids = (PinnedUploadRing(2 * self.num_device_blocks, self.device)
                      if self._cuda and not self.direct else None)
-        # (on the CPU chunks are copied one at a time: one slot, none when direct)
-        mode = copy_mode if self._cuda or self.direct else "staged"
+        # (on the CPU, where chunks are copied one at a time, split takes one slot like staged)
+        mode = "staged" if copy_mode == "split" and not self.split_streams else copy_mode
         slots = staging_blocks(max_blocks_per_chunk, chunks_in_flight, mode) // max_blocks_per_chunk
         self._staging = torch.empty(slots, max_blocks_per_chunk, offset, dtype=word,
                                     device=self.device)
@@ -497,17 +497,17 @@ def staging_blocks(max_blocks_per_chunk: int = STAGING_BLOCKS,
     return max_blocks_per_chunk * (chunks_in_flight if copy_mode == "split" else 1)
 
 
-def _direct_geometry(planes: list[torch.Tensor]) -> list[tuple[int, int, int, int, int, int]]:
-    """Per cache tensor (StackedKVCache.planes, [num_blocks, 2 * num_layers, bytes]): its
-    address, block stride, segment pitch, segment bytes, segments, and its offset in a host
-    block (the tensors' segments follow one another there, each tensor's in order)."""
-    geometry, offset = [], 0
-    for plane in planes:
-        blocks, segments, width = plane.shape
+def _direct_geometry(parts: list[tuple[torch.Tensor, int, int]]
+                     ) -> list[tuple[int, int, int, int, int, int]]:
+    """Per cache tensor (KVTransfers._parts: its [num_blocks, 2 * num_layers, words] view and
+    word range in a host block), in bytes: its address, block stride, segment pitch, segment
+    width, segments, and its offset in a host block."""
+    geometry = []
+    for plane, first_word, _ in parts:
+        word = plane.element_size()
         if plane.stride(2) != 1:
             raise ValueError(f"a KV cache tensor's segments must be contiguous, got strides "
                              f"{plane.stride()}")
-        geometry.append((plane.data_ptr(), plane.stride(0), plane.stride(1), width, segments,
-                         offset))
-        offset += segments * width
+        geometry.append((plane.data_ptr(), plane.stride(0) * word, plane.stride(1) * word,
+                         plane.shape[2] * word, plane.shape[1], first_word * word))
     return geometry
