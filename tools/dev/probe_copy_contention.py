@@ -7,9 +7,11 @@ probe times, on the GPU alone (no host in the loop), a decode-like batch of GEMM
 through Qwen3-8B's gate_up weight shape, 24 of them, about 2.4 GB read) by itself and beside
 each kind of work a transfer queues on a side stream: pinned host-to-device and device-to-host
 copies of 128 MB, and the tier's scatter (index_copy_) and gather (index_select) of a chunk of
-blocks between a Qwen3-8B-shaped stacked cache and a staging buffer, as KVTransfers does them.
-The scatter and gather are also timed alone. A kind of work that slows the GEMMs by the 14%
-is the one to make cheaper; if none does, the host is where the time goes.
+blocks between a Qwen3-8B-shaped stacked cache and a staging buffer, as KVTransfers does them,
+and the direct mode's strided copies of a chunk (a cuMemcpy2DAsync per block, host to device).
+Each is also timed alone, and the GEMMs are timed once more behind a small pinned upload on their
+stream that they read, as a step's kernels read its uploaded inputs. A kind of work that slows
+the GEMMs by the 14% is the one to make cheaper; if none does, the host is where the time goes.
 """
 
 import argparse
@@ -21,19 +23,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from echo.worker.kv_cache import KVCacheSpec  # noqa: E402
+from echo.worker.strided_copy import StridedCopier  # noqa: E402
 
 
 def event() -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=True)
 
 
-def ms_per_call(fn, calls: int) -> float:
+def ms_per_call(fn, calls: int, stream: torch.cuda.Stream | None = None) -> float:
+    """Per call, by events on `stream` (the current stream when None), where fn queues its
+    work."""
+    stream = stream or torch.cuda.current_stream()
     torch.cuda.synchronize()
     begin, end = event(), event()
-    begin.record()
+    begin.record(stream)
     for _ in range(calls):
         fn()
-    end.record()
+    end.record(stream)
     end.synchronize()
     return begin.elapsed_time(end) / calls
 
@@ -53,6 +59,19 @@ def main() -> None:
     index = torch.randperm(args.cache_blocks, device=device)[:n]
     host = torch.empty(2**27, dtype=torch.uint8, pin_memory=True)
     device_bytes = torch.empty(2**27, dtype=torch.uint8, device=device)
+    side = torch.cuda.Stream()
+    # direct: each block's 2 * layers segments, a cache-wide pitch apart, from a host block
+    segment = plane.stride(1) * plane.element_size()
+    width, height = plane.shape[2] * plane.element_size(), plane.shape[1]
+    block_bytes = width * height
+    host_blocks = torch.empty(n * block_bytes, dtype=torch.uint8, pin_memory=True)
+    to_device = StridedCopier(to_device=True, stream=side)
+
+    def direct_load():
+        for i, block in enumerate(index.tolist()):
+            to_device.copy(plane.data_ptr() + block * plane.stride(0) * plane.element_size(),
+                           segment, host_blocks.data_ptr() + i * block_bytes, width, width,
+                           height)
 
     side_work = {
         "host-to-device 128 MB": lambda: device_bytes.copy_(host, non_blocking=True),
@@ -60,11 +79,13 @@ def main() -> None:
         f"scatter {n} blocks": lambda: plane.index_copy_(0, index,
                                                          staging.view(n, *plane.shape[1:])),
         f"gather {n} blocks": lambda: staging.copy_(plane.index_select(0, index).view(n, -1)),
+        f"direct {n} blocks to device": direct_load,
     }
     side_ms = {}
     for name, work in side_work.items():
-        work()
-        side_ms[name] = ms_per_call(work, 20)
+        with torch.cuda.stream(side):
+            work()
+            side_ms[name] = ms_per_call(work, 20, side)
         print(f"{name} alone: {side_ms[name]:.3f} ms")
     print(f"(a chunk is {staging.nbytes / 1e6:.0f} MB: the scatter and gather read and write "
           f"{2 * staging.nbytes / side_ms[f'scatter {n} blocks'] / 1e6:.0f} and "
@@ -77,18 +98,26 @@ def main() -> None:
         for w in weights:
             torch.mm(rows, w)
 
-    gemms()
-    alone = ms_per_call(gemms, 30)
-    print(f"GEMMs alone: {alone:.3f} ms")
-    side = torch.cuda.Stream()
-    for name, work in side_work.items():
-        with torch.cuda.stream(side):  # three times as long as the GEMMs' 30 calls
-            for _ in range(int(3 * 30 * alone / side_ms[name]) + 1):
-                work()
-        beside = ms_per_call(gemms, 30)
-        side.synchronize()
-        print(f"GEMMs beside {name}: {beside:.3f} ms ({beside / alone - 1:+.1%})")
-    print(f"GEMMs alone again: {ms_per_call(gemms, 30):.3f} ms")
+    upload_host = torch.zeros(4096, dtype=torch.int64, pin_memory=True)
+    upload_device = torch.empty_like(upload_host, device=device)
+
+    def upload_then_gemms():  # the GEMMs read the upload, as a step's kernels read its inputs
+        upload_device.copy_(upload_host, non_blocking=True)
+        torch.mm(rows + upload_device[:1].to(rows.dtype), weights[0])
+        gemms()
+
+    for name, fn in (("GEMMs", gemms), ("upload + GEMMs", upload_then_gemms)):
+        fn()
+        alone = ms_per_call(fn, 30)
+        print(f"{name} alone: {alone:.3f} ms")
+        for side_name, work in side_work.items():
+            with torch.cuda.stream(side):  # three times as long as the GEMMs' 30 calls
+                for _ in range(int(3 * 30 * alone / side_ms[side_name]) + 1):
+                    work()
+            beside = ms_per_call(fn, 30)
+            side.synchronize()
+            print(f"{name} beside {side_name}: {beside:.3f} ms ({beside / alone - 1:+.1%})")
+        print(f"{name} alone again: {ms_per_call(fn, 30):.3f} ms")
 
 
 if __name__ == "__main__":
