@@ -11,7 +11,9 @@
    (one load each, all started in one step) while the decoders go on.
 Each engine step is timed where the core takes its output (EngineCore.step_overlapped, two steps
 in flight, in this process). Of the steps in which the decoders alone decode (one token each,
-nothing else scheduled), those that end while a load is in flight are compared with the others:
+nothing else scheduled, nor in the step launched after them: each history is admitted as its own
+load lands, and an admission's launch would count in the period before it), those that end
+while a load is in flight are compared with the others:
 the decoders' tokens per second is their count over the median step period (a mean lets one
 stall anywhere in the run decide; the maxima are reported beside). Also reported: the bytes the
 host tier moved over its copy seconds (CUDA events on its side stream, each chunk's copies), and
@@ -77,10 +79,15 @@ class StepClock:
 
     def decode_periods(self, num_decoders: int) -> dict[bool, list[float]]:
         """Step periods (s) between two steps in a row that each decoded every decoder and
-        nothing else, keyed by whether a load was in flight at the second."""
+        nothing else, keyed by whether a load was in flight at the second. The step after
+        them must be one too: with two steps in flight the core launches it before it takes
+        the second's output, so a period ending before an admission holds the admission's
+        launch (a mixed step, launched eagerly), which is not the decoders' cost of loads."""
         periods: dict[bool, list[float]] = {False: [], True: []}
-        for (t0, n0, k0, _), (t1, n1, k1, loading) in zip(self.records, self.records[1:]):
-            if n0 == k0 == n1 == k1 == num_decoders:
+        records = self.records
+        for (t0, n0, k0, _), (t1, n1, k1, loading), (_, n2, k2, _) in zip(
+                records, records[1:], records[2:]):
+            if n0 == k0 == n1 == k1 == n2 == k2 == num_decoders:
                 periods[loading].append(t1 - t0)
         return periods
 

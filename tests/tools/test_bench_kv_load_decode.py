@@ -16,7 +16,7 @@ from echo.worker.kv_cache import kv_cache_spec  # noqa: E402
 def test_histories_load_from_the_host_tier_while_the_decoders_run(tiny_llama, tmp_path):
     result = main(["--model", str(tiny_llama), "--load-format", "auto", "--device", "cpu",
                    "--decoders", "2", "--histories", "3", "--history-len", "64",
-                   "--suffix-len", "4", "--settle-steps", "3", "--after-steps", "3",
+                   "--suffix-len", "4", "--settle-steps", "5", "--after-steps", "3",
                    "--decoder-prompt-len", "16", "--max-decode-steps", "100",
                    "--json", str(tmp_path / "r.json")])
     # 64 + 4 new tokens: a request reuses at most (68 - 1) // 16 = 4 full blocks, all on the host
@@ -29,3 +29,17 @@ def test_histories_load_from_the_host_tier_while_the_decoders_run(tiny_llama, tm
         assert result[key]["max"] >= result[key]["p50"] > 0
     assert result["pinned_copy_gb_per_s"] is None  # no GPU
     assert (tmp_path / "r.json").stat().st_size > 0
+
+
+def test_decode_periods_leave_out_steps_before_an_admission():
+    from bench_kv_load_decode import StepClock
+
+    clock = StepClock.__new__(StepClock)
+    # (output time, requests, tokens, loading): 2 decoders; at t=4 a history is admitted
+    # (3 requests, 18 tokens), launched while step 3's output was awaited
+    clock.records = [(0.0, 2, 2, False), (1.0, 2, 2, False), (2.0, 2, 2, True),
+                     (3.5, 2, 2, True), (4.0, 3, 18, True), (5.0, 2, 2, True),
+                     (6.0, 2, 2, True), (7.0, 2, 2, False)]
+    # periods: 0->1 (next 2 alone), 1->2 (next 3 alone); 2->3 is followed by the admission;
+    # 3->4 and 4->5 hold it; 5->6 (next 7 alone); 6->7 has no step after it
+    assert clock.decode_periods(2) == {False: [1.0], True: [1.0, 1.0]}
