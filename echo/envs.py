@@ -38,6 +38,21 @@ def kv_copy_mode() -> str:
     return value
 
 
+STEP_COPY_MODES = ("engine", "kernel")
+
+
+def step_copy_mode() -> str:
+    """How a step's small copies between pinned host memory and the device move
+    (ECHO_STEP_COPIES: engine, the default, by the copy engine; or kernel, by a kernel on the
+    step's stream, which never queues behind the KV host tier's copies; echo/worker/
+    host_copies.py), so the two can be timed against each other before one becomes the
+    default. Read at each copy."""
+    value = os.environ.get("ECHO_STEP_COPIES", "engine")
+    if value not in STEP_COPY_MODES:
+        raise ValueError(f"ECHO_STEP_COPIES must be engine or kernel, got {value!r}")
+    return value
+
+
 def nvtx_enabled() -> bool:
     """Emit NVTX ranges around engine phases (ECHO_NVTX=1); off costs nothing."""
     return os.environ.get("ECHO_NVTX", "0") == "1"

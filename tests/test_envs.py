@@ -27,3 +27,13 @@ def test_kv_copy_mode_is_staged_by_default_and_names_a_bad_value(monkeypatch):
     monkeypatch.setenv("ECHO_KV_COPY_MODE", "fast")
     with pytest.raises(ValueError, match="ECHO_KV_COPY_MODE"):
         envs.kv_copy_mode()
+
+
+def test_step_copies_go_by_the_copy_engine_by_default_and_name_a_bad_value(monkeypatch):
+    monkeypatch.delenv("ECHO_STEP_COPIES", raising=False)
+    assert envs.step_copy_mode() == "engine"
+    monkeypatch.setenv("ECHO_STEP_COPIES", "kernel")
+    assert envs.step_copy_mode() == "kernel"
+    monkeypatch.setenv("ECHO_STEP_COPIES", "dma")
+    with pytest.raises(ValueError, match="ECHO_STEP_COPIES"):
+        envs.step_copy_mode()

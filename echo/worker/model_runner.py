@@ -39,6 +39,7 @@ from echo.worker.cuda_graphs import CudaGraphRunner
 from echo.worker.draft_model import DraftModel
 from echo.worker.eagle3_drafter import Eagle3Drafter
 from echo.worker.grammar_bitmask import apply_grammar_bitmask
+from echo.worker.host_copies import copy_pinned
 from echo.worker.input_batch import InputBatch, StepInputs
 from echo.worker.kv_cache import KVCacheSpec
 from echo.worker.kv_transfer import HostKVCache, KVTransfers, num_host_blocks
@@ -106,6 +107,8 @@ class ModelRunner:
         # GrammarBitmask arrives: (step id, inputs, hidden states, logits, sampling tensors)
         self.awaiting_bitmask: tuple | None = None
         self._bitmask_ring: PinnedUploadRing | None = None  # made by the first bitmask
+        # the sampling inputs' uploads by dtype, held until their copies ran (host_copies.py)
+        self._sampling_rings: dict[torch.dtype, PinnedUploadRing] | None = None
         # request id -> the top-N of prompt logprobs it asked for, while its prompt is scored
         self.prompt_logprobs: dict[str, int] = {}
         self.profile_window = profiler_window(f"rank{tp.rank}")  # ECHO_PROFILE_STEPS
@@ -250,7 +253,17 @@ class ModelRunner:
     def _sampling_tensors(self, inp: StepInputs) -> SamplingTensors:
         """The sampler's inputs for a step without drafts, on the device."""
         return build_sampling_tensors(self.input_batch, inp.rows[inp.sample_seq_idx],
-                                      self.vocab_size, self.arch.eos_token_ids, self.device)
+                                      self.vocab_size, self.arch.eos_token_ids, self.device,
+                                      rings=self._upload_rings())
+
+    def _upload_rings(self) -> dict[torch.dtype, PinnedUploadRing] | None:
+        """The sampling inputs' upload rings (CUDA): three values a row, room for several
+        steps of a full batch before a range is reused."""
+        if self._sampling_rings is None and self.device.type == "cuda":
+            size = 4 * 3 * self.config.scheduler.max_num_batched_tokens
+            self._sampling_rings = {dtype: PinnedUploadRing(size, self.device, dtype)
+                                    for dtype in (torch.float32, torch.int64)}
+        return self._sampling_rings
 
     def _sample_step(self, step_id: int, inp: StepInputs, hidden: torch.Tensor,
                      logits: torch.Tensor, tensors: SamplingTensors | None = None) -> None:
@@ -286,7 +299,8 @@ class ModelRunner:
              for r, k in zip(rows, counts)])
         ahead = np.arange(len(draft_ids)) - np.repeat(cu_rows[:-1], counts + 1)
         t = build_sampling_tensors(batch, np.repeat(rows, counts + 1), self.vocab_size,
-                                   self.arch.eos_token_ids, self.device, ahead)
+                                   self.arch.eos_token_ids, self.device, ahead,
+                                   self._upload_rings())
         raw = raw_logprobs(logits, t)
         target, temperature = target_distribution(logits, t)
         cu = put("cu_draft_rows", cu_rows)
@@ -502,8 +516,7 @@ def _to_host_async(tensor: torch.Tensor | None) -> torch.Tensor | None:
     if tensor is None or not tensor.is_cuda:
         return tensor
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    return host
+    return copy_pinned(host, tensor)
 
 
 class _PromptLogprobs:
@@ -548,7 +561,7 @@ class _StepInFlight:
         tokens = sampled.token_ids if all_tokens is None else all_tokens
         if tokens.is_cuda:
             self.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host_tokens.copy_(tokens, non_blocking=True)
+            copy_pinned(self.host_tokens, tokens)
             self.ready = torch.cuda.Event()
             self.ready.record()
         else:

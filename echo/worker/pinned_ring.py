@@ -13,16 +13,20 @@ from collections import deque
 
 import torch
 
+from echo.worker.host_copies import copy_pinned
+
 
 class PinnedUploadRing:
-    """Integer lists copied to a CUDA device through a pinned ring of `capacity` elements of
-    `dtype` (grown, with the one synchronizing allocation, when a single list is longer)."""
+    """Lists or arrays of numbers copied to a CUDA device through a pinned ring of `capacity`
+    elements of `dtype` (grown, with the one synchronizing allocation, when a single list is
+    longer)."""
 
     def __init__(self, capacity: int, device: torch.device, dtype: torch.dtype = torch.int64):
         if capacity < 1:
             raise ValueError(f"capacity: must be >= 1, got {capacity}")
         self.device = torch.device(device)
         self.dtype = dtype
+        self._in_flight: deque[tuple[int, int, torch.cuda.Event]] = deque()  # start, end, done
         self._allocate(capacity)
 
     @property
@@ -30,12 +34,14 @@ class PinnedUploadRing:
         return len(self._view)
 
     def _allocate(self, capacity: int) -> None:
-        # the old buffer, if any, stays alive while its uploads run: non_blocking copies from
-        # pinned memory record their stream's use with torch's host allocator
+        # the old buffer, if any, must outlive its uploads: torch's host allocator knows of a
+        # copy_'s use but not of a kernel's (host_copies.py), so wait for the last one
+        if self._in_flight:
+            self._in_flight[-1][2].synchronize()
+            self._in_flight.clear()
         self._host = torch.empty(capacity, dtype=self.dtype, pin_memory=True)
         self._view = self._host.numpy()
         self._head = 0
-        self._in_flight: deque[tuple[int, int, torch.cuda.Event]] = deque()  # start, end, done
 
     def upload(self, values) -> torch.Tensor:
         """`values` (a list or a 1-D array) as a tensor of the ring's dtype on the device,
@@ -52,7 +58,8 @@ class PinnedUploadRing:
         while any(s < end and start < e for s, e, _ in self._in_flight):
             self._in_flight.popleft()[2].synchronize()
         self._view[start:end] = values
-        on_device = self._host[start:end].to(self.device, non_blocking=True)
+        on_device = copy_pinned(torch.empty(n, dtype=self.dtype, device=self.device),
+                                self._host[start:end])
         done = torch.cuda.Event()
         done.record()
         self._in_flight.append((start, end, done))

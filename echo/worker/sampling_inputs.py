@@ -11,22 +11,26 @@ import numpy as np
 import torch
 
 from echo.worker.input_batch import InputBatch
+from echo.worker.pinned_ring import PinnedUploadRing
 from echo.worker.sampler import SamplingTensors
 
 
 def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, vocab_size: int,
                            eos_token_ids: tuple[int, ...], device: torch.device,
-                           ahead: np.ndarray | None = None) -> SamplingTensors:
+                           ahead: np.ndarray | None = None,
+                           rings: dict[torch.dtype, PinnedUploadRing] | None = None
+                           ) -> SamplingTensors:
     """One row per entry of `rows` (a request's row may repeat); ahead: per entry, how many of
-    the request's drafts come before it (None: none)."""
+    the request's drafts come before it (None: none); rings: upload rings by dtype for the
+    per-step inputs (see upload)."""
     if ahead is None:
         ahead = np.zeros(len(rows), np.int64)
     temperature, top_k = batch.temperature[rows], batch.top_k[rows]
     top_p, min_p = batch.top_p[rows], batch.min_p[rows]
     # two host-to-device copies per step (floats, ints), pinned so they do not block
-    floats = upload(np.stack([temperature, top_p, min_p]), device)
+    floats = upload(np.stack([temperature, top_p, min_p]), device, rings)
     ints = upload(np.stack([top_k, batch.seeds[rows], batch.num_output_tokens(rows) + ahead]),
-                  device)
+                  device, rings)
     max_logprobs = int(batch.logprobs[rows].max()) if len(rows) else -1
     extra = {}
     if batch.has_penalties[rows].any():
@@ -41,11 +45,17 @@ def build_sampling_tensors(batch: InputBatch, rows: np.ndarray, vocab_size: int,
         max_logprobs=max_logprobs if max_logprobs >= 0 else None, **extra)
 
 
-def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on the device, the copy queued behind the step in flight."""
+def upload(array: np.ndarray, device: torch.device,
+           rings: dict[torch.dtype, PinnedUploadRing] | None = None) -> torch.Tensor:
+    """A host array on the device, the copy queued behind the step in flight: through the
+    ring of its dtype where one is given (a copy by kernel needs host memory that outlives it:
+    worker/host_copies.py), else from torch's pinned memory by the copy engine."""
     tensor = torch.from_numpy(array)
     if device.type != "cuda":
         return tensor
+    ring = rings.get(tensor.dtype) if rings else None
+    if ring is not None:
+        return ring.upload(array.reshape(-1)).view(array.shape)
     # pin_memory() draws from torch's caching host allocator, so this costs no cudaHostAlloc
     return tensor.pin_memory().to(device, non_blocking=True)
 

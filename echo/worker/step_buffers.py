@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from echo.attention.backend import AttentionMetadata
+from echo.worker.host_copies import copy_pinned
 from echo.worker.input_batch import StepInputs
 
 # each packed field starts at a multiple of this many bytes: Triton specializes kernels on
@@ -94,7 +95,7 @@ class StepBuffers:
         arrays, hosts, dev = self.fields[name]
         n = values.size
         arrays[self.current][:n] = values.reshape(-1)
-        dev[:n].copy_(hosts[self.current][:n], non_blocking=True)
+        copy_pinned(dev[:n], hosts[self.current][:n])
         return dev[:n]
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -152,7 +153,7 @@ class StepBuffers:
             table_h[:num_seqs, table.shape[1]:] = 0
             table_h[num_seqs:] = 0
         order_h[:] = longest_first(seq_lens_h)
-        device_bytes.copy_(host_bytes[self.current], non_blocking=True)
+        copy_pinned(device_bytes, host_bytes[self.current])
         ids, positions_d, slots_d, cu_d, seq_lens_d, order_d, table_d = device_views
         attention = AttentionMetadata(slot_mapping=slots_d, block_table=table_d,
                                       cu_seqlens_q=cu_d, seq_lens=seq_lens_d, seq_order=order_d,

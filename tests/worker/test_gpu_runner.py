@@ -80,6 +80,27 @@ def test_pdl_gives_the_same_tokens(tiny_qwen3, monkeypatch):
     assert [o.outputs[0].token_ids for o in pdl] == [o.outputs[0].token_ids for o in plain]
 
 
+@pytest.mark.parametrize("steps", [1, 8])
+def test_step_copies_by_kernel_give_the_same_tokens(tiny_qwen3, monkeypatch, steps):
+    # the step's inputs, sampling parameters and sampled tokens moved by kernels through
+    # pinned memory (ECHO_STEP_COPIES=kernel), graphs and several steps a launch included;
+    # sampled with a temperature and seeds, so every sampling input matters
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.8, top_k=20, seed=5, max_tokens=24,
+                             ignore_eos=True, logprobs=2)]
+
+    def generate(mode: str):
+        monkeypatch.setenv("ECHO_STEP_COPIES", mode)
+        llm = gpu_llm(tiny_qwen3, num_scheduler_steps=steps)
+        try:
+            return [[(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                     for o in llm.generate(PROMPTS, p, use_tqdm=False)] for p in params]
+        finally:
+            llm.shutdown()
+
+    assert generate("kernel") == generate("engine")
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
 def test_several_decode_steps_per_launch_with_graphs_equal_one_step(fixture, request):
     """num_scheduler_steps: the sampling graphs replayed over the forward graphs, and the same

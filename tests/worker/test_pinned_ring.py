@@ -9,6 +9,13 @@ _SPIN = 200_000_000  # GPU clock cycles torch.cuda._sleep spins: ~0.1 s
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+@pytest.fixture(params=["engine", "kernel"], autouse=True)
+def step_copies(request, monkeypatch):
+    """Each test with the uploads by the copy engine and by kernel (worker/host_copies.py)."""
+    monkeypatch.setenv("ECHO_STEP_COPIES", request.param)
+    return request.param
+
+
 @pytest.mark.gpu
 @gpu
 def test_uploads_queue_behind_the_stream_without_blocking_the_host():

@@ -3,7 +3,7 @@
 # tools/gpu_acceptance.sh so each fits one device call:
 #   source .gpu/prelude.sh; tools/dev/gpu_probes.sh STAGE...
 # Stages, rough minutes on an H200 (plus start-up): sweeps 5, int8-probe 2, l2-prefetch 2,
-# kv-contention 4, kv-trace 7, moe-route 6, kv-split 7.
+# kv-contention 4, kv-trace 7, moe-route 6, kv-split 7, step-copies 8.
 # Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz, and the key lines
 # are printed.
 set -uo pipefail
@@ -73,6 +73,21 @@ runpy.run_path('tools/bench_latency.py', run_name='__main__')" 2>&1 \
         $PY tools/dev/probe_kv_load_stall.py --model qwen3-8b --chunk-blocks $1 \
           --chunks-in-flight $2 --copy-mode $3 > "$dir/stall_$1_$2_$3.log" 2>&1
         grep -E "chunks of|decode_ratio|p50|gb_per_s\"" "$dir/stall_$1_$2_$3.log"
+      done ;;
+    step-copies)  # a step's own copies by kernel (ECHO_STEP_COPIES) beside the host tier's:
+      # the GPU tests, the contention probe (uploads behind the tier's copies), then the
+      # decoders beside loads with the step's copies by the copy engine and by kernel
+      $PY -m pytest -m gpu -q tests/kernels/test_host_copy.py tests/worker/test_pinned_ring.py \
+        tests/worker/test_gpu_runner.py -k "host_copy or ring or step_copies" 2>&1 | tail -3
+      $PY tools/dev/probe_copy_contention.py --cache-blocks 9632 2>&1 \
+        | tee "$dir/copy_contention.log" | grep -E "upload|alone"
+      for run in "64 2 staged engine" "64 2 staged kernel" "64 2 direct kernel" \
+          "16 4 staged kernel"; do
+        set -- $run
+        ECHO_STEP_COPIES=$4 $PY tools/dev/probe_kv_load_stall.py --model qwen3-8b \
+          --chunk-blocks $1 --chunks-in-flight $2 --copy-mode $3 > "$dir/stall_$1_$2_$3_$4.log" 2>&1
+        echo "$run"
+        grep -E "decode_ratio|p50|gb_per_s\"|gb_per_s_wall" "$dir/stall_$1_$2_$3_$4.log"
       done ;;
     *)
       echo "unknown stage $stage" >&2; return 2 ;;

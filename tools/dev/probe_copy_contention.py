@@ -9,9 +9,10 @@ each kind of work a transfer queues on a side stream: pinned host-to-device and 
 copies of 128 MB, and the tier's scatter (index_copy_) and gather (index_select) of a chunk of
 blocks between a Qwen3-8B-shaped stacked cache and a staging buffer, as KVTransfers does them,
 and the direct mode's strided copies of a chunk (a cuMemcpy2DAsync per block, host to device).
-Each is also timed alone, and the GEMMs are timed once more behind a small pinned upload on their
-stream that they read, as a step's kernels read its uploaded inputs. A kind of work that slows
-the GEMMs by the 14% is the one to make cheaper; if none does, the host is where the time goes.
+Each is also timed alone, and the GEMMs are timed again behind a small pinned upload on their
+stream that they read, as a step's kernels read its uploaded inputs: by the copy engine, and by
+a kernel (ECHO_STEP_COPIES=kernel). A kind of work that slows the GEMMs by the 14% is the one to
+make cheaper; if none does, the host is where the time goes.
 """
 
 import argparse
@@ -24,6 +25,7 @@ import torch  # noqa: E402
 
 from echo.worker.kv_cache import KVCacheSpec  # noqa: E402
 from echo.worker.strided_copy import StridedCopier  # noqa: E402
+from echo_kernels.host_copy import copy_by_kernel  # noqa: E402
 
 
 def event() -> torch.cuda.Event:
@@ -101,12 +103,17 @@ def main() -> None:
     upload_host = torch.zeros(4096, dtype=torch.int64, pin_memory=True)
     upload_device = torch.empty_like(upload_host, device=device)
 
-    def upload_then_gemms():  # the GEMMs read the upload, as a step's kernels read its inputs
-        upload_device.copy_(upload_host, non_blocking=True)
+    def upload_then_gemms(by_kernel: bool):  # the GEMMs read the upload, as a step's kernels
+        if by_kernel:  # read its inputs (worker/host_copies.py: ECHO_STEP_COPIES)
+            copy_by_kernel(upload_device, upload_host)
+        else:
+            upload_device.copy_(upload_host, non_blocking=True)
         torch.mm(rows + upload_device[:1].to(rows.dtype), weights[0])
         gemms()
 
-    for name, fn in (("GEMMs", gemms), ("upload + GEMMs", upload_then_gemms)):
+    for name, fn in (("GEMMs", gemms),
+                     ("engine upload + GEMMs", lambda: upload_then_gemms(False)),
+                     ("kernel upload + GEMMs", lambda: upload_then_gemms(True))):
         fn()
         alone = ms_per_call(fn, 30)
         print(f"{name} alone: {alone:.3f} ms")

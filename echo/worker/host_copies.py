@@ -1,0 +1,26 @@
+"""A step's small copies between pinned host memory and the device: its input uploads and its
+sampled tokens' download.
+
+By default they go through the copy engine (torch's non_blocking copy_). With the KV host tier
+moving chunks of hundreds of megabytes, a step's few-kilobyte copy queued on that engine waits
+behind them, and the step with it (docs/benchmarks.md, KV offload). ECHO_STEP_COPIES=kernel
+moves them by a kernel on the step's own stream instead (echo_kernels/host_copy.py), in that
+stream's order. The host memory must stay alive until the stream has passed the copy: torch
+records a pinned block's use by copy_, not by a kernel, so every caller here holds its buffer
+(step buffers, upload rings, a step's token buffer until it lands).
+"""
+
+import torch
+
+from echo import envs
+from echo_kernels.host_copy import copy_by_kernel
+
+
+def copy_pinned(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dst := src between pinned host memory and the device (either way), queued on the current
+    stream; a host dst may be read once an event recorded after this has completed. Returns
+    dst."""
+    if (envs.step_copy_mode() == "kernel" and (dst.is_cuda or src.is_cuda)
+            and dst.is_contiguous() and src.is_contiguous()):
+        return copy_by_kernel(dst, src)
+    return dst.copy_(src, non_blocking=True)
