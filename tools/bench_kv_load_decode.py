@@ -1,14 +1,17 @@
 """Does loading KV from the host tier slow the requests that are decoding meanwhile?
 
-    python tools/bench_kv_load_decode.py --model qwen3-8b [--decoders 32] [--histories 32] \\
-        [--history-len 4096] [--json out.json]
+    python tools/bench_kv_load_decode.py --model qwen3-8b [--decoders 32] [--histories 4] \\
+        [--history-len 32768] [--json out.json]
 
 1. --histories prompts of --history-len random tokens run once (one output token each): their
    blocks are written through to the host tier as they finish.
 2. Fillers (as many tokens as the GPU pool holds, and more) push them out of the GPU prefix cache.
 3. --decoders requests decode; once every one of them has decoded --settle-steps tokens, the
    histories come back with --suffix-len new tokens each: their prefixes load from the host tier
-   (one load each, all started in one step) while the decoders go on.
+   (one load each, all started in one step) while the decoders go on. Each history is admitted
+   as its own load lands; a few long ones (4 x 32K tokens, 8,192 Qwen3-8B blocks, 19 GB, as
+   32 x 4K moved before 2026-12-05) leave the decoders alone between admissions for ~100 ms at
+   a time, where 32 short ones would be admitted every ~11 ms.
 Each engine step is timed where the core takes its output (EngineCore.step_overlapped, two steps
 in flight, in this process). Of the steps in which the decoders alone decode (one token each,
 nothing else scheduled, nor in the step launched after them: each history is admitted as its own
@@ -215,8 +218,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--decoders", type=int, default=32)
     parser.add_argument("--decoder-prompt-len", type=int, default=128)
-    parser.add_argument("--histories", type=int, default=32)
-    parser.add_argument("--history-len", type=int, default=4096)
+    parser.add_argument("--histories", type=int, default=4)
+    parser.add_argument("--history-len", type=int, default=32768)
     parser.add_argument("--suffix-len", type=int, default=16)
     parser.add_argument("--settle-steps", type=int, default=20)
     parser.add_argument("--after-steps", type=int, default=20)
