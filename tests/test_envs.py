@@ -19,21 +19,16 @@ def test_step_timeout_defaults_to_ten_minutes(monkeypatch):
     assert envs.step_timeout_s() == 2.5
 
 
-def test_kv_copy_mode_is_staged_by_default_and_names_a_bad_value(monkeypatch):
-    monkeypatch.delenv("ECHO_KV_COPY_MODE", raising=False)
-    assert envs.kv_copy_mode() == "staged"
-    monkeypatch.setenv("ECHO_KV_COPY_MODE", "direct")
-    assert envs.kv_copy_mode() == "direct"
-    monkeypatch.setenv("ECHO_KV_COPY_MODE", "fast")
-    with pytest.raises(ValueError, match="ECHO_KV_COPY_MODE"):
-        envs.kv_copy_mode()
-
-
-def test_step_copies_go_by_the_copy_engine_by_default_and_name_a_bad_value(monkeypatch):
-    monkeypatch.delenv("ECHO_STEP_COPIES", raising=False)
-    assert envs.step_copy_mode() == "engine"
-    monkeypatch.setenv("ECHO_STEP_COPIES", "kernel")
-    assert envs.step_copy_mode() == "kernel"
-    monkeypatch.setenv("ECHO_STEP_COPIES", "dma")
-    with pytest.raises(ValueError, match="ECHO_STEP_COPIES"):
-        envs.step_copy_mode()
+@pytest.mark.parametrize("read, name, default, other", [
+    (envs.kv_copy_mode, "ECHO_KV_COPY_MODE", "staged", "direct"),
+    (envs.step_copy_mode, "ECHO_STEP_COPIES", "engine", "kernel"),
+])
+def test_copy_modes_have_a_default_and_name_a_bad_value(monkeypatch, read, name, default,
+                                                        other):
+    monkeypatch.delenv(name, raising=False)
+    assert read() == default
+    monkeypatch.setenv(name, other)
+    assert read() == other
+    monkeypatch.setenv(name, "fast")
+    with pytest.raises(ValueError, match=name):
+        read()
