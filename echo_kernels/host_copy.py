@@ -19,7 +19,9 @@ BLOCK_WORDS = 1024
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
-@triton.jit
+# one compiled variant a word type: the length and the addresses change from copy to copy (a
+# ring's ranges start anywhere), and a compilation inside a step would stall it
+@triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["src_ptr", "dst_ptr"])
 def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
