@@ -78,7 +78,8 @@ runpy.run_path('tools/bench_latency.py', run_name='__main__')" 2>&1 \
       # the GPU tests, the contention probe (uploads behind the tier's copies), then the
       # decoders beside loads with the step's copies by the copy engine and by kernel
       $PY -m pytest -m gpu -q tests/kernels/test_host_copy.py tests/worker/test_pinned_ring.py \
-        tests/worker/test_gpu_runner.py -k "host_copy or ring or step_copies" 2>&1 | tail -3
+        tests/worker/test_gpu_runner.py::test_step_copies_by_kernel_give_the_same_tokens 2>&1 \
+        | tail -3
       $PY tools/dev/probe_copy_contention.py --cache-blocks 9632 2>&1 \
         | tee "$dir/copy_contention.log" | grep -E "upload|alone"
       for run in "64 2 staged engine" "64 2 staged kernel" "64 2 direct kernel" \
