@@ -46,7 +46,7 @@ def step_copy_mode() -> str:
     (ECHO_STEP_COPIES: engine, the default, by the copy engine; or kernel, by a kernel on the
     step's stream, which never queues behind the KV host tier's copies; echo/worker/
     host_copies.py), so the two can be timed against each other before one becomes the
-    default. Read at each copy."""
+    default. Read as the engine's buffers are made."""
     value = os.environ.get("ECHO_STEP_COPIES", "engine")
     if value not in STEP_COPY_MODES:
         raise ValueError(f"ECHO_STEP_COPIES must be engine or kernel, got {value!r}")

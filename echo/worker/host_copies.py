@@ -16,11 +16,16 @@ from echo import envs
 from echo_kernels.host_copy import copy_by_kernel
 
 
-def copy_pinned(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+def copies_by_kernel(device: torch.device | str) -> bool:
+    """Whether copies to and from `device` go by kernel (ECHO_STEP_COPIES=kernel, CUDA only):
+    read once by each holder of such buffers, not at every copy."""
+    return torch.device(device).type == "cuda" and envs.step_copy_mode() == "kernel"
+
+
+def copy_pinned(dst: torch.Tensor, src: torch.Tensor, by_kernel: bool) -> torch.Tensor:
     """dst := src between pinned host memory and the device (either way), queued on the current
-    stream; a host dst may be read once an event recorded after this has completed. Returns
-    dst."""
-    if (envs.step_copy_mode() == "kernel" and (dst.is_cuda or src.is_cuda)
-            and dst.is_contiguous() and src.is_contiguous()):
+    stream, by kernel where by_kernel (copies_by_kernel) and both are contiguous; a host dst may
+    be read once an event recorded after this has completed. Returns dst."""
+    if by_kernel and dst.is_contiguous() and src.is_contiguous():
         return copy_by_kernel(dst, src)
     return dst.copy_(src, non_blocking=True)

@@ -196,7 +196,7 @@ class KVTransfers:
                               else self._stream)
         self._last_store: torch.cuda.Event | None = None
         if self.direct:  # each cache tensor's block: height segments of width bytes, pitch apart
-            self._geometry = _direct_geometry(self._parts)
+            self._geometry = direct_geometry(self._parts)
             if self._cuda:
                 pitch = max(pitch for _, _, pitch, _, _, _ in self._geometry)
                 index = self.device.index
@@ -497,7 +497,7 @@ def staging_blocks(max_blocks_per_chunk: int = STAGING_BLOCKS,
     return max_blocks_per_chunk * (chunks_in_flight if copy_mode == "split" else 1)
 
 
-def _direct_geometry(parts: list[tuple[torch.Tensor, int, int]]
+def direct_geometry(parts: list[tuple[torch.Tensor, int, int]]
                      ) -> list[tuple[int, int, int, int, int, int]]:
     """Per cache tensor (KVTransfers._parts: its [num_blocks, 2 * num_layers, words] view and
     word range in a host block), in bytes: its address, block stride, segment pitch, segment

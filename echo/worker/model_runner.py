@@ -39,7 +39,7 @@ from echo.worker.cuda_graphs import CudaGraphRunner
 from echo.worker.draft_model import DraftModel
 from echo.worker.eagle3_drafter import Eagle3Drafter
 from echo.worker.grammar_bitmask import apply_grammar_bitmask
-from echo.worker.host_copies import copy_pinned
+from echo.worker.host_copies import copies_by_kernel, copy_pinned
 from echo.worker.input_batch import InputBatch, StepInputs
 from echo.worker.kv_cache import KVCacheSpec
 from echo.worker.kv_transfer import HostKVCache, KVTransfers, num_host_blocks
@@ -107,8 +107,13 @@ class ModelRunner:
         # GrammarBitmask arrives: (step id, inputs, hidden states, logits, sampling tensors)
         self.awaiting_bitmask: tuple | None = None
         self._bitmask_ring: PinnedUploadRing | None = None  # made by the first bitmask
-        # the sampling inputs' uploads by dtype, held until their copies ran (host_copies.py)
-        self._sampling_rings: dict[torch.dtype, PinnedUploadRing] | None = None
+        # the sampling inputs' uploads by dtype (CUDA), held until their copies ran
+        # (host_copies.py): three values a row, room for several steps of a full batch
+        size = 4 * 3 * config.scheduler.max_num_batched_tokens
+        self.sampling_rings = ({dtype: PinnedUploadRing(size, self.device, dtype)
+                                for dtype in (torch.float32, torch.int64)}
+                               if self.device.type == "cuda" else None)
+        self.copies_by_kernel = copies_by_kernel(self.device)  # the step's own copies
         # request id -> the top-N of prompt logprobs it asked for, while its prompt is scored
         self.prompt_logprobs: dict[str, int] = {}
         self.profile_window = profiler_window(f"rank{tp.rank}")  # ECHO_PROFILE_STEPS
@@ -216,7 +221,8 @@ class ModelRunner:
                                          replay=size is not None)
         batch.num_pending[rows] += num_steps
         self.in_flight.append(_StepInFlight(step_id, inp, rows, SamplerOutput(tokens[-1]),
-                                            [None] * num_seqs, all_tokens=tokens))
+                                            [None] * num_seqs, self.copies_by_kernel,
+                                            all_tokens=tokens))
 
     @torch.inference_mode()
     def apply_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
@@ -254,16 +260,7 @@ class ModelRunner:
         """The sampler's inputs for a step without drafts, on the device."""
         return build_sampling_tensors(self.input_batch, inp.rows[inp.sample_seq_idx],
                                       self.vocab_size, self.arch.eos_token_ids, self.device,
-                                      rings=self._upload_rings())
-
-    def _upload_rings(self) -> dict[torch.dtype, PinnedUploadRing] | None:
-        """The sampling inputs' upload rings (CUDA): three values a row, room for several
-        steps of a full batch before a range is reused."""
-        if self._sampling_rings is None and self.device.type == "cuda":
-            size = 4 * 3 * self.config.scheduler.max_num_batched_tokens
-            self._sampling_rings = {dtype: PinnedUploadRing(size, self.device, dtype)
-                                    for dtype in (torch.float32, torch.int64)}
-        return self._sampling_rings
+                                      rings=self.sampling_rings)
 
     def _sample_step(self, step_id: int, inp: StepInputs, hidden: torch.Tensor,
                      logits: torch.Tensor, tensors: SamplingTensors | None = None) -> None:
@@ -282,7 +279,7 @@ class ModelRunner:
             logprobs = [n if n >= 0 else None for n in batch.logprobs[sample_rows].tolist()]
             prompt = self._prompt_logprobs(inp, hidden) if self.prompt_logprobs else None
             self.in_flight.append(_StepInFlight(step_id, inp, sample_rows, sampled,
-                                                logprobs, prompt))
+                                                logprobs, self.copies_by_kernel, prompt))
 
     def _verify(self, step_id: int, inp: StepInputs, hidden: torch.Tensor,
                 logits: torch.Tensor) -> ModelRunnerOutput:
@@ -300,7 +297,7 @@ class ModelRunner:
         ahead = np.arange(len(draft_ids)) - np.repeat(cu_rows[:-1], counts + 1)
         t = build_sampling_tensors(batch, np.repeat(rows, counts + 1), self.vocab_size,
                                    self.arch.eos_token_ids, self.device, ahead,
-                                   self._upload_rings())
+                                   self.sampling_rings)
         raw = raw_logprobs(logits, t)
         target, temperature = target_distribution(logits, t)
         cu = put("cu_draft_rows", cu_rows)
@@ -318,7 +315,7 @@ class ModelRunner:
         sampled_ids: list[list[int]] = [[] for _ in inp.req_ids]
         logprobs: list[list[LogprobsEntry] | None] = [None] * len(inp.req_ids)
         asked = list(zip(seqs.tolist(), batch.logprobs[rows].tolist()))
-        emitted = _landed(emitted).tolist()
+        emitted = _landed(emitted, self.copies_by_kernel).tolist()
         for i, (seq, n) in enumerate(asked):
             tokens = [token for token in emitted[i] if token >= 0]
             sampled_ids[seq] = tokens
@@ -385,7 +382,7 @@ class ModelRunner:
                            top.values if top else None))
         own, rank, top_ids, top_lps = (
             torch.cat(parts) if parts[0] is not None else None for parts in zip(*pieces))
-        return _PromptLogprobs(runs, own, rank, top_ids, top_lps)
+        return _PromptLogprobs(runs, own, rank, top_ids, top_lps, self.copies_by_kernel)
 
     def oldest_step_done(self) -> bool:
         """Whether collect() would return without waiting for the device."""
@@ -502,21 +499,21 @@ class ModelRunner:
                                  prompt_logprobs=step.prompt.to_host() if step.prompt else {})
 
 
-def _landed(tensor: torch.Tensor) -> torch.Tensor:
+def _landed(tensor: torch.Tensor, by_kernel: bool) -> torch.Tensor:
     """A device tensor on the host once the work before it is done: copied to pinned memory
     behind it and waited for, which ends as the copy does (a .tolist() of the device tensor
     starts its own copy after the wait)."""
-    host = _to_host_async(tensor)
+    host = _to_host_async(tensor, by_kernel)
     if tensor.is_cuda:
         torch.cuda.current_stream(tensor.device).synchronize()
     return host
 
 
-def _to_host_async(tensor: torch.Tensor | None) -> torch.Tensor | None:
+def _to_host_async(tensor: torch.Tensor | None, by_kernel: bool) -> torch.Tensor | None:
     if tensor is None or not tensor.is_cuda:
         return tensor
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return copy_pinned(host, tensor)
+    return copy_pinned(host, tensor, by_kernel)
 
 
 class _PromptLogprobs:
@@ -524,12 +521,13 @@ class _PromptLogprobs:
     (request id, first token scored, tokens, top-N), their rows concatenated."""
 
     def __init__(self, runs: list[tuple[str, int, int, int]], own: torch.Tensor,
-                 rank: torch.Tensor, top_ids: torch.Tensor | None, top_lps: torch.Tensor | None):
+                 rank: torch.Tensor, top_ids: torch.Tensor | None, top_lps: torch.Tensor | None,
+                 by_kernel: bool):
         self.runs = runs
         # copied to pinned memory behind the step, as its sampled tokens are: landing them
         # after the step's event then reads host memory instead of waiting for the next step
         self.own, self.rank, self.top_ids, self.top_lps = (
-            _to_host_async(t) for t in (own, rank, top_ids, top_lps))
+            _to_host_async(t, by_kernel) for t in (own, rank, top_ids, top_lps))
 
     def to_host(self) -> dict[str, PromptLogprobs]:
         own, rank = self.own.tolist(), self.rank.tolist()
@@ -553,15 +551,15 @@ class _StepInFlight:
     which the next launch may read as inputs."""
 
     def __init__(self, step_id: int, inp: StepInputs, rows: np.ndarray, sampled: SamplerOutput,
-                 logprobs: list[int | None], prompt: _PromptLogprobs | None = None,
-                 all_tokens: torch.Tensor | None = None):
+                 logprobs: list[int | None], by_kernel: bool,
+                 prompt: _PromptLogprobs | None = None, all_tokens: torch.Tensor | None = None):
         self.step_id, self.inp, self.rows, self.sampled = step_id, inp, rows, sampled
         self.logprobs = logprobs  # top-N asked for by each sampled request
         self.prompt = prompt  # its host copies are queued before the event below
         tokens = sampled.token_ids if all_tokens is None else all_tokens
         if tokens.is_cuda:
             self.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            copy_pinned(self.host_tokens, tokens)
+            copy_pinned(self.host_tokens, tokens, by_kernel)
             self.ready = torch.cuda.Event()
             self.ready.record()
         else:

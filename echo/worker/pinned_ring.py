@@ -13,7 +13,7 @@ from collections import deque
 
 import torch
 
-from echo.worker.host_copies import copy_pinned
+from echo.worker.host_copies import copies_by_kernel, copy_pinned
 
 
 class PinnedUploadRing:
@@ -26,6 +26,7 @@ class PinnedUploadRing:
             raise ValueError(f"capacity: must be >= 1, got {capacity}")
         self.device = torch.device(device)
         self.dtype = dtype
+        self._by_kernel = copies_by_kernel(self.device)
         self._in_flight: deque[tuple[int, int, torch.cuda.Event]] = deque()  # start, end, done
         self._allocate(capacity)
 
@@ -59,7 +60,7 @@ class PinnedUploadRing:
             self._in_flight.popleft()[2].synchronize()
         self._view[start:end] = values
         on_device = copy_pinned(torch.empty(n, dtype=self.dtype, device=self.device),
-                                self._host[start:end])
+                                self._host[start:end], self._by_kernel)
         done = torch.cuda.Event()
         done.record()
         self._in_flight.append((start, end, done))

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from echo.attention.backend import AttentionMetadata
-from echo.worker.host_copies import copy_pinned
+from echo.worker.host_copies import copies_by_kernel, copy_pinned
 from echo.worker.input_batch import StepInputs
 
 # each packed field starts at a multiple of this many bytes: Triton specializes kernels on
@@ -60,6 +60,7 @@ class StepBuffers:
         self.device = device
         self.max_blocks_per_seq = max_blocks_per_seq
         pin = device.type == "cuda"
+        self._by_kernel = copies_by_kernel(device)
         _, packed_bytes = packed_layout(max_num_tokens, max_num_seqs, max_blocks_per_seq)
         self.packed_hosts = [torch.zeros(packed_bytes, dtype=torch.uint8, pin_memory=pin)
                              for _ in range(2)]
@@ -95,7 +96,7 @@ class StepBuffers:
         arrays, hosts, dev = self.fields[name]
         n = values.size
         arrays[self.current][:n] = values.reshape(-1)
-        copy_pinned(dev[:n], hosts[self.current][:n])
+        copy_pinned(dev[:n], hosts[self.current][:n], self._by_kernel)
         return dev[:n]
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -153,7 +154,7 @@ class StepBuffers:
             table_h[:num_seqs, table.shape[1]:] = 0
             table_h[num_seqs:] = 0
         order_h[:] = longest_first(seq_lens_h)
-        copy_pinned(device_bytes, host_bytes[self.current])
+        copy_pinned(device_bytes, host_bytes[self.current], self._by_kernel)
         ids, positions_d, slots_d, cu_d, seq_lens_d, order_d, table_d = device_views
         attention = AttentionMetadata(slot_mapping=slots_d, block_table=table_d,
                                       cu_seqlens_q=cu_d, seq_lens=seq_lens_d, seq_order=order_d,

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from echo.worker.kv_cache import KVCacheSpec  # noqa: E402
+from echo.worker.kv_transfer import direct_geometry  # noqa: E402
 from echo.worker.strided_copy import StridedCopier  # noqa: E402
 from echo_kernels.host_copy import copy_by_kernel  # noqa: E402
 
@@ -62,18 +63,17 @@ def main() -> None:
     host = torch.empty(2**27, dtype=torch.uint8, pin_memory=True)
     device_bytes = torch.empty(2**27, dtype=torch.uint8, device=device)
     side = torch.cuda.Stream()
-    # direct: each block's 2 * layers segments, a cache-wide pitch apart, from a host block
-    segment = plane.stride(1) * plane.element_size()
-    width, height = plane.shape[2] * plane.element_size(), plane.shape[1]
-    block_bytes = width * height
-    host_blocks = torch.empty(n * block_bytes, dtype=torch.uint8, pin_memory=True)
+    # direct: each block's 2 * layers segments, a cache-wide pitch apart, from a host block,
+    # by the geometry KVTransfers uses (block ids listed once: in the loop, .tolist() would wait)
+    [(base, block_stride, pitch, width, height, _)] = direct_geometry([(plane, 0, 0)])
+    blocks = index.tolist()
+    host_blocks = torch.empty(n * width * height, dtype=torch.uint8, pin_memory=True)
     to_device = StridedCopier(to_device=True, stream=side)
 
     def direct_load():
-        for i, block in enumerate(index.tolist()):
-            to_device.copy(plane.data_ptr() + block * plane.stride(0) * plane.element_size(),
-                           segment, host_blocks.data_ptr() + i * block_bytes, width, width,
-                           height)
+        for i, block in enumerate(blocks):
+            to_device.copy(base + block * block_stride, pitch,
+                           host_blocks.data_ptr() + i * width * height, width, width, height)
 
     side_work = {
         "host-to-device 128 MB": lambda: device_bytes.copy_(host, non_blocking=True),
