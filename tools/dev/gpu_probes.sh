@@ -3,7 +3,7 @@
 # tools/gpu_acceptance.sh so each fits one device call:
 #   source .gpu/prelude.sh; tools/dev/gpu_probes.sh STAGE...
 # Stages, rough minutes on an H200 (plus start-up): sweeps 5, int8-probe 2, l2-prefetch 2,
-# kv-contention 4, kv-trace 7, moe-route 6, kv-split 7, step-copies 8.
+# kv-contention 4, kv-trace 7, moe-route 6, kv-split 7, step-copies 8, offload-kernel 8.
 # Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz, and the key lines
 # are printed.
 set -uo pipefail
@@ -89,6 +89,27 @@ runpy.run_path('tools/bench_latency.py', run_name='__main__')" 2>&1 \
           --chunk-blocks $1 --chunks-in-flight $2 --copy-mode $3 > "$dir/stall_$1_$2_$3_$4.log" 2>&1
         echo "$run"
         grep -E "decode_ratio|p50|gb_per_s\"|gb_per_s_wall" "$dir/stall_$1_$2_$3_$4.log"
+      done ;;
+    offload-kernel)  # step-copies in one call where the device is scarce: the GPU tests of
+      # copies by kernel, the decoders beside staged loads with engine copies and beside direct
+      # loads with kernel copies, then later turns' TTFT without and with the tier, both with
+      # kernel copies and the tier's copies direct
+      $PY -m pytest -m gpu -q tests/kernels/test_host_copy.py tests/worker/test_pinned_ring.py \
+        tests/worker/test_gpu_runner.py::test_step_copies_by_kernel_give_the_same_tokens 2>&1 \
+        | tail -3
+      for run in "staged engine" "direct kernel"; do
+        set -- $run
+        ECHO_STEP_COPIES=$2 $PY tools/dev/probe_kv_load_stall.py --model qwen3-8b \
+          --copy-mode $1 > "$dir/stall_$1_$2.log" 2>&1
+        echo "$run"
+        grep -E "decode_ratio|p50|gb_per_s\"|gb_per_s_wall" "$dir/stall_$1_$2.log"
+      done
+      for tier in "" "--kv-offloading-size 16"; do
+        echo "tier: ${tier:-none}"
+        # shellcheck disable=SC2086
+        ECHO_STEP_COPIES=kernel ECHO_KV_COPY_MODE=direct $PY tools/bench_multiturn.py \
+          --model qwen3-8b --num-gpu-blocks-override 1500 $tier \
+          --json "$dir/multiturn${tier:+_tier}.json" 2>&1 | tail -8
       done ;;
     *)
       echo "unknown stage $stage" >&2; return 2 ;;
