@@ -412,19 +412,14 @@ LINEAR_SHAPES = {  # name: (N, K): Llama-3.1-8B, then Qwen3-8B's own (its qkv an
     "qwen3-8b gate_up": (24576, 4096), "qwen3-8b down": (4096, 12288),
     "qwen3-8b tp2 qkv": (3072, 4096), "qwen3-8b tp2 o_proj": (4096, 2048),
     "qwen3-8b tp2 gate_up": (12288, 4096), "qwen3-8b tp2 down": (4096, 6144),
-    # small models' layers, whose few output features leave whole-K programs too few (split_k)
-    "qwen3-0.6b qkv": (4096, 1024), "qwen3-0.6b o_proj": (1024, 2048),
-    "qwen3-0.6b gate_up": (6144, 1024), "qwen3-0.6b down": (1024, 3072),
-    "qwen3-30b-a3b qkv": (5120, 2048), "qwen3-30b-a3b o_proj": (2048, 4096),
 }
-LINEAR_SPLITS = (2, 4, 8)  # split_k of the 8 x 512 prefetch tile, timed at M=1
 
 
 def bench_linear(rows: Rows, sweep: bool) -> None:
     """Decode at batch 1-4 is a read of every weight: cuBLAS (F.linear) against small_m_linear
     at Llama-3.1-8B's and Qwen3-8B's layer shapes and a Qwen3-8B TP=2 rank's, in CUDA graphs
-    over weight copies that exceed the L2; bytes = the weight; at M=1 also small_m_linear with
-    K split. --sweep also times small_m_linear's tiles, register prefetch and warps at M=1."""
+    over weight copies that exceed the L2; bytes = the weight. --sweep also times
+    small_m_linear's tiles, register prefetch and warps at M=1."""
     for name, (n, k) in LINEAR_SHAPES.items():
         nbytes = n * k * 2
         weights = [torch.randn(n, k, device="cuda", dtype=DT)
@@ -438,17 +433,7 @@ def bench_linear(rows: Rows, sweep: bool) -> None:
             rows.add(f"small_m_linear {name}", shape,
                      bench_graph([lambda w=w: small_m_linear(x, w)  # noqa: B023
                                   for w in weights]), nbytes=nbytes, note="cuda graph")
-            if m != 1:
-                continue
-            arrivals = torch.zeros(-(-n // 8), dtype=torch.int32, device="cuda")
-            for split in LINEAR_SPLITS:
-                gemv = functools.partial(small_m_linear, block_n=8, block_k=512, prefetch=True,
-                                         split_k=split, arrivals=arrivals)
-                gemv(x, weights[0])  # compiled outside the graph
-                rows.add(f"small_m_linear {name} split", shape,
-                         bench_graph([lambda w=w: gemv(x, w) for w in weights]),  # noqa: B023
-                         nbytes=nbytes, note=f"8x512 prefetch split_k={split}")
-            if not sweep:
+            if not sweep or m != 1:
                 continue
             for bn, bk, prefetch, warps in LINEAR_SWEEP:
                 gemv = functools.partial(small_m_linear, block_n=bn, block_k=bk,

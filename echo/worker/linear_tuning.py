@@ -24,15 +24,12 @@ from torch import nn
 
 from echo.layers.linear import LinearBase
 
-# (block_n, block_k, prefetch, num_warps, split_k): the fastest tiles of bench_kernels.py's
-# sweeps on an H200, for Llama-3.1-8B and Qwen3-8B (TP=1 and 2) shapes. Warps other than 4 won
-# on the small shapes: Qwen3-8B qkv, TP=2 qkv and TP=2 o_proj (docs/benchmarks.md, Kernels).
-# Split K is for layers with few output features (small models' o_proj and down), whose whole-K
-# programs are too few to keep enough loads in flight.
-GEMV_CANDIDATES = ((8, 512, False, 4, 1), (8, 512, True, 4, 1), (4, 512, False, 4, 1),
-                   (4, 512, True, 4, 1), (4, 1024, False, 4, 1), (16, 256, False, 4, 1),
-                   (4, 512, False, 2, 1), (4, 512, True, 2, 1), (4, 512, True, 8, 1),
-                   (8, 512, True, 4, 2), (8, 512, True, 4, 4), (4, 512, True, 4, 4))
+# (block_n, block_k, prefetch, num_warps): the fastest tiles of bench_kernels.py's sweeps on an
+# H200, for Llama-3.1-8B and Qwen3-8B (TP=1 and 2) shapes. Warps other than 4 won on the small
+# shapes: Qwen3-8B qkv, TP=2 qkv and TP=2 o_proj (docs/benchmarks.md, Kernels).
+GEMV_CANDIDATES = ((8, 512, False, 4), (8, 512, True, 4), (4, 512, False, 4), (4, 512, True, 4),
+                   (4, 1024, False, 4), (16, 256, False, 4), (4, 512, False, 2),
+                   (4, 512, True, 2), (4, 512, True, 8))
 # (block_n, block_k, programs_per_sm, num_stages) of awq_gemv, one warp: its sweep at
 # Llama-3.1-8B's layers put every layer's best at one warp, 512-1024 columns, 8-16 rows a step
 # and 8-16 programs an SM (docs/benchmarks.md AWQ, 090b1e5); the default is 512, 8, 8, 3
@@ -62,10 +59,9 @@ class ShapeChoice:
         if self.awq_group is not None:
             name, baseline, pick = f"AWQ {n}x{k} group {self.awq_group}", "awq_gemv", "default"
         if self.tile and self.awq_group is None:
-            block_n, block_k, prefetch, num_warps, split_k = self.tile
+            block_n, block_k, prefetch, num_warps = self.tile
             pick = (f"small_m_linear {block_n}x{block_k}{' prefetch' if prefetch else ''} "
-                    f"{num_warps} warps{f' split {split_k}' if split_k > 1 else ''} "
-                    f"{self.best_us:.1f} us")
+                    f"{num_warps} warps {self.best_us:.1f} us")
         elif self.tile:
             block_n, block_k, per_sm, stages = self.tile
             pick = (f"awq_gemv {block_k}x{block_n} {per_sm} programs an SM {stages} stages "
@@ -74,33 +70,11 @@ class ShapeChoice:
                 f"{pick}")
 
 
-def gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int, split_k: int = 1) -> Matmul:
+def gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int) -> Matmul:
     from echo_kernels.linear import small_m_linear
 
-    kernel = functools.partial(small_m_linear, block_n=block_n, block_k=block_k,
-                               num_warps=num_warps, prefetch=prefetch)
-    return kernel if split_k == 1 else SplitKGemv(kernel, block_n, split_k)
-
-
-class SplitKGemv:
-    """small_m_linear with split_k > 1 and the arrival counts it keeps between calls: one
-    buffer, made at the first call, which must be outside a CUDA graph's capture (the tuner
-    times every candidate eagerly first, then gives that same object to every layer of the
-    shape; calls on one stream never overlap, so the layers share the counts)."""
-
-    def __init__(self, kernel: Matmul, block_n: int, split_k: int):
-        self.kernel, self.block_n, self.split_k = kernel, block_n, split_k
-        self.arrivals: torch.Tensor | None = None
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        blocks = -(-weight.shape[0] // self.block_n)
-        if (self.arrivals is None or self.arrivals.numel() < blocks
-                or self.arrivals.device != x.device):
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("SplitKGemv: its first call must not be inside a CUDA "
-                                   "graph's capture (its counts would live in the graph's pool)")
-            self.arrivals = torch.zeros(blocks, dtype=torch.int32, device=x.device)
-        return self.kernel(x, weight, split_k=self.split_k, arrivals=self.arrivals)
+    return functools.partial(small_m_linear, block_n=block_n, block_k=block_k,
+                             num_warps=num_warps, prefetch=prefetch)
 
 
 def awq_gemv(block_n: int, block_k: int, programs_per_sm: int, num_stages: int) -> Matmul:
@@ -138,15 +112,15 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
         if group is not None:  # awq_gemv's block_k must divide the group
             tiles = [tile for tile in tiles if group % tile[1] == 0]
         baseline_us = timer(baseline, x, operands)
-        best_us, best_tile, best_kernel = baseline_us / MIN_GAIN, None, None
+        best_us, best_tile = baseline_us / MIN_GAIN, None
         for tile in tiles:
-            kernel = make(*tile)
-            us = timer(kernel, x, operands)
+            us = timer(make(*tile), x, operands)
             if us < best_us:
-                best_us, best_tile, best_kernel = us, tile, kernel
-        if best_kernel is not None:  # the object timed: it was called before any capture
+                best_us, best_tile = us, tile
+        if best_tile is not None:
+            kernel = make(*best_tile)
             for layer in layers:
-                layer.small_m_kernels[1] = best_kernel
+                layer.small_m_kernels[1] = kernel
         choices.append(ShapeChoice((n, k), len(layers), baseline_us,
                                    best_us if best_tile else baseline_us, best_tile, group))
     return choices

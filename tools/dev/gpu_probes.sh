@@ -3,8 +3,7 @@
 # tools/gpu_acceptance.sh so each fits one device call:
 #   source .gpu/prelude.sh; tools/dev/gpu_probes.sh STAGE...
 # Stages, rough minutes on an H200 (plus start-up): sweeps 5, int8-probe 2, l2-prefetch 2,
-# kv-contention 4, kv-trace 7, moe-route 6, kv-split 7, step-copies 8, offload-kernel 8,
-# split-k 8.
+# kv-contention 4, kv-trace 7, moe-route 6, kv-split 7, step-copies 8, offload-kernel 8.
 # Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz, and the key lines
 # are printed.
 set -uo pipefail
@@ -111,27 +110,6 @@ runpy.run_path('tools/bench_latency.py', run_name='__main__')" 2>&1 \
         ECHO_STEP_COPIES=kernel ECHO_KV_COPY_MODE=direct $PY tools/bench_multiturn.py \
           --model qwen3-8b --num-gpu-blocks-override 1500 $tier \
           --json "$dir/multiturn${tier:+_tier}.json" 2>&1 | tail -8
-      done ;;
-    split-k)  # the one-row GEMV with K split (small models' o_proj and down): its GPU tests,
-      # the kernel rows, then batch-1 decode with and without the split tiles among the
-      # start-up tuning's candidates (its choices printed)
-      $PY -m pytest -m gpu -q tests/kernels/test_small_m_linear.py \
-        tests/worker/test_linear_tuning.py 2>&1 | tail -3
-      $PY tools/bench_kernels.py --only linear --out "$dir/linear.json" 2>&1 \
-        | tee "$dir/linear.log" | grep -E "M=1 .*(qwen3-0.6b|qwen3-30b-a3b)|M=1 (1024|2048|4096|5120|6144)x"
-      for model in qwen3-0.6b qwen3-30b-a3b; do
-        for splits in True False; do
-          echo "--- $model, split tiles among the candidates: $splits"
-          $PY -c "import runpy, sys
-import echo.worker.linear_tuning as t
-if not $splits:
-    t.tune_one_row_linears.__defaults__ = (
-        tuple(c for c in t.GEMV_CANDIDATES if c[4] == 1), *t.tune_one_row_linears.__defaults__[1:])
-sys.argv = ['bench_latency.py', '--model', '$model', '--max-model-len', '2048', '--iters', '2',
-            '--num-scheduler-steps', '8']
-runpy.run_path('tools/bench_latency.py', run_name='__main__')" 2>&1 \
-            | tee "$dir/latency_${model}_$splits.log" | grep -E -e "one-row linear|ms" | tail -12
-        done
       done ;;
     *)
       echo "unknown stage $stage" >&2; return 2 ;;
