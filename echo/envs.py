@@ -43,11 +43,10 @@ STEP_COPY_MODES = ("engine", "kernel")
 
 def step_copy_mode() -> str:
     """How a step's small copies between pinned host memory and the device move
-    (ECHO_STEP_COPIES: engine, the default, by the copy engine; or kernel, by a kernel on the
-    step's stream, which never queues behind the KV host tier's copies; echo/worker/
-    host_copies.py), so the two can be timed against each other before one becomes the
-    default. Read as the engine's buffers are made."""
-    value = os.environ.get("ECHO_STEP_COPIES", "engine")
+    (ECHO_STEP_COPIES: kernel, the default, by a kernel on the step's stream, which never
+    queues behind the KV host tier's copies; or engine, by the copy engine; echo/worker/
+    host_copies.py, docs/benchmarks.md KV offload). Read as the engine's buffers are made."""
+    value = os.environ.get("ECHO_STEP_COPIES", "kernel")
     if value not in STEP_COPY_MODES:
         raise ValueError(f"ECHO_STEP_COPIES must be engine or kernel, got {value!r}")
     return value

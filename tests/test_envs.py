@@ -21,7 +21,7 @@ def test_step_timeout_defaults_to_ten_minutes(monkeypatch):
 
 @pytest.mark.parametrize("read, name, default, other", [
     (envs.kv_copy_mode, "ECHO_KV_COPY_MODE", "staged", "direct"),
-    (envs.step_copy_mode, "ECHO_STEP_COPIES", "engine", "kernel"),
+    (envs.step_copy_mode, "ECHO_STEP_COPIES", "kernel", "engine"),
 ])
 def test_copy_modes_have_a_default_and_name_a_bad_value(monkeypatch, read, name, default,
                                                         other):
