@@ -35,7 +35,7 @@ stage_commands() {
     kv-contention)  # why decoders slow beside host-tier loads: the device side, then the host
       $PY tools/dev/probe_copy_contention.py 2>&1 | tee "$dir/copy_contention.log"
       $PY tools/dev/probe_kv_load_stall.py --model qwen3-8b 2>&1 \
-        | tee "$dir/kv_load_stall.log" | grep -E "chunks of|ratio|p50|gb_per|calls" ;;
+        | tee "$dir/kv_load_stall.log" | grep -E "chunks of|ratio|p50|gb_per|calls|load timeline|longest gaps" ;;
     kv-trace)  # the decoders' kernels with and without loads in flight, then with the engine
       # on a stream of the highest priority (the tier's side stream keeps the lowest), then
       # without PDL (do kernels launched early, waiting on their predecessor, lose their SMs
@@ -72,7 +72,7 @@ runpy.run_path('tools/bench_latency.py', run_name='__main__')" 2>&1 \
         set -- $run
         $PY tools/dev/probe_kv_load_stall.py --model qwen3-8b --chunk-blocks $1 \
           --chunks-in-flight $2 --copy-mode $3 > "$dir/stall_$1_$2_$3.log" 2>&1
-        grep -E "chunks of|decode_ratio|p50|gb_per_s\"" "$dir/stall_$1_$2_$3.log"
+        grep -E "chunks of|decode_ratio|p50|gb_per_s\"|load timeline|longest gaps" "$dir/stall_$1_$2_$3.log"
       done ;;
     step-copies)  # a step's own copies by kernel (ECHO_STEP_COPIES) beside the host tier's:
       # the GPU tests, the contention probe (uploads behind the tier's copies), then the
@@ -88,7 +88,7 @@ runpy.run_path('tools/bench_latency.py', run_name='__main__')" 2>&1 \
         ECHO_STEP_COPIES=$4 $PY tools/dev/probe_kv_load_stall.py --model qwen3-8b \
           --chunk-blocks $1 --chunks-in-flight $2 --copy-mode $3 > "$dir/stall_$1_$2_$3_$4.log" 2>&1
         echo "$run"
-        grep -E "decode_ratio|p50|gb_per_s\"|gb_per_s_wall" "$dir/stall_$1_$2_$3_$4.log"
+        grep -E "decode_ratio|p50|gb_per_s\"|gb_per_s_wall|load timeline|longest gaps" "$dir/stall_$1_$2_$3_$4.log"
       done ;;
     offload-kernel)  # step-copies in one call where the device is scarce: the GPU tests of
       # copies by kernel, the decoders beside staged loads with engine copies and beside direct
@@ -102,7 +102,7 @@ runpy.run_path('tools/bench_latency.py', run_name='__main__')" 2>&1 \
         ECHO_STEP_COPIES=$2 $PY tools/dev/probe_kv_load_stall.py --model qwen3-8b \
           --copy-mode $1 > "$dir/stall_$1_$2.log" 2>&1
         echo "$run"
-        grep -E "decode_ratio|p50|gb_per_s\"|gb_per_s_wall" "$dir/stall_$1_$2.log"
+        grep -E "decode_ratio|p50|gb_per_s\"|gb_per_s_wall|load timeline|longest gaps" "$dir/stall_$1_$2.log"
       done
       for tier in "" "--kv-offloading-size 16"; do
         echo "tier: ${tier:-none}"

@@ -10,7 +10,9 @@ the time since the first transfer started, so a stall can be told from a slow la
 both split by the step's content: steps that compute prompt or history tokens (the resumed
 histories' first steps), decode-only steps while host-tier loads are pending, while only
 stores are (the fillers' write-through), and decode-only steps without any transfer, each a
-count with median and longest launch and land.
+count with median and longest launch and land. Last, the copy engine's use over the large
+loads on the device's clock: the time copies ran and the idle gaps between chunks, inside a
+transfer or between two (the loads' rate over their wall time counts at the steps' grain).
 --chunk-blocks, --chunks-in-flight and --copy-mode replace kv_transfer's STAGING_BLOCKS,
 CHUNKS_IN_FLIGHT and ECHO_KV_COPY_MODE for the run.
 """
@@ -90,6 +92,55 @@ def by_step() -> None:
     model_runner.ModelRunner._land = land_wrapper
 
 
+# every chunk a KVTransfers issued: (its transfer, store?, begin event, end-of-copy event)
+chunks: list[tuple[int, bool, object, object]] = []
+
+
+def chunk_timeline() -> None:
+    """Record each chunk's copy events as it is issued (poll_done drops them once summed)."""
+    issue = kv_transfer.KVTransfers._issue_chunk
+
+    def wrapper(self, transfer, store, *args):
+        done = issue(self, transfer, store, *args)
+        begin, copied = transfer.timings[-1]
+        chunks.append((id(transfer), store, begin, copied))
+        return done
+
+    kv_transfer.KVTransfers._issue_chunk = wrapper
+
+
+def print_load_timeline(min_blocks: int = 1024) -> None:
+    """The copy engine's use over the large loads (those of at least min_blocks: the
+    histories, not the fillers' stores), on the device's clock: the span from their first
+    chunk's copy to their last, the time some copy ran, and the idle gaps between chunks,
+    inside a transfer (the host issuing, a staged scatter) or between two."""
+    loads = [c for c in chunks if not c[1]]
+    sizes: dict[int, int] = {}
+    for transfer, *_ in loads:
+        sizes[transfer] = sizes.get(transfer, 0) + 1
+    loads = [c for c in loads if sizes[c[0]] * chunk_blocks >= min_blocks]
+    if not loads:
+        print("load timeline: no large loads")
+        return
+    origin = loads[0][2]
+    spans = sorted((origin.elapsed_time(b), origin.elapsed_time(e), t) for t, _, b, e in loads)
+    busy, gaps, end, last = 0.0, [], spans[0][0], spans[0][2]
+    for begin, finish, transfer in spans:
+        if begin > end:
+            gaps.append((begin - end, begin, transfer == last))
+        busy += max(0.0, finish - max(begin, end))
+        end, last = max(end, finish), transfer
+    inside = sum(g for g, _, same in gaps if same)
+    between = sum(g for g, _, same in gaps if not same)
+    print(f"load timeline: {len(sizes)} transfers, {len(loads)} chunks over {end:.1f} ms of "
+          f"device time, copies running {busy:.1f} ms ({100 * busy / end:.0f}%); idle "
+          f"{inside:.1f} ms between chunks of one transfer, {between:.1f} ms between transfers")
+    top = sorted(gaps, reverse=True)[:8]
+    print("  longest gaps (ms at +ms, same transfer?): "
+          + ", ".join(f"{g:.2f} at {at:+.0f} {'same' if same else 'next'}"
+                      for g, at, same in top))
+
+
 def print_by_content() -> None:
     kinds: dict[str, list] = {}
     for content, launch_s, land_s in steps.values():
@@ -104,6 +155,8 @@ def print_by_content() -> None:
 
 
 by_step()
+chunk_timeline()
+chunk_blocks = kv_transfer.STAGING_BLOCKS  # the run's, set from --chunk-blocks below
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
@@ -116,6 +169,7 @@ if __name__ == "__main__":
         ours.copy_mode = envs.kv_copy_mode()
     kv_transfer.KVTransfers.__init__.__defaults__ = (ours.chunk_blocks, ours.chunks_in_flight,
                                                      ours.copy_mode)
+    chunk_blocks = ours.chunk_blocks
     print(f"chunks of {ours.chunk_blocks} blocks, {ours.chunks_in_flight} in flight, copy "
           f"mode {ours.copy_mode}")
     bench_kv_load_decode.main(rest)
@@ -130,3 +184,4 @@ if __name__ == "__main__":
         print(f"transfer at {1e3 * (t - first):+.0f} ms took {1e3 * d:.1f} ms to issue; "
               f"the next lands waited (ms): {' '.join(lands)}")
     print_by_content()
+    print_load_timeline()
