@@ -11,10 +11,12 @@ a conversation's history is evicted before its next turn: without a host tier it
 recomputed, with one (--kv-offloading-size, GiB) it is loaded. Prompts are random token ids
 and answers have a fixed length (ignore_eos), so dummy weights do; nothing is downloaded.
 
-Reports, per turn, TTFT p50/p99 (AsyncClient: the engine in its own processes, as served), and
-for the run the prefix-cache hit rate of each tier (GPU hits include loaded blocks), the mean
-wait of a loading request for its load, and the output throughput. --json writes it all;
---plot draws TTFT p50/p99 by turn.
+Reports, per turn, TTFT p50/p99 (AsyncClient: the engine in its own processes, as served), the
+p50 over every request of the later turns (the second half: one turn's p50 over N requests
+moves between neighbouring turns), and for the run the prefix-cache hit rate of each tier (GPU
+hits include loaded blocks), the mean wait of a loading request for its load, and the output
+throughput. --json writes it all; --plot draws TTFT p50/p99 by turn; --against BASELINE.json
+(a run without the tier) prints how many times lower the TTFT p50s are, by turn and pooled.
 """
 
 import argparse
@@ -68,12 +70,14 @@ async def run(args: argparse.Namespace) -> dict:
         system = tokens(args.system_len)
         histories = [list(system) for _ in range(args.conversations)]
         gate = asyncio.Semaphore(args.max_concurrency)
-        turns, start, generated = [], time.perf_counter(), 0
+        turns, start, generated, later = [], time.perf_counter(), 0, []
         for turn in range(args.turns):
             prompts = [h + tokens(args.user_len) for h in histories]
             results = await asyncio.gather(*(one_turn(client, p, params, gate)
                                              for p in prompts))
             ttfts = [ttft for ttft, _ in results]
+            if turn >= args.turns // 2:
+                later += ttfts
             histories = [p + answer for p, (_, answer) in zip(prompts, results)]
             generated += sum(len(answer) for _, answer in results)
             turns.append({"turn": turn, "prompt_len_mean": statistics.mean(map(len, prompts)),
@@ -86,6 +90,8 @@ async def run(args: argparse.Namespace) -> dict:
         stats = await client.stats()
     return {
         "model": args.model, "conversations": args.conversations, "turns": turns,
+        "later_turns_from": args.turns // 2,
+        "later_ttft_p50_ms": 1e3 * percentile(later, 0.5) if later else None,
         "kv_offloading_size": args.kv_offloading_size,
         "kv_offloading_policy": args.kv_offloading_policy,
         "num_gpu_blocks": client.engine_info.get("num_gpu_blocks"),
@@ -96,6 +102,16 @@ async def run(args: argparse.Namespace) -> dict:
         "load_wait_ms_mean": 1e3 * stats.kv_load_wait_seconds / max(1, stats.kv_loads),
         "output_tok_per_s": generated / elapsed, "elapsed_s": elapsed,
     }
+
+
+def ttft_ratios(baseline: dict, result: dict) -> dict:
+    """How many times lower result's TTFT p50s are than baseline's: by turn, and over the later
+    turns' requests pooled (both runs with the same turns)."""
+    if [t["turn"] for t in baseline["turns"]] != [t["turn"] for t in result["turns"]]:
+        raise ValueError("--against: the baseline ran other turns")
+    return {"by_turn": [b["ttft_p50_ms"] / r["ttft_p50_ms"]
+                        for b, r in zip(baseline["turns"], result["turns"])],
+            "later": baseline["later_ttft_p50_ms"] / result["later_ttft_p50_ms"]}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -140,9 +156,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
+    parser.add_argument("--against", type=Path, help="a baseline run's --json")
     args = parser.parse_args(argv)
+    baseline = json.loads(args.against.read_text()) if args.against else None
     result = asyncio.run(run(args))
-    print(json.dumps({k: v for k, v in result.items() if k != "turns"}), flush=True)
+    if baseline is not None:
+        result["ttft_p50_lower_than_baseline"] = ratios = ttft_ratios(baseline, result)
+        print("TTFT p50 times lower than the baseline, by turn: "
+              + " ".join(f"{r:.2f}" for r in ratios["by_turn"])
+              + f"; later turns' requests pooled: {ratios['later']:.2f}", flush=True)
+    print(json.dumps({k: v for k, v in result.items()
+                      if k not in ("turns", "ttft_p50_lower_than_baseline")}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     if args.plot:

@@ -133,18 +133,21 @@ stage_commands() {
       # with the GPU pool about a quarter of the conversations' final working set
       $PY tools/bench_kv_load_decode.py --model qwen3-8b --json "$dir/kv_load_decode.json" \
         2>&1 | tail -30
-      # the host tier written through, then written back with direct copies (a write-back's
-      # copy on a staged mode's one stream would queue behind loads)
+      # without the tier, then the tier written through, then written back with direct copies
+      # (a write-back's copy on a staged mode's one stream would queue behind loads), each
+      # against the first run's TTFT
+      local against=()
       for run in "staged" "staged --kv-offloading-size 16" \
           "direct --kv-offloading-size 16 --kv-offloading-policy write_back"; do
         set -- $run
-        local mode=$1
+        local mode=$1 tier=none
         shift
+        [ $# -gt 0 ] && tier=${4:-write_through}
         echo "ECHO_KV_COPY_MODE=$mode $*"
-        # shellcheck disable=SC2086
         ECHO_KV_COPY_MODE=$mode $PY tools/bench_multiturn.py --model qwen3-8b \
-          --num-gpu-blocks-override 1500 "$@" --json "$dir/multiturn_${mode}_$#.json" 2>&1 \
-          | tail -8
+          --num-gpu-blocks-override 1500 "$@" --json "$dir/multiturn_${mode}_$tier.json" \
+          "${against[@]}" 2>&1 | tail -9
+        against=(--against "$dir/multiturn_staged_none.json")  # the run without the tier
       done ;;
     structured)  # #25: the constrained decode step, the core's grammar work, and a profile
       local tok=${TOKENIZER:+--tokenizer $TOKENIZER}  # a folder with SmolLM2's tokenizer files

@@ -109,7 +109,8 @@ runpy.run_path('tools/bench_latency.py', run_name='__main__')" 2>&1 \
         # shellcheck disable=SC2086
         ECHO_STEP_COPIES=kernel ECHO_KV_COPY_MODE=direct $PY tools/bench_multiturn.py \
           --model qwen3-8b --num-gpu-blocks-override 1500 $tier \
-          --json "$dir/multiturn${tier:+_tier}.json" 2>&1 | tail -8
+          --json "$dir/multiturn${tier:+_tier}.json" \
+          ${tier:+--against "$dir/multiturn.json"} 2>&1 | tail -9
       done ;;
     *)
       echo "unknown stage $stage" >&2; return 2 ;;
