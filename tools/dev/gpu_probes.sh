@@ -3,7 +3,8 @@
 # tools/gpu_acceptance.sh so each fits one device call:
 #   source .gpu/prelude.sh; tools/dev/gpu_probes.sh STAGE...
 # Stages, rough minutes on an H200 (plus start-up): sweeps 5, int8-probe 2, l2-prefetch 2,
-# kv-contention 4, kv-trace 7, moe-route 6, kv-split 7, step-copies 8, offload-kernel 8.
+# kv-contention 4, kv-trace 7, moe-route 6, kv-split 7, step-copies 8, offload-kernel 8,
+# layer-l2 2.
 # Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz, and the key lines
 # are printed.
 set -uo pipefail
@@ -111,6 +112,11 @@ runpy.run_path('tools/bench_latency.py', run_name='__main__')" 2>&1 \
           --model qwen3-8b --num-gpu-blocks-override 1500 $tier \
           --json "$dir/multiturn${tier:+_tier}.json" \
           ${tier:+--against "$dir/multiturn.json"} 2>&1 | tail -9
+      done ;;
+    layer-l2)  # the next layer's weights streamed into the L2 beside the current layer, on a
+      # stream forked in the graph (Qwen3-0.6B's GEMV chain, a spin for attention)
+      for spin in 8 0; do
+        $PY tools/dev/probe_layer_l2_prefetch.py --spin-us $spin 2>&1 | tee -a "$dir/layer_l2.log"
       done ;;
     *)
       echo "unknown stage $stage" >&2; return 2 ;;
