@@ -23,12 +23,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "dev")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "tools" / "dev")]
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from bench_kernels import bench_graph  # noqa: E402
 from bench_l2_prefetch import _prefetch_bulk, short_kernel  # noqa: E402
 
 from echo_kernels.linear import small_m_linear  # noqa: E402
@@ -88,26 +89,6 @@ def reference(x: torch.Tensor, layers: list[list[torch.Tensor]]) -> torch.Tensor
     return x
 
 
-def time_chain(run, replays: int = 20) -> float:
-    """Median µs of run() replayed from one CUDA graph."""
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=28)
@@ -128,8 +109,8 @@ def main() -> None:
     print(f"{args.layers} layers of {megabytes:.1f} MB, spin {args.spin_us:g} us a layer; "
           f"the chain's output within {error:.1e} of PyTorch's largest")
     for fraction in args.fractions:
-        us = time_chain(lambda f=fraction: chain(x, layers, args.spin_us, f,
-                                                 side if f else None))
+        us = 1e3 * bench_graph([lambda f=fraction: chain(x, layers, args.spin_us, f,
+                                                         side if f else None)], inner=2)
         print(f"next layer's weights prefetched: {fraction:4.2f}  {us:8.1f} us a chain, "
               f"{us / args.layers:6.2f} a layer", flush=True)
 
