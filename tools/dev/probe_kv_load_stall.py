@@ -92,18 +92,19 @@ def by_step() -> None:
     model_runner.ModelRunner._land = land_wrapper
 
 
-# every chunk a KVTransfers issued: (its transfer, store?, begin event, end-of-copy event)
-chunks: list[tuple[int, bool, object, object]] = []
+# every chunk a KVTransfers issued: (its transfer, store?, blocks, begin event, end-of-copy
+# event)
+chunks: list[tuple[int, bool, int, object, object]] = []
 
 
 def chunk_timeline() -> None:
     """Record each chunk's copy events as it is issued (poll_done drops them once summed)."""
     issue = kv_transfer.KVTransfers._issue_chunk
 
-    def wrapper(self, transfer, store, *args):
-        done = issue(self, transfer, store, *args)
+    def wrapper(self, transfer, store, first, end, host_ids):
+        done = issue(self, transfer, store, first, end, host_ids)
         begin, copied = transfer.timings[-1]
-        chunks.append((id(transfer), store, begin, copied))
+        chunks.append((id(transfer), store, end - first, begin, copied))
         return done
 
     kv_transfer.KVTransfers._issue_chunk = wrapper
@@ -116,14 +117,15 @@ def print_load_timeline(min_blocks: int = 1024) -> None:
     inside a transfer (the host issuing, a staged scatter) or between two."""
     loads = [c for c in chunks if not c[1]]
     sizes: dict[int, int] = {}
-    for transfer, *_ in loads:
-        sizes[transfer] = sizes.get(transfer, 0) + 1
-    loads = [c for c in loads if sizes[c[0]] * chunk_blocks >= min_blocks]
+    for transfer, _, blocks, *_ in loads:
+        sizes[transfer] = sizes.get(transfer, 0) + blocks
+    loads = [c for c in loads if sizes[c[0]] >= min_blocks]
     if not loads:
         print("load timeline: no large loads")
         return
-    origin = loads[0][2]
-    spans = sorted((origin.elapsed_time(b), origin.elapsed_time(e), t) for t, _, b, e in loads)
+    origin = loads[0][3]
+    spans = sorted((origin.elapsed_time(b), origin.elapsed_time(e), t)
+                   for t, _, _, b, e in loads)
     busy, gaps, end, last = 0.0, [], spans[0][0], spans[0][2]
     for begin, finish, transfer in spans:
         if begin > end:
@@ -132,9 +134,10 @@ def print_load_timeline(min_blocks: int = 1024) -> None:
         end, last = max(end, finish), transfer
     inside = sum(g for g, _, same in gaps if same)
     between = sum(g for g, _, same in gaps if not same)
-    print(f"load timeline: {len(sizes)} transfers, {len(loads)} chunks over {end:.1f} ms of "
-          f"device time, copies running {busy:.1f} ms ({100 * busy / end:.0f}%); idle "
-          f"{inside:.1f} ms between chunks of one transfer, {between:.1f} ms between transfers")
+    print(f"load timeline: {len({c[0] for c in loads})} transfers, {len(loads)} chunks over "
+          f"{end:.1f} ms of device time, copies running {busy:.1f} ms "
+          f"({100 * busy / end:.0f}%); idle {inside:.1f} ms between chunks of one transfer, "
+          f"{between:.1f} ms between transfers")
     top = sorted(gaps, reverse=True)[:8]
     print("  longest gaps (ms at +ms, same transfer?): "
           + ", ".join(f"{g:.2f} at {at:+.0f} {'same' if same else 'next'}"
@@ -156,7 +159,6 @@ def print_by_content() -> None:
 
 by_step()
 chunk_timeline()
-chunk_blocks = kv_transfer.STAGING_BLOCKS  # the run's, set from --chunk-blocks below
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
@@ -169,7 +171,6 @@ if __name__ == "__main__":
         ours.copy_mode = envs.kv_copy_mode()
     kv_transfer.KVTransfers.__init__.__defaults__ = (ours.chunk_blocks, ours.chunks_in_flight,
                                                      ours.copy_mode)
-    chunk_blocks = ours.chunk_blocks
     print(f"chunks of {ours.chunk_blocks} blocks, {ours.chunks_in_flight} in flight, copy "
           f"mode {ours.copy_mode}")
     bench_kv_load_decode.main(rest)
