@@ -49,7 +49,10 @@ def upload(array: np.ndarray, device: torch.device,
            rings: dict[torch.dtype, PinnedUploadRing] | None = None) -> torch.Tensor:
     """A host array on the device, the copy queued behind the step in flight: through the
     ring of its dtype where one is given (a copy by kernel needs host memory that outlives it:
-    worker/host_copies.py), else from torch's pinned memory by the copy engine."""
+    worker/host_copies.py), else from torch's pinned memory by the copy engine. Only the
+    every-step inputs take the rings: the rarer lists (logit_bias, allowed tokens, prompt
+    logprob rows) can be long, and a ring they wrapped would make the host wait for the step
+    in flight."""
     tensor = torch.from_numpy(array)
     if device.type != "cuda":
         return tensor
