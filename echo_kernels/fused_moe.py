@@ -708,6 +708,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if pairs:
         return fused_moe_pairs(hidden, w13, w2, topk_weights, topk_ids)
     tile_m, tile_n, tile_k, warps = _gemm_config(num_tokens)
+    # the tiles were tuned for 2-byte weights: float32 halves BLOCK_K to keep their shared
+    # memory (in float32 the 64-token tile needed 272 KiB, over the H200's 227)
+    tile_k = tile_k * 2 // hidden.element_size()
     block_m, block_n, block_k = block_m or tile_m, block_n or tile_n, block_k or tile_k
     sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids.contiguous(), block_m,
                                                      num_experts)

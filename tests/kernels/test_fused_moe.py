@@ -257,6 +257,18 @@ def test_fused_moe_from_logits_ties(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [20, 64, 256, 1024, 1500])
+def test_gpu_default_tiles_fit_in_each_dtype(dtype, rows):
+    # one row count for each of the grouped GEMMs' default tiles (k = 2: over PAIR_MAX pairs)
+    hidden, w13, w2, weights, ids = moe_inputs(rows, 8, 2, 256, 128, dtype, "cuda")
+    out = fused_moe(hidden, w13, w2, weights, ids)
+    want = fused_moe_ref(hidden, w13, w2, weights, ids)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2, 64, 1024])
 def test_gpu_qwen3_30b_shapes(rows):
     # Qwen3-30B-A3B's MoE layer: 128 experts, 8 per token, H=2048, I=768; routing from logits
