@@ -93,8 +93,7 @@ def _paged_attention_kernel(
     HAS_NORM: tl.constexpr,  # Qwen3's per-head RMSNorm of q and k before the rotation
     USE_PDL: tl.constexpr,
 ):
-    if not FUSED_ROPE:
-        wait_for_inputs(USE_PDL)
+    wait_for_inputs(USE_PDL)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
     tl.static_assert((HEAD_DIM & (HEAD_DIM - 1)) == 0, "HEAD_DIM must be a power of two")
     tl.static_assert((BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0, "block size must be a power of two")
@@ -125,11 +124,6 @@ def _paged_attention_kernel(
     if FUSED_ROPE:
         # decode: the rows are the heads of the run's one token, q as the model left it
         pos = tl.load(positions_ptr + q_start).to(tl.int64)
-        # NOTE: the step's metadata loaded so far (run bounds, context, position) was written
-        # by the host's upload or an earlier step's advance, before the kernel this one
-        # follows began, so under PDL it loads during that kernel's tail (a chain of two
-        # memory latencies off the layer's path); q and the new K/V are that kernel's output
-        wait_for_inputs(USE_PDL)
         q = rotated_rows(q_ptr, tokens * stride_qt + heads * stride_qh, row_ok, cos_sin_ptr,
                          stride_cos, pos, q_norm_ptr, rope_eps, HEAD_DIM, IS_NEOX, HAS_NORM)
     else:
