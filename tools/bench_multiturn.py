@@ -11,12 +11,14 @@ a conversation's history is evicted before its next turn: without a host tier it
 recomputed, with one (--kv-offloading-size, GiB) it is loaded. Prompts are random token ids
 and answers have a fixed length (ignore_eos), so dummy weights do; nothing is downloaded.
 
-Reports, per turn, TTFT p50/p99 (AsyncClient: the engine in its own processes, as served), the
-p50 over every request of the later turns (the second half: one turn's p50 over N requests
-moves between neighbouring turns), and for the run the prefix-cache hit rate of each tier (GPU
-hits include loaded blocks), the mean wait of a loading request for its load, and the output
-throughput. --json writes it all; --plot draws TTFT p50/p99 by turn; --against BASELINE.json
-(a run without the tier) prints how many times lower the TTFT p50s are, by turn and pooled.
+Reports, per turn, TTFT p50/p99 (AsyncClient: the engine in its own processes, as served) and
+the p50 of the time a request queued in the core before its first step (a load's wait
+included), the p50s over every request of the later turns (the second half: one turn's p50
+over N requests moves between neighbouring turns), and for the run the prefix-cache hit rate
+of each tier (GPU hits include loaded blocks), the mean wait of a loading request for its load,
+and the output throughput. --json writes it all; --plot draws TTFT p50/p99 by turn;
+--against BASELINE.json (a run without the tier) prints how many times lower the TTFT p50s
+are, by turn and pooled.
 """
 
 import argparse
@@ -40,16 +42,20 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def one_turn(client: AsyncClient, prompt: list[int], params: SamplingParams,
-                   gate: asyncio.Semaphore) -> tuple[float, list[int]]:
-    """(TTFT in seconds, the answer's token ids)."""
+                   gate: asyncio.Semaphore) -> tuple[float, float, list[int]]:
+    """(TTFT in seconds, the core's queue time in seconds, the answer's token ids). The queue
+    time runs from the request's arrival in the core to its first scheduled step, so it holds
+    a load's wait for its history; the rest of the TTFT is its prefill and the way back."""
     async with gate:
         start = time.perf_counter()
-        ttft, tokens = None, []
+        ttft, queue, tokens = None, None, []
         async for out in client.generate(prompt, params):
             if ttft is None and out.outputs[0].delta_token_ids:
                 ttft = time.perf_counter() - start
+            if queue is None:
+                queue = out.queue_time
             tokens = out.outputs[0].token_ids
-        return ttft, tokens
+        return ttft, queue, tokens
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -70,28 +76,32 @@ async def run(args: argparse.Namespace) -> dict:
         system = tokens(args.system_len)
         histories = [list(system) for _ in range(args.conversations)]
         gate = asyncio.Semaphore(args.max_concurrency)
-        turns, start, generated, later = [], time.perf_counter(), 0, []
+        turns, start, generated, later, later_queues = [], time.perf_counter(), 0, [], []
         for turn in range(args.turns):
             prompts = [h + tokens(args.user_len) for h in histories]
             results = await asyncio.gather(*(one_turn(client, p, params, gate)
                                              for p in prompts))
-            ttfts = [ttft for ttft, _ in results]
+            ttfts = [ttft for ttft, _, _ in results]
+            queues = [queue for _, queue, _ in results]
             if turn >= args.turns // 2:
                 later += ttfts
-            histories = [p + answer for p, (_, answer) in zip(prompts, results)]
-            generated += sum(len(answer) for _, answer in results)
+                later_queues += queues
+            histories = [p + answer for p, (_, _, answer) in zip(prompts, results)]
+            generated += sum(len(answer) for _, _, answer in results)
             turns.append({"turn": turn, "prompt_len_mean": statistics.mean(map(len, prompts)),
                           "ttft_p50_ms": 1e3 * percentile(ttfts, 0.5),
-                          "ttft_p99_ms": 1e3 * percentile(ttfts, 0.99)})
+                          "ttft_p99_ms": 1e3 * percentile(ttfts, 0.99),
+                          "queue_p50_ms": 1e3 * percentile(queues, 0.5)})
             print(f"turn {turn}: prompt ~{turns[-1]['prompt_len_mean']:.0f} tokens, TTFT p50 "
-                  f"{turns[-1]['ttft_p50_ms']:.1f} ms, p99 {turns[-1]['ttft_p99_ms']:.1f} ms",
-                  flush=True)
+                  f"{turns[-1]['ttft_p50_ms']:.1f} ms, p99 {turns[-1]['ttft_p99_ms']:.1f} ms, "
+                  f"queued p50 {turns[-1]['queue_p50_ms']:.1f} ms", flush=True)
         elapsed = time.perf_counter() - start
         stats = await client.stats()
     return {
         "model": args.model, "conversations": args.conversations, "turns": turns,
         "later_turns_from": args.turns // 2,
         "later_ttft_p50_ms": 1e3 * percentile(later, 0.5) if later else None,
+        "later_queue_p50_ms": 1e3 * percentile(later_queues, 0.5) if later else None,
         "kv_offloading_size": args.kv_offloading_size,
         "kv_offloading_policy": args.kv_offloading_policy,
         "num_gpu_blocks": client.engine_info.get("num_gpu_blocks"),

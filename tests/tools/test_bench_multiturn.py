@@ -31,6 +31,9 @@ def test_later_turns_load_their_history_from_the_host_tier(tiny_llama, tmp_path)
     saved = json.loads((tmp_path / "r.json").read_text())
     assert [t["turn"] for t in saved["turns"]] == [0, 1, 2]
     assert all(t["ttft_p99_ms"] >= t["ttft_p50_ms"] > 0 for t in saved["turns"])
+    # a request's queue time is part of its TTFT, so the p50s keep that order
+    assert all(0 <= t["queue_p50_ms"] <= t["ttft_p50_ms"] for t in saved["turns"])
+    assert 0 <= on["later_queue_p50_ms"] <= on["later_ttft_p50_ms"]
     assert (tmp_path / "r.png").stat().st_size > 0
     # the later turns (the second half: turns 1 and 2 of 3) pooled, and the ratios to the run
     # without the tier from the two runs' own figures
