@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU measurements behind the open acceptance points, staged so each fits one device call:
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
-# Stages: tests kernels latency offline profile profile-tail serving int8-pool kv-offload
-# structured awq moe persistent persistent-models persistent-awq, and tp and profile-tp (two
-# GPUs). Rough minutes on an H200: tests 11 (two calls: tests/kernels, then the rest), kernels
-# 2, latency 3, offline 5, profile 5, profile-tail 2, serving 4, int8-pool 2, kv-offload 8,
-# structured 4, awq 8, moe 6, persistent 6, persistent-models 8 and persistent-awq 8
+# Stages: tests (or tests-kernels, then tests-rest), kernels latency offline profile
+# profile-tail serving int8-pool kv-offload structured awq moe persistent persistent-models
+# persistent-awq, and tp and profile-tp (two GPUs). Rough minutes on an H200: tests 14 (two
+# calls: tests-kernels 7, tests-rest 7, on a machine just started), kernels 2, latency 3,
+# offline 5, profile 5, profile-tail 2, serving 4, int8-pool 2, kv-offload 4, structured 4,
+# awq 8, moe 6, persistent 6, persistent-models 8 and persistent-awq 8
 # (guesses: not yet run), tp 6 (plus start-up): pick what fits the device budget. Logs and
 # JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the device tool returns
 # few files), and the key lines are printed. Every process started here is ended here, by PID.
@@ -28,8 +29,12 @@ persistent_latency() {  # DIR MODEL FLAGS...: bench_latency once per set of flag
 stage_commands() {
   local stage=$1 dir=$2
   case "$stage" in
-    tests)
-      $PY -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$dir/test_gpu.log" | tail -5 ;;
+    tests|tests-kernels|tests-rest)  # one line a failure, so its cause comes back in the tail
+      local where=(tests)
+      [ "$stage" = tests-kernels ] && where=(tests/kernels)
+      [ "$stage" = tests-rest ] && where=(tests --ignore=tests/kernels)
+      $PY -m pytest -m gpu -q -p no:cacheprovider --tb=line -rfE "${where[@]}" 2>&1 \
+        | tee "$dir/test_gpu.log" | tail -15 ;;
     kernels)
       $PY tools/bench_kernels.py --out "$dir/kernels.json" 2>&1 | tee "$dir/kernels.log" ;;
     tp)  # PDL and the one-row GEMV tuning are on by default
