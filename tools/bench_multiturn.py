@@ -12,7 +12,7 @@ recomputed, with one (--kv-offloading-size, GiB) it is loaded. Prompts are rando
 and answers have a fixed length (ignore_eos), so dummy weights do; nothing is downloaded.
 
 Reports, per turn, TTFT p50/p99 (AsyncClient: the engine in its own processes, as served) and
-the p50 of the time a request queued in the core before its first step (a load's wait
+the p50 of the time from a request's submission to its first step (a load's wait
 included), the p50s over every request of the later turns (the second half: one turn's p50
 over N requests moves between neighbouring turns), and for the run the prefix-cache hit rate
 of each tier (GPU hits include loaded blocks), the mean wait of a loading request for its load,
@@ -43,9 +43,10 @@ def percentile(values: list[float], q: float) -> float:
 
 async def one_turn(client: AsyncClient, prompt: list[int], params: SamplingParams,
                    gate: asyncio.Semaphore) -> tuple[float, float, list[int]]:
-    """(TTFT in seconds, the core's queue time in seconds, the answer's token ids). The queue
-    time runs from the request's arrival in the core to its first scheduled step, so it holds
-    a load's wait for its history; the rest of the TTFT is its prefill and the way back."""
+    """(TTFT in seconds, the queue time in seconds, the answer's token ids). The queue time
+    runs from the client's submission to the request's first scheduled step in the core, so it
+    holds a load's wait for its history; the rest of the TTFT is its prefill and the way
+    back."""
     async with gate:
         start = time.perf_counter()
         ttft, queue, tokens = None, None, []
