@@ -44,8 +44,9 @@ STAGING_BLOCKS = 64
 CHUNKS_IN_FLIGHT = 2
 # how chunks move (module docstring): "staged" through a staging buffer on one side stream,
 # "split" with its gathers and scatters on a second one, "direct" by strided copies without
-# staging. ECHO_KV_COPY_MODE (echo/envs.py) picks one; staged until the others are timed on a
-# GPU (tools/dev/gpu_probes.sh kv-split; both built 2026-12-05, when no GPU was lent)
+# staging. ECHO_KV_COPY_MODE (echo/envs.py) picks one; staged by default: direct's strided
+# copies ran at two thirds of its rate beside running steps (docs/benchmarks.md, KV offload,
+# 2026-12-05); split is not yet timed (tools/dev/gpu_probes.sh kv-split)
 COPY_MODES = envs.KV_COPY_MODES
 
 
