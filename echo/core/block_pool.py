@@ -5,6 +5,11 @@ table holds it). A free block is either plain or cached: a cached block still ho
 a full block of tokens, is findable by that block's hash, and can be taken back by a request
 with the same prefix until it is evicted. Allocation takes plain blocks first, then evicts
 cached ones in LRU order (least recently freed first).
+
+The pool also counts epochs (one per step the scheduler plans, advanced by the KV cache
+manager) and stamps each block with the epoch it was last freed in, so a copy by another
+stream can tell blocks that no step still in flight may use (free_since) from those a step
+planned after they were freed may still read or write.
 """
 
 from collections import OrderedDict
@@ -30,6 +35,8 @@ class BlockPool:
         # (block id, hash) of each cached block allocation evicted, for a caller that sets a
         # list here and drains it (the host tier's write-back); None: not recorded
         self.evicted: list[tuple[int, BlockHash]] | None = None
+        self.epoch = 0
+        self._freed_at = [-1] * num_blocks  # the epoch each block last became free in
 
     @property
     def num_free_blocks(self) -> int:
@@ -75,16 +82,23 @@ class BlockPool:
         """Drop one user from each block. Pass a request's blocks in order: they are released
         last-first, so a sequence's tail is evicted before the prefix others are likelier to share.
         """
-        refs = self.ref_counts
+        refs, freed_at, epoch = self.ref_counts, self._freed_at, self.epoch
         for block_id in reversed(block_ids):
             refs[block_id] -= 1
             if refs[block_id] == 0:
+                freed_at[block_id] = epoch
                 if self.block_hashes[block_id] is None:
                     self._free_plain.append(block_id)
                 else:
                     self._free_cached[block_id] = None
             elif refs[block_id] < 0:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
+
+    def free_since(self, block_ids: Iterable[int], epoch: int) -> bool:
+        """Whether every one of these blocks has been free (or never used) since before
+        `epoch` began, so that nothing planned from `epoch` on holds it."""
+        freed_at = self._freed_at
+        return all(freed_at[block_id] < epoch for block_id in block_ids)
 
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
         return self._cached.get(block_hash)

@@ -22,7 +22,9 @@ cache like any computed block; they stay held for the request until its admissio
 there (so the steps in between cannot evict them), or until it is freed. Transfers leave with a step
 (take_transfers: the step's stores as one, each request's load as one of its own, so a request
 is admitted once its own blocks have landed) and come back done with a step's output
-(transfers_done); the scheduler never sees a host block.
+(transfers_done); the scheduler never sees a host block. A load whose GPU blocks have been free
+since before the step in flight was planned (BlockPool.free_since) is marked unordered: the
+workers may start it beside that step (KVTransfer.ordered).
 """
 
 import hashlib
@@ -78,7 +80,7 @@ class _RequestBlocks:
 class _Transfer:
     """A step's stores, or one request's load."""
 
-    __slots__ = ("stores", "swaps", "loads", "load_hashes", "owner", "started")
+    __slots__ = ("stores", "swaps", "loads", "load_hashes", "owner", "started", "ordered")
 
     def __init__(self, owner: str | None = None):
         self.stores: list[tuple[int, int]] = []  # each pins its GPU block until done
@@ -89,6 +91,7 @@ class _Transfer:
         self.load_hashes: list[BlockHash] = []
         self.owner = owner  # the request a load is for
         self.started = 0.0  # monotonic() when a step took it
+        self.ordered = True  # waits for the steps before it on the device (KVTransfer.ordered)
 
     def __bool__(self) -> bool:
         return bool(self.stores or self.swaps or self.loads)
@@ -313,6 +316,10 @@ class KVCacheManager:
             self.pool.free(computed.block_ids)
         self.host_hits += len(found) * self.block_size
         transfer = _Transfer(owner=rid)
+        # a step planned after one of these blocks was freed may still use it: it is in flight
+        # (planned in the last epoch; after a plan that went nowhere, in the one before), so
+        # only a load into blocks free since before both may start before it on the device
+        transfer.ordered = not self.pool.free_since(block_ids, self.pool.epoch - 1)
         for (host_block, block_hash), block_id in zip(found, block_ids):
             self.host.pin(host_block)
             transfer.loads.append((host_block, block_id))
@@ -360,7 +367,8 @@ class KVCacheManager:
             self._next_transfer_id += 1
             self._transfers[transfer_id] = transfer
             plans.append(KVTransfer(transfer_id, transfer.stores + transfer.swaps,
-                                    transfer.loads, bool(transfer.swaps)))
+                                    transfer.loads, bool(transfer.swaps), transfer.ordered))
+        self.pool.epoch += 1  # a step's plan is complete: what is freed from now on, it may use
         return plans, released
 
     @property

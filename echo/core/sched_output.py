@@ -25,6 +25,11 @@ class KVTransfer(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # the step reuses blocks these stores read (a preemption's swap-out): its kernels wait for
     # the copies on the device
     before_step: bool = False
+    # the copies wait for the work queued on the device before them (the KV a store reads was
+    # written by earlier steps; a step still in flight may use a block a load fills). False
+    # for a load into blocks no step in flight uses (KVCacheManager.start_load): it may run
+    # beside that step, and its request be admitted a step sooner
+    ordered: bool = True
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

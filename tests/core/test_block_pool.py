@@ -125,3 +125,27 @@ def test_reset_prefix_cache_refused_while_blocks_in_use():
     assert pool.get_cached_block(h(1)) is None
     assert pool.num_cached_blocks() == 0
     assert pool.allocate(3) == [0, 1, 2]
+
+
+def test_free_since_tells_blocks_free_before_an_epoch_from_those_freed_in_it():
+    pool = BlockPool(6)
+    assert pool.free_since(range(6), 0)  # never used: free since the start
+    a = pool.allocate(2)
+    assert a == [0, 1]
+    pool.epoch = 3
+    pool.free(a)  # both become free in epoch 3
+    assert pool.free_since([0, 1], 4) and not pool.free_since([0, 1], 3)
+    assert pool.free_since([2], 0)
+    b = pool.allocate(1)  # the sequence's head, freed last, goes out first
+    assert b == [0]
+    pool.epoch = 5
+    pool.free(b)
+    assert pool.free_since([1], 4) and not pool.free_since([0], 5) and pool.free_since([0], 6)
+    # a block with two users becomes free only when the last lets go
+    pool.touch(pool.allocate(1))  # block 0 again, twice referenced
+    pool.epoch = 7
+    pool.free([0])
+    assert pool.free_since([0], 6)  # still in use: its stamp is from epoch 5
+    pool.epoch = 8
+    pool.free([0])
+    assert not pool.free_since([0], 8) and pool.free_since([0], 9)

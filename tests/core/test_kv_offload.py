@@ -231,3 +231,24 @@ def test_a_prefix_cache_reset_forgets_the_host_tier_too():
     b = req("b", prompt + [1])
     assert not kv.start_load(b, kv.get_computed_blocks(b))  # stale KV is not loaded
     kv.check_invariants()
+
+
+def test_a_load_is_unordered_only_into_blocks_free_since_before_the_step_in_flight():
+    """A load may start beside the step in flight (KVTransfer.ordered False) only when none of
+    its blocks was freed after the step before it was planned: the one in flight may use those."""
+    kv = KVCacheManager(num_blocks=8, block_size=BS, num_host_blocks=16)
+    first, second = list(range(12)), list(range(40, 52))  # three full blocks each
+    for rid, prompt in (("a", first), ("d", second), ("x", list(range(100, 132)))):
+        run_to_end(kv, req(rid, prompt))  # x takes all 8 GPU blocks: a's and d's are evicted
+        kv.transfers_done([take_one(kv).transfer_id])  # x's blocks are free from this epoch
+    b1 = req("b1", first + [1])
+    assert kv.start_load(b1, kv.get_computed_blocks(b1))
+    (load,), _ = kv.take_transfers()
+    assert len(load.loads) == 3 and load.ordered  # its blocks were freed in this very step
+    kv.take_transfers()  # one more step planned: x's blocks were free before it began
+    b2 = req("b2", second + [1])
+    assert kv.start_load(b2, kv.get_computed_blocks(b2))
+    (load2,), _ = kv.take_transfers()
+    assert len(load2.loads) == 3 and not load2.ordered
+    assert not {d for _, d in load.loads} & {d for _, d in load2.loads}
+    kv.check_invariants()
