@@ -28,6 +28,14 @@ def step_timeout_s() -> float:
 KV_COPY_MODES = ("staged", "split", "direct")
 
 
+def kv_early_loads() -> bool:
+    """Whether a KV host-tier load into blocks no step in flight uses starts at once, beside
+    that step, rather than after it (ECHO_KV_EARLY_LOADS=1; KVTransfer.ordered,
+    echo/worker/kv_transfer.py): its request is then admitted a step sooner. Off until timed
+    on a GPU."""
+    return os.environ.get("ECHO_KV_EARLY_LOADS", "0") == "1"
+
+
 def kv_copy_mode() -> str:
     """How the KV host tier's copies move blocks (ECHO_KV_COPY_MODE: staged, the default, split
     or direct; echo/worker/kv_transfer.py), so the modes can be timed against each other in the

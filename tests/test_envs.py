@@ -12,6 +12,13 @@ def test_fused_norm_all_reduce_is_on_by_default(monkeypatch):
     assert not envs.fused_norm_all_reduce()
 
 
+def test_early_kv_loads_are_off_by_default(monkeypatch):
+    monkeypatch.delenv("ECHO_KV_EARLY_LOADS", raising=False)
+    assert not envs.kv_early_loads()
+    monkeypatch.setenv("ECHO_KV_EARLY_LOADS", "1")
+    assert envs.kv_early_loads()
+
+
 def test_step_timeout_defaults_to_ten_minutes(monkeypatch):
     monkeypatch.delenv("ECHO_STEP_TIMEOUT_S", raising=False)
     assert envs.step_timeout_s() == 600

@@ -109,7 +109,8 @@ class _Transfer:
     loaded_bytes: int
     device_ids: list[int]  # the stores' device blocks, then the loads'
     chunks: deque  # (store?, first, end position in device_ids, host ids) not issued yet
-    ready: torch.cuda.Event | None = None  # the main stream's work at start (CUDA)
+    # the main stream's work at start (CUDA); None for an early load, which waits for nothing
+    ready: torch.cuda.Event | None = None
     index: torch.Tensor | None = None  # device_ids on the device, uploaded with the first chunk
     end: torch.cuda.Event | None = None  # after its last chunk (CUDA)
     timings: list = field(default_factory=list)  # each chunk's copy (begin, end) events (CUDA)
@@ -152,7 +153,8 @@ class KVTransfers:
 
     def __init__(self, device_cache: StackedKVCache, host: HostKVCache, device: torch.device,
                  max_blocks_per_chunk: int = STAGING_BLOCKS,
-                 chunks_in_flight: int = CHUNKS_IN_FLIGHT, copy_mode: str | None = None):
+                 chunks_in_flight: int = CHUNKS_IN_FLIGHT, copy_mode: str | None = None,
+                 early_loads: bool | None = None):
         if max_blocks_per_chunk < 1:
             raise ValueError(f"max_blocks_per_chunk: must be >= 1, got {max_blocks_per_chunk}")
         if chunks_in_flight < 1:
@@ -186,6 +188,9 @@ class KVTransfers:
         # a second one (the staging slot's and the chunk's events order the two)
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self.copy_mode = copy_mode
+        # loads the scheduler marks unordered skip the wait for the main stream (off until
+        # timed: ECHO_KV_EARLY_LOADS)
+        self.early_loads = envs.kv_early_loads() if early_loads is None else early_loads
         self.split_streams = copy_mode == "split" and self._cuda
         self.direct = copy_mode == "direct"
         self._kernel_stream = (torch.cuda.Stream(self.device) if self.split_streams
@@ -251,12 +256,17 @@ class KVTransfers:
 
     def start(self, transfer_id: int, store_device_blocks: list[int],
               store_host_blocks: list[int], load_host_blocks: list[int],
-              load_device_blocks: list[int]) -> None:
+              load_device_blocks: list[int], ordered: bool = True) -> None:
         """Copy device block store_device_blocks[i] into host block store_host_blocks[i], then
         host block load_host_blocks[j] into device block load_device_blocks[j] (stores first,
-        so a transfer may store a block and load into it). Returns at once on CUDA."""
+        so a transfer may store a block and load into it). Returns at once on CUDA. Its copies
+        wait for the work queued on the current stream, unless `ordered` is False (a load
+        into blocks no queued work uses, KVTransfer.ordered) and early loads are on."""
         if transfer_id in self._pending:
             raise ValueError(f"transfer_id: {transfer_id} is still pending (not released)")
+        if not ordered and store_device_blocks:
+            raise ValueError("ordered: a transfer that stores reads KV queued work wrote; only "
+                             "a load may be unordered")
         if len(store_device_blocks) != len(store_host_blocks):
             raise ValueError(f"store_host_blocks: {len(store_host_blocks)} ids for "
                              f"{len(store_device_blocks)} store_device_blocks")
@@ -290,8 +300,9 @@ class KVTransfers:
             return
         # the blocks stored were written, and those loaded into were last used, by kernels
         # queued on the main stream so far: the first chunk waits for them
-        transfer.ready = torch.cuda.Event()
-        transfer.ready.record(torch.cuda.current_stream(self.device))
+        if ordered or not self.early_loads:
+            transfer.ready = torch.cuda.Event()
+            transfer.ready.record(torch.cuda.current_stream(self.device))
         self._issue()
 
     def poll_done(self) -> list[int]:
@@ -371,7 +382,8 @@ class KVTransfers:
                 if transfer.index is None and not self.direct:
                     # the gathers and scatters touch device blocks the main stream used
                     with torch.cuda.stream(self._kernel_stream):
-                        self._kernel_stream.wait_event(transfer.ready)
+                        if transfer.ready is not None:
+                            self._kernel_stream.wait_event(transfer.ready)
                         transfer.index = self._ids.upload(transfer.device_ids)
                 if transfer.chunks:
                     done = self._issue_chunk(transfer, *transfer.chunks.popleft())
@@ -392,7 +404,8 @@ class KVTransfers:
             stream = self._store_stream if store else self._stream
             # the copies touch device blocks the main stream used; a load may fill a block a
             # store issued before it reads (a swap-out in the same step)
-            stream.wait_event(transfer.ready)
+            if transfer.ready is not None:
+                stream.wait_event(transfer.ready)
             if not store and self._last_store is not None:
                 stream.wait_event(self._last_store)
             begin = torch.cuda.Event(enable_timing=True)

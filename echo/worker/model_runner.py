@@ -411,7 +411,7 @@ class ModelRunner:
                 for plan in out.kv_transfers:
                     transfers.start(plan.transfer_id, [d for d, _ in plan.stores],
                                     [h for _, h in plan.stores], [h for h, _ in plan.loads],
-                                    [d for _, d in plan.loads])
+                                    [d for _, d in plan.loads], plan.ordered)
                     if plan.before_step:
                         transfers.wait_on_device(plan.transfer_id)
 

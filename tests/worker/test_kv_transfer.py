@@ -3,6 +3,8 @@ layer's K, V and int8 scales, and no other device block changes, whether a chunk
 staging buffer or moves by strided copies ("direct": on the CPU the same strided copies row by
 row, so their addresses and pitches are checked here)."""
 
+import time
+
 import pytest
 import torch
 
@@ -156,6 +158,7 @@ def test_an_empty_transfer_completes():
     (([], [], [-1], [2]), "load_host_blocks"),
     (([], [], [0], [NUM_BLOCKS]), "load_device_blocks"),
     (([], [], [0, 1], [2, 2]), "load_device_blocks"),
+    (([1], [0], [], [], False), "ordered"),  # a store reads KV that queued work wrote
 ])
 def test_bad_arguments_name_the_argument_and_move_nothing(args, name):
     caches, originals, host, xfer = setup(spec())
@@ -369,6 +372,41 @@ def test_gpu_direct_swap_outs_do_not_wait_for_loads_and_loads_wait_for_them():
     bpb = xfer.host.bytes_per_block
     assert torch.equal(host[21], _block_bytes(expected, 10, bpb))
     assert torch.equal(host[20], _block_bytes(expected, 9, bpb))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("copy_mode", COPY_MODES)
+def test_gpu_an_early_load_runs_beside_the_main_streams_work(copy_mode):
+    """With early loads on, an unordered load (into blocks no queued work uses) lands while the
+    main stream still spins; an ordered one, and any load with early loads off, waits."""
+    xfer, caches, expected = gpu_transfers(copy_mode)
+    xfer.early_loads = True
+    xfer.start(1, list(range(8)), list(range(8)), [], [])
+    xfer.wait_all()
+    assert xfer.poll_done() == [1]
+    xfer.release([1])
+    torch.cuda._sleep(_SPIN)
+    behind_spin = torch.cuda.Event()
+    behind_spin.record()
+    xfer.start(2, [], [], [0, 1, 2], [40, 41, 42], ordered=False)
+    xfer.start(3, [], [], [3, 4], [50, 51])  # ordered: after the spin
+    for _ in range(40):  # ~40 ms of the spin's ~100
+        xfer.pump()
+        if xfer._pending[2].issued and xfer._pending[2].end.query():
+            break
+        time.sleep(0.001)
+    assert xfer._pending[2].end.query(), "the early load did not land beside the spin"
+    assert not behind_spin.query() and not xfer._pending[3].end.query()
+    xfer.early_loads = False
+    xfer.start(4, [], [], [5], [60], ordered=False)  # early loads off: it waits as well
+    xfer.wait_on_device(4)
+    assert not behind_spin.query() and not xfer._pending[4].end.query()
+    xfer.wait_all()
+    torch.cuda.synchronize()
+    for p, e in zip(parts(caches), expected):
+        for host_block, device_block in ((0, 40), (1, 41), (2, 42), (3, 50), (4, 51), (5, 60)):
+            assert torch.equal(p[device_block], e[host_block])
 
 
 def _block_bytes(values, block: int, bytes_per_block: int) -> torch.Tensor:
