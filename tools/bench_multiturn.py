@@ -109,6 +109,7 @@ async def run(args: argparse.Namespace) -> dict:
         "gpu_hit_rate": stats.prefix_cache_hits / max(1, stats.prefix_cache_queries),
         "host_hit_rate": stats.kv_host_hits / max(1, stats.kv_host_queries),
         "stored_blocks": stats.kv_stored_blocks, "loaded_blocks": stats.kv_loaded_blocks,
+        "loads": stats.kv_loads,  # requests that loaded: loaded_blocks / loads a load's size
         # what a load added to a loading request's first token, on average
         "load_wait_ms_mean": 1e3 * stats.kv_load_wait_seconds / max(1, stats.kv_loads),
         "output_tok_per_s": generated / elapsed, "elapsed_s": elapsed,

@@ -26,6 +26,7 @@ def test_later_turns_load_their_history_from_the_host_tier(tiny_llama, tmp_path)
                "--against", str(tmp_path / "off.json")])
     assert off["loaded_blocks"] == 0 and off["host_hit_rate"] == 0
     assert on["stored_blocks"] > 0 and on["loaded_blocks"] > 0 and on["host_hit_rate"] > 0
+    assert 0 < on["loads"] <= on["loaded_blocks"] and off["loads"] == 0
     assert on["gpu_hit_rate"] > off["gpu_hit_rate"]  # loaded blocks are reused, not computed
     assert on["load_wait_ms_mean"] > 0 and off["load_wait_ms_mean"] == 0
     saved = json.loads((tmp_path / "r.json").read_text())
