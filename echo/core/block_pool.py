@@ -12,7 +12,7 @@ stream can tell blocks that no step still in flight may use (free_since) from th
 planned after they were freed may still read or write.
 """
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 
 BlockHash = bytes
@@ -27,8 +27,9 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[BlockHash | None] = [None] * num_blocks
         self._cached: dict[BlockHash, int] = {}  # hash -> block id, in use or free
-        # NOTE: popped from the end, so the lowest ids go out first (deterministic for tests)
-        self._free_plain: list[int] = list(range(num_blocks - 1, -1, -1))
+        # NOTE: popped from the end, so the lowest ids go out first (deterministic for tests),
+        # then the most recently freed; the other end holds those freed longest ago
+        self._free_plain: deque[int] = deque(range(num_blocks - 1, -1, -1))
         # free cached blocks, least recently freed first; OrderedDict gives O(1) removal from
         # the middle when a prefix hit takes one back
         self._free_cached: OrderedDict[int, None] = OrderedDict()
@@ -52,15 +53,28 @@ class BlockPool:
 
     def free_block_ids(self) -> list[int]:
         """Every free block, plain then cached in eviction order (for tests and checks)."""
-        return self._free_plain[::-1] + list(self._free_cached)
+        return [*reversed(self._free_plain), *self._free_cached]
 
-    def allocate(self, n: int) -> list[int]:
-        """Take n free blocks (plain first, then the least recently freed cached ones)."""
+    def allocate(self, n: int, settled_before: int | None = None) -> list[int]:
+        """Take n free blocks (plain first, then the least recently freed cached ones). With
+        settled_before, blocks free since before that epoch go first (plain ones freed longest
+        ago, then cached ones in LRU order): for a copy on another stream, which must not
+        write a block a step in flight may still use."""
         if n > self.num_free_blocks:
             raise RuntimeError(f"cannot allocate {n} blocks, only {self.num_free_blocks} free")
         ids = []
         plain, cached, refs = self._free_plain, self._free_cached, self.ref_counts
-        for _ in range(n):
+        if settled_before is not None:
+            freed_at = self._freed_at
+            while len(ids) < n and plain and freed_at[plain[0]] < settled_before:
+                ids.append(plain.popleft())
+            while len(ids) < n and cached and freed_at[next(iter(cached))] < settled_before:
+                block_id, _ = cached.popitem(last=False)
+                self._evict(block_id)
+                ids.append(block_id)
+            for block_id in ids:
+                refs[block_id] = 1
+        for _ in range(n - len(ids)):
             if plain:
                 block_id = plain.pop()
             else:
@@ -128,7 +142,7 @@ class BlockPool:
             self._free_plain.append(block_id)
         self._free_cached.clear()
         self._cached.clear()
-        self._free_plain.sort(reverse=True)
+        self._free_plain = deque(sorted(self._free_plain, reverse=True))
         return True
 
     def _evict(self, block_id: int) -> None:

@@ -253,11 +253,11 @@ class KVCacheManager:
                         pin=not preempted)
         self.pool.free(state.block_ids)
 
-    def _allocate(self, n: int) -> list[int]:
+    def _allocate(self, n: int, settled_before: int | None = None) -> list[int]:
         """pool.allocate, and with write_back a copy to the host of each cached block it evicted
         that the host lacks: unpinned, like a swap-out, since the block is reused at once (the
         step waits for the copy on the device; a full or busy tier drops the block)."""
-        block_ids = self.pool.allocate(n)
+        block_ids = self.pool.allocate(n, settled_before)
         evicted = self.pool.evicted
         if evicted:
             self._store(evicted, pin=False)
@@ -311,7 +311,8 @@ class KVCacheManager:
             found = found[:max(0, self.pool.num_free_blocks)]
             if not found:
                 return False
-            block_ids = self._allocate(len(found))
+            # blocks no step in flight uses first: the load may then be unordered (below)
+            block_ids = self._allocate(len(found), self.pool.epoch - 1)
         finally:
             self.pool.free(computed.block_ids)
         self.host_hits += len(found) * self.block_size

@@ -149,3 +149,22 @@ def test_free_since_tells_blocks_free_before_an_epoch_from_those_freed_in_it():
     pool.epoch = 8
     pool.free([0])
     assert not pool.free_since([0], 8) and pool.free_since([0], 9)
+
+
+def test_allocate_settled_before_takes_blocks_free_since_before_that_epoch_first():
+    pool = BlockPool(6)
+    a = pool.allocate(4)  # [0, 1, 2, 3]; 4 and 5 never used
+    pool.cache_block(0, b"h0")
+    pool.cache_block(1, b"h1")
+    pool.epoch = 2
+    pool.free([a[0]])  # block 0: cached, free from epoch 2
+    pool.epoch = 4
+    pool.free(a[1:])  # block 1 cached; 3, then 2 plain (a sequence's tail first), epoch 4
+    # plain now, latest first: 2, 3, 4, 5 (never used); cached, least recent first: 0, 1
+    assert pool.allocate(1) == [2]  # the usual order: the latest plain block
+    pool.free([2])  # plain again, freed in epoch 4
+    # before epoch 3: plain blocks freed longest ago (5, 4), then cached in LRU order (0);
+    # then the rest as usual (2, the latest plain)
+    assert pool.allocate(4, settled_before=3) == [5, 4, 0, 2]
+    assert pool.get_cached_block(b"h0") is None  # evicted: it was taken
+    assert pool.free_block_ids() == [3, 1]

@@ -235,20 +235,34 @@ def test_a_prefix_cache_reset_forgets_the_host_tier_too():
 
 def test_a_load_is_unordered_only_into_blocks_free_since_before_the_step_in_flight():
     """A load may start beside the step in flight (KVTransfer.ordered False) only when none of
-    its blocks was freed after the step before it was planned: the one in flight may use those."""
-    kv = KVCacheManager(num_blocks=8, block_size=BS, num_host_blocks=16)
-    first, second = list(range(12)), list(range(40, 52))  # three full blocks each
-    for rid, prompt in (("a", first), ("d", second), ("x", list(range(100, 132)))):
-        run_to_end(kv, req(rid, prompt))  # x takes all 8 GPU blocks: a's and d's are evicted
-        kv.transfers_done([take_one(kv).transfer_id])  # x's blocks are free from this epoch
-    b1 = req("b1", first + [1])
+    its blocks was freed after the step before it was planned: the one in flight may use those.
+    It takes such blocks first, passing over a block freed just now."""
+    kv = KVCacheManager(num_blocks=12, block_size=BS, num_host_blocks=24)
+    prefixes = [list(range(12)), list(range(40, 52)), list(range(60, 72))]  # 3 blocks each
+    for i, prompt in enumerate([*prefixes, list(range(100, 148))]):
+        run_to_end(kv, req(f"r{i}", prompt))  # the last takes all 12 GPU blocks: evicts the rest
+        kv.transfers_done([take_one(kv).transfer_id])  # its blocks are free from this epoch
+    b1 = req("b1", prefixes[0] + [1])
     assert kv.start_load(b1, kv.get_computed_blocks(b1))
-    (load,), _ = kv.take_transfers()
-    assert len(load.loads) == 3 and load.ordered  # its blocks were freed in this very step
-    kv.take_transfers()  # one more step planned: x's blocks were free before it began
-    b2 = req("b2", second + [1])
+    (load1,), _ = kv.take_transfers()
+    assert len(load1.loads) == 3 and load1.ordered  # its blocks were freed in this very step
+    kv.take_transfers()  # one more step planned: the blocks left were free before it began
+    b2 = req("b2", prefixes[1] + [1])
     assert kv.start_load(b2, kv.get_computed_blocks(b2))
     (load2,), _ = kv.take_transfers()
     assert len(load2.loads) == 3 and not load2.ordered
-    assert not {d for _, d in load.loads} & {d for _, d in load2.loads}
+    # a request freed now leaves a plain block (its partial one) that the usual order would
+    # hand out first; the load passes it over for blocks free since earlier
+    y = req("y", list(range(200, 206)))
+    assert admit(kv, y) is not None
+    fresh = kv.get_block_ids(y)[1]
+    kv.free(y)
+    b3 = req("b3", prefixes[2] + [1])
+    assert kv.start_load(b3, kv.get_computed_blocks(b3))
+    transfers, _ = kv.take_transfers()  # y's store, then b3's load
+    load3 = transfers[-1]
+    assert len(load3.loads) == 3 and not load3.ordered
+    assert fresh not in {d for _, d in load3.loads}
+    loaded = [{d for _, d in t.loads} for t in (load1, load2, load3)]
+    assert sum(map(len, loaded)) == len(set().union(*loaded)) == 9
     kv.check_invariants()
