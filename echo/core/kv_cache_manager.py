@@ -311,6 +311,10 @@ class KVCacheManager:
             found = found[:max(0, self.pool.num_free_blocks)]
             if not found:
                 return False
+            # pinned first: with write_back the allocation may store the GPU blocks it evicts,
+            # and a store may take the least recently used unpinned host block
+            for host_block, _ in found:
+                self.host.pin(host_block)
             # blocks no step in flight uses first: the load may then be unordered (below)
             block_ids = self._allocate(len(found), self.pool.epoch - 1)
         finally:
@@ -322,7 +326,6 @@ class KVCacheManager:
         # only a load into blocks free since before both may start before it on the device
         transfer.ordered = not self.pool.free_since(block_ids, self.pool.epoch - 1)
         for (host_block, block_hash), block_id in zip(found, block_ids):
-            self.host.pin(host_block)
             transfer.loads.append((host_block, block_id))
             transfer.load_hashes.append(block_hash)
         self._next_loads.append(transfer)
