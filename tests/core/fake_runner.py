@@ -8,7 +8,10 @@ bookkeeping, and appends the tokens it samples itself, as real workers do.
 With check_kv it also simulates the KV cache: computing a position writes a fingerprint of the
 whole token sequence up to it into that position's slot, and every step checks each slot it
 reads. A block shared, reused or freed wrongly shows up as an AssertionError there, instead of
-as subtly different text.
+as subtly different text. The host tier's copies move those slots to and from host blocks,
+before the step's own work as on the device, and are reported done with the step; a load the
+plan marks unordered (it may start beside the step before it on a device) must not fill a block
+that step used.
 
 The default next token is a function of the whole sequence so far (greedy decoding), so the
 same requests give the same outputs under any schedule: chunked, preempted, cached, async.
@@ -60,6 +63,9 @@ class FakeModelRunner:
         self.check_kv = check_kv
         self.requests: dict[str, _WorkerRequest] = {}
         self.kv: list[int | None] = [None] * (num_blocks * block_size)
+        self.host: dict[int, list[int | None]] = {}  # host block -> its slots
+        self._last_step_blocks: set[int] = set()  # every block of the requests last scheduled
+        self.loads = self.unordered_loads = 0  # the host tier's loads run, and how many unordered
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_req_ids:
@@ -80,6 +86,7 @@ class FakeModelRunner:
             self._check_new_blocks(block_ids, req.block_ids)
             req.block_ids.extend(block_ids)
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+        self._copy_kv(so)
 
         steps = so.num_decode_steps
         assert steps == 1 or set(so.num_scheduled_tokens.values()) == {1}, (
@@ -93,7 +100,24 @@ class FakeModelRunner:
             params = self.requests[rid].params
             logprobs.append(None if not sampled[rid] or params.logprobs is None
                             else [LogprobsEntry(logprob=-float(t % 7)) for t in sampled[rid]])
-        return ModelRunnerOutput(so.step_id, req_ids, list(sampled.values()), logprobs)
+        self._last_step_blocks = {b for rid in so.num_scheduled_tokens
+                                  for b in self.requests[rid].block_ids}
+        return ModelRunnerOutput(so.step_id, req_ids, list(sampled.values()), logprobs,
+                                 finished_kv_transfers=[t.transfer_id for t in so.kv_transfers])
+
+    def _copy_kv(self, so: SchedulerOutput) -> None:
+        bs, kv = self.block_size, self.kv
+        for transfer in so.kv_transfers:
+            for device_block, host_block in transfer.stores:
+                self.host[host_block] = kv[device_block * bs:(device_block + 1) * bs]
+            if transfer.loads:
+                self.loads += 1
+                self.unordered_loads += not transfer.ordered
+            for host_block, device_block in transfer.loads:
+                assert transfer.ordered or device_block not in self._last_step_blocks, (
+                    f"an unordered load fills block {device_block}, which the step before "
+                    f"it uses")
+                kv[device_block * bs:(device_block + 1) * bs] = self.host[host_block]
 
     def _compute(self, num_scheduled: dict[str, int], sampled: dict[str, list[int]]) -> None:
         """One forward pass over the scheduled tokens, then a token for each request whose

@@ -16,11 +16,14 @@ EOS = 0
 def make_scheduler(num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 16,
                    max_num_batched_tokens: int = 64, max_model_len: int = 512,
                    prefix_caching: bool = True, num_scheduler_steps: int = 1,
-                   **kwargs) -> Scheduler:
+                   host_tier: dict | None = None, **kwargs) -> Scheduler:
+    """host_tier: the CacheConfig fields of a host tier (kv_offloading_policy,
+    preemption_mode); its size in blocks is the num_host_blocks keyword."""
+    cache = {"kv_offloading_size": 1.0, **host_tier} if host_tier is not None else {}
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         max_model_len=max_model_len, num_scheduler_steps=num_scheduler_steps),
-        CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
+        CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching, **cache),
         num_blocks, **kwargs)
 
 

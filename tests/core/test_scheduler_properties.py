@@ -1,9 +1,11 @@
 """Property test: random arrivals, lengths, shared prefixes, aborts and tiny block pools, one or
-two steps in flight, for thousands of steps in all. After every schedule() and every
-update_from_output() the block pool and the request queues must be consistent; at the end every
-request has finished or been aborted, nothing leaks, and every output equals the greedy
-reference computed directly (so preemption, chunking and caching never change a token). The
-FakeModelRunner also checks every KV slot it reads against the token sequence that wrote it."""
+two steps in flight, for thousands of steps in all, without and with a host tier (stores,
+loads, swaps and write-back). After every schedule() and every update_from_output() the block
+pool and the request queues must be consistent; at the end every request has finished or been
+aborted, nothing leaks, and every output equals the greedy reference computed directly (so
+preemption, chunking, caching and the host tier never change a token). The FakeModelRunner
+also checks every KV slot it reads against the token sequence that wrote it, and that no
+unordered load fills a block the step before it used."""
 
 from collections import Counter, deque
 
@@ -57,8 +59,11 @@ def check_invariants(sched: Scheduler) -> None:
     assert all(pool.ref_counts[b] == 0 for b in free), "a block both free and in use"
     assert len(free) + sum(1 for r in pool.ref_counts if r > 0) == pool.num_blocks
     tables = kv.tracked_block_tables()
-    users = Counter(b for table in tables.values() for b in table)
-    assert all(pool.ref_counts[b] == users[b] for b in range(pool.num_blocks))
+    if kv.host is None:
+        users = Counter(b for table in tables.values() for b in table)
+        assert all(pool.ref_counts[b] == users[b] for b in range(pool.num_blocks))
+    else:  # copies in flight and loaded blocks awaiting admission hold references too
+        kv.check_invariants()
     for b, h in enumerate(pool.block_hashes):
         assert h is None or pool.get_cached_block(h) == b
     assert pool.num_cached_blocks() == sum(h is not None for h in pool.block_hashes)
@@ -76,28 +81,45 @@ def check_invariants(sched: Scheduler) -> None:
         assert len(tables[r.request_id]) * sched.block_size >= r.num_computed_tokens
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.data_too_large])
-@given(
+workloads = dict(
     block_size=st.sampled_from([8, 16]),
     num_blocks=st.integers(3, 12),
     max_num_seqs=st.integers(1, 6),
     extra_budget=st.integers(0, 58),
     max_model_len=st.integers(24, 96),
-    prefix_caching=st.booleans(),
     in_flight=st.sampled_from([1, 2, 3]),
     threshold_share=st.sampled_from([None, 1, 2, 4]),
     events=st.lists(step_events, min_size=10, max_size=80),
 )
-def test_random_workloads_keep_every_invariant(block_size, num_blocks, max_num_seqs,
-                                               extra_budget, max_model_len, prefix_caching,
-                                               in_flight, threshold_share, events):
+SETTINGS = settings(max_examples=300, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@SETTINGS
+@given(prefix_caching=st.booleans(), **workloads)
+def test_random_workloads_keep_every_invariant(prefix_caching, **workload):
+    run_workload(prefix_caching=prefix_caching, **workload)
+
+
+@SETTINGS
+@given(num_host_blocks=st.integers(1, 24), policy=st.sampled_from(["write_through", "write_back"]),
+       swap=st.booleans(), **workloads)
+def test_random_workloads_with_a_host_tier_keep_every_invariant(num_host_blocks, policy, swap,
+                                                               **workload):
+    host_tier = {"kv_offloading_policy": policy,
+                 "preemption_mode": "swap" if swap else "recompute"}
+    run_workload(prefix_caching=True, num_host_blocks=num_host_blocks, host_tier=host_tier,
+                 **workload)
+
+
+def run_workload(block_size, num_blocks, max_num_seqs, extra_budget, max_model_len,
+                 prefix_caching, in_flight, threshold_share, events, **host):
     budget = max_num_seqs + extra_budget
     threshold = None if threshold_share is None else max(1, budget // threshold_share)
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                            max_model_len=max_model_len, prefix_caching=prefix_caching,
-                           long_prefill_token_threshold=threshold)
+                           long_prefill_token_threshold=threshold, **host)
     runner = make_runner(sched, vocab_size=VOCAB)
     specs, prompts, ids, merged, steps = {}, {}, [], {}, []
     pending: deque = deque()
@@ -168,9 +190,19 @@ def test_random_workloads_keep_every_invariant(block_size, num_blocks, max_num_s
     assert not sched.has_unfinished_requests(), "requests left unfinished"
     event(f"preemptions: {'yes' if sched.num_preemptions else 'no'}")
     event(f"steps: {len(steps) // 50 * 50}+")
+    if sched.kv.host is not None:
+        loads = ("unordered ones" if runner.unordered_loads else
+                 "ordered only" if runner.loads else "none")
+        event(f"loads: {loads}")
     while pending:
         update()
-    runner.execute(sched.schedule())  # the workers forget the last finished requests
+    for _ in range(3):  # the workers forget the last finished requests; their copies land
+        so = sched.schedule()
+        sched.update_from_output(so, runner.execute(so))
+        if not sched.kv.transfers_pending:
+            break
+    assert not sched.kv.transfers_pending
+    check_invariants(sched)
 
     assert sched.kv.num_free_blocks == num_blocks
     assert sched.kv.num_tracked_requests() == 0
