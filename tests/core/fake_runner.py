@@ -55,8 +55,12 @@ class _WorkerRequest:
 class FakeModelRunner:
     def __init__(self, block_size: int, num_blocks: int, vocab_size: int = 1000,
                  next_token: Callable[[str, list[int]], int] | None = None,
-                 check_kv: bool = True):
+                 check_kv: bool = True, transfer_delay: int = 0):
+        """transfer_delay: how many steps later than its own a transfer is reported done."""
         self.block_size = block_size
+        self.transfer_delay = transfer_delay
+        self._reports: list[tuple[int, int]] = []  # (the step count it is due at, transfer id)
+        self._steps = 0
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size
         self.next_token = next_token
@@ -102,8 +106,13 @@ class FakeModelRunner:
                             else [LogprobsEntry(logprob=-float(t % 7)) for t in sampled[rid]])
         self._last_step_blocks = {b for rid in so.num_scheduled_tokens
                                   for b in self.requests[rid].block_ids}
+        self._steps += 1
+        self._reports += [(self._steps + self.transfer_delay, t.transfer_id)
+                          for t in so.kv_transfers]
+        done = [tid for due, tid in self._reports if due <= self._steps]
+        self._reports = [(due, tid) for due, tid in self._reports if due > self._steps]
         return ModelRunnerOutput(so.step_id, req_ids, list(sampled.values()), logprobs,
-                                 finished_kv_transfers=[t.transfer_id for t in so.kv_transfers])
+                                 finished_kv_transfers=done)
 
     def _copy_kv(self, so: SchedulerOutput) -> None:
         bs, kv = self.block_size, self.kv

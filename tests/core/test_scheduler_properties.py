@@ -103,24 +103,24 @@ def test_random_workloads_keep_every_invariant(prefix_caching, **workload):
 
 @SETTINGS
 @given(num_host_blocks=st.integers(1, 24), policy=st.sampled_from(["write_through", "write_back"]),
-       swap=st.booleans(), **workloads)
+       swap=st.booleans(), transfer_delay=st.integers(0, 2), **workloads)
 def test_random_workloads_with_a_host_tier_keep_every_invariant(num_host_blocks, policy, swap,
-                                                               **workload):
+                                                               transfer_delay, **workload):
     host_tier = {"kv_offloading_policy": policy,
                  "preemption_mode": "swap" if swap else "recompute"}
     run_workload(prefix_caching=True, num_host_blocks=num_host_blocks, host_tier=host_tier,
-                 **workload)
+                 transfer_delay=transfer_delay, **workload)
 
 
 def run_workload(block_size, num_blocks, max_num_seqs, extra_budget, max_model_len,
-                 prefix_caching, in_flight, threshold_share, events, **host):
+                 prefix_caching, in_flight, threshold_share, events, transfer_delay=0, **host):
     budget = max_num_seqs + extra_budget
     threshold = None if threshold_share is None else max(1, budget // threshold_share)
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                            max_model_len=max_model_len, prefix_caching=prefix_caching,
                            long_prefill_token_threshold=threshold, **host)
-    runner = make_runner(sched, vocab_size=VOCAB)
+    runner = make_runner(sched, vocab_size=VOCAB, transfer_delay=transfer_delay)
     specs, prompts, ids, merged, steps = {}, {}, [], {}, []
     pending: deque = deque()
 
@@ -196,7 +196,8 @@ def run_workload(block_size, num_blocks, max_num_seqs, extra_budget, max_model_l
         event(f"loads: {loads}")
     while pending:
         update()
-    for _ in range(3):  # the workers forget the last finished requests; their copies land
+    for _ in range(transfer_delay + 3):  # the workers forget the last finished requests; the
+        # copies land
         so = sched.schedule()
         sched.update_from_output(so, runner.execute(so))
         if not sched.kv.transfers_pending:
