@@ -5,7 +5,7 @@
 # profile-tail serving int8-pool kv-offload structured awq moe persistent persistent-models
 # persistent-awq, and tp and profile-tp (two GPUs). Rough minutes on an H200: tests 14 (two
 # calls: tests-kernels 7, tests-rest 7, on a machine just started), kernels 2, latency 3,
-# offline 5, profile 5, profile-tail 2, serving 4, int8-pool 2, kv-offload 5, structured 4,
+# offline 5, profile 5, profile-tail 2, serving 4, int8-pool 2, kv-offload 6, structured 4,
 # awq 8, moe 6, persistent 6, persistent-models 8 and persistent-awq 8
 # (guesses: not yet run), tp 6 (plus start-up): pick what fits the device budget. Logs and
 # JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the device tool returns
@@ -154,11 +154,15 @@ stage_commands() {
           "${against[@]}" 2>&1 | tail -9
         against=(--against "$dir/multiturn_staged_none.json")  # the run without the tier
       done
-      # loads into blocks no step in flight uses started beside that step (KVTransfer.ordered)
+      # loads into blocks no step in flight uses started beside that step (KVTransfer.ordered):
+      # later turns' TTFT, and the decoders beside loads with them
       echo "ECHO_KV_EARLY_LOADS=1 ECHO_KV_COPY_MODE=staged --kv-offloading-size 16"
       ECHO_KV_EARLY_LOADS=1 ECHO_KV_COPY_MODE=staged $PY tools/bench_multiturn.py \
         --model qwen3-8b --num-gpu-blocks-override 1500 --kv-offloading-size 16 \
-        --json "$dir/multiturn_staged_early.json" "${against[@]}" 2>&1 | tail -9 ;;
+        --json "$dir/multiturn_staged_early.json" "${against[@]}" 2>&1 | tail -9
+      echo "ECHO_KV_EARLY_LOADS=1 bench_kv_load_decode"
+      ECHO_KV_EARLY_LOADS=1 $PY tools/bench_kv_load_decode.py --model qwen3-8b \
+        --json "$dir/kv_load_decode_early.json" 2>&1 | grep -E "decode_ratio|transfer_gb" ;;
     structured)  # #25: the constrained decode step, the core's grammar work, and a profile
       local tok=${TOKENIZER:+--tokenizer $TOKENIZER}  # a folder with SmolLM2's tokenizer files
       $PY tools/dev/probe_grammar_step.py $tok 2>&1 | tail -1
