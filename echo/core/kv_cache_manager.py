@@ -357,12 +357,19 @@ class KVCacheManager:
         return dropped
 
     def take_transfers(self) -> tuple[list[KVTransfer], list[int]]:
-        """The copies gathered for the next step, in the order the workers start them (its
-        stores first: a load may fill a block a swap-out frees), and the transfers seen done
-        since the last step (the workers may now reuse their blocks)."""
+        """The copies gathered for the next step, in the order the workers start them, and the
+        transfers seen done since the last step (the workers may now reuse their blocks). The
+        step's stores go before its loads (a load may fill a block a swap-out frees, and the
+        workers run a stream's copies in order), except unordered loads that fill no block a
+        swap-out reads: they go first, so as not to queue behind stores that wait for the step
+        in flight."""
         released, self._released = self._released, []
-        gathered = [self._next_stores] if self._next_stores else []
-        gathered += self._next_loads
+        stores, loads = self._next_stores, self._next_loads
+        swapped = {block_id for block_id, _ in stores.swaps}
+        early = [t for t in loads
+                 if not t.ordered and swapped.isdisjoint(block_id for _, block_id in t.loads)]
+        gathered = [*early, *([stores] if stores else []),
+                    *(t for t in loads if all(t is not e for e in early))]
         self._next_stores, self._next_loads = _Transfer(), []
         plans, now = [], monotonic() if gathered else 0.0
         for transfer in gathered:

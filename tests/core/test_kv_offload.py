@@ -259,10 +259,28 @@ def test_a_load_is_unordered_only_into_blocks_free_since_before_the_step_in_flig
     kv.free(y)
     b3 = req("b3", prefixes[2] + [1])
     assert kv.start_load(b3, kv.get_computed_blocks(b3))
-    transfers, _ = kv.take_transfers()  # y's store, then b3's load
-    load3 = transfers[-1]
+    transfers, _ = kv.take_transfers()  # b3's load before y's store, which waits on the device
+    load3, store = transfers
     assert len(load3.loads) == 3 and not load3.ordered
+    assert store.stores and not store.loads and store.ordered
     assert fresh not in {d for _, d in load3.loads}
     loaded = [{d for _, d in t.loads} for t in (load1, load2, load3)]
     assert sum(map(len, loaded)) == len(set().union(*loaded)) == 9
+    kv.check_invariants()
+
+
+def test_an_unordered_load_into_blocks_a_swap_out_reads_stays_after_it():
+    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8, write_back=True)
+    prompt = list(range(8))  # two full blocks
+    run_to_end(kv, req("a", prompt))  # write-back: nothing stored while its blocks stay cached
+    assert kv.take_transfers() == ([], [])
+    run_to_end(kv, req("x", list(range(100, 116))))  # evicts a's blocks: swapped out
+    kv.transfers_done([take_one(kv).transfer_id])
+    kv.take_transfers()
+    kv.take_transfers()  # x's cached blocks are free since before the step in flight
+    b = req("b", prompt + [1])
+    assert kv.start_load(b, kv.get_computed_blocks(b))
+    swap, load = kv.take_transfers()[0]  # the swap-out of the blocks the load evicted first
+    assert swap.before_step and [d for d, _ in swap.stores] == [d for _, d in load.loads]
+    assert not load.ordered  # free since long enough, but queued behind the swap all the same
     kv.check_invariants()
