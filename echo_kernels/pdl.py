@@ -3,8 +3,7 @@
 Launched with PDL, a kernel may start while the kernel before it in the stream is finishing:
 its programs get resident early and run up to `wait_for_inputs`, which blocks until that kernel
 has completed and its writes are visible. Every echo kernel calls it before touching memory an
-earlier kernel may write (the GEMV reads its weight tile first, decode attention the step's
-metadata, which no kernel writes between the step's inputs and it), then lets the next kernel
+earlier kernel may write (only the GEMV reads its weight tile first), then lets the next kernel
 start launching. At batch 1 a decode step is ~350 launches of a few microseconds each, and the
 launch gap between dependent kernels is what PDL hides. Kernels that are not PDL-aware (cuBLAS,
 torch) keep full stream order on both sides.
