@@ -62,27 +62,25 @@ class BlockPool:
         write a block a step in flight may still use."""
         if n > self.num_free_blocks:
             raise RuntimeError(f"cannot allocate {n} blocks, only {self.num_free_blocks} free")
-        ids = []
         plain, cached, refs = self._free_plain, self._free_cached, self.ref_counts
+        ids = []
         if settled_before is not None:
             freed_at = self._freed_at
             while len(ids) < n and plain and freed_at[plain[0]] < settled_before:
                 ids.append(plain.popleft())
             while len(ids) < n and cached and freed_at[next(iter(cached))] < settled_before:
-                block_id, _ = cached.popitem(last=False)
-                self._evict(block_id)
-                ids.append(block_id)
-            for block_id in ids:
-                refs[block_id] = 1
-        for _ in range(n - len(ids)):
-            if plain:
-                block_id = plain.pop()
-            else:
-                block_id, _ = cached.popitem(last=False)
-                self._evict(block_id)
+                ids.append(self._take_cached())
+        while len(ids) < n:
+            ids.append(plain.pop() if plain else self._take_cached())
+        for block_id in ids:
             refs[block_id] = 1
-            ids.append(block_id)
         return ids
+
+    def _take_cached(self) -> int:
+        """The least recently freed cached block, evicted from the prefix cache."""
+        block_id, _ = self._free_cached.popitem(last=False)
+        self._evict(block_id)
+        return block_id
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add a user to cached blocks found by a prefix hit, taking free ones off the free list."""

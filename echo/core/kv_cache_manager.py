@@ -305,6 +305,10 @@ class KVCacheManager:
                 break
             found.append((host_block, block_hash))
         self.host_queries += (max_blocks - first) * self.block_size
+        # a step planned after one of these blocks was freed may still use it: it is in flight
+        # (planned in the last epoch; after a plan that went nowhere, in the one before), so
+        # only a load into blocks free since before both may start before it on the device
+        settled_before = self.pool.epoch - 1
         # keep the GPU prefix out of reach of this allocation (it may be free and cached)
         self.pool.touch(computed.block_ids)
         try:
@@ -315,16 +319,13 @@ class KVCacheManager:
             # and a store may take the least recently used unpinned host block
             for host_block, _ in found:
                 self.host.pin(host_block)
-            # blocks no step in flight uses first: the load may then be unordered (below)
-            block_ids = self._allocate(len(found), self.pool.epoch - 1)
+            # blocks no step in flight uses first: the load may then be unordered
+            block_ids = self._allocate(len(found), settled_before)
         finally:
             self.pool.free(computed.block_ids)
         self.host_hits += len(found) * self.block_size
         transfer = _Transfer(owner=rid)
-        # a step planned after one of these blocks was freed may still use it: it is in flight
-        # (planned in the last epoch; after a plan that went nowhere, in the one before), so
-        # only a load into blocks free since before both may start before it on the device
-        transfer.ordered = not self.pool.free_since(block_ids, self.pool.epoch - 1)
+        transfer.ordered = not self.pool.free_since(block_ids, settled_before)
         for (host_block, block_hash), block_id in zip(found, block_ids):
             transfer.loads.append((host_block, block_id))
             transfer.load_hashes.append(block_hash)
@@ -364,12 +365,13 @@ class KVCacheManager:
         swap-out reads: they go first, so as not to queue behind stores that wait for the step
         in flight."""
         released, self._released = self._released, []
-        stores, loads = self._next_stores, self._next_loads
+        stores = self._next_stores
         swapped = {block_id for block_id, _ in stores.swaps}
-        early = [t for t in loads
-                 if not t.ordered and swapped.isdisjoint(block_id for _, block_id in t.loads)]
-        gathered = [*early, *([stores] if stores else []),
-                    *(t for t in loads if all(t is not e for e in early))]
+        early, late = [], [stores] if stores else []
+        for load in self._next_loads:
+            goes_early = not load.ordered and swapped.isdisjoint(b for _, b in load.loads)
+            (early if goes_early else late).append(load)
+        gathered = early + late
         self._next_stores, self._next_loads = _Transfer(), []
         plans, now = [], monotonic() if gathered else 0.0
         for transfer in gathered:
