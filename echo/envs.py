@@ -29,10 +29,10 @@ KV_COPY_MODES = ("staged", "split", "direct")
 
 
 def kv_early_loads() -> bool:
-    """Whether a KV host-tier load into blocks no step in flight uses starts at once, beside
-    that step, rather than after it (ECHO_KV_EARLY_LOADS=1; KVTransfer.ordered,
-    echo/worker/kv_transfer.py): its request is then admitted a step sooner. Off until timed
-    on a GPU."""
+    """Whether the scheduler marks a KV host-tier load into blocks no step in flight uses
+    unordered, so the workers start it at once, beside that step, and, when it is small,
+    admits its request in the step that carries it, which waits for it on the device
+    (ECHO_KV_EARLY_LOADS=1; echo/core/kv_cache_manager.py). Off until timed on a GPU."""
     return os.environ.get("ECHO_KV_EARLY_LOADS", "0") == "1"
 
 

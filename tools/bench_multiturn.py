@@ -112,6 +112,7 @@ async def run(args: argparse.Namespace) -> dict:
         "loads": stats.kv_loads,  # requests that loaded: loaded_blocks / loads a load's size
         # what a load added to a loading request's first token, on average
         "load_wait_ms_mean": 1e3 * stats.kv_load_wait_seconds / max(1, stats.kv_loads),
+        "loads_joined": stats.kv_loads_joined,  # ran in the step that loaded them: no wait
         "output_tok_per_s": generated / elapsed, "elapsed_s": elapsed,
     }
 

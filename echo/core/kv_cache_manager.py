@@ -22,9 +22,13 @@ cache like any computed block; they stay held for the request until its admissio
 there (so the steps in between cannot evict them), or until it is freed. Transfers leave with a step
 (take_transfers: the step's stores as one, each request's load as one of its own, so a request
 is admitted once its own blocks have landed) and come back done with a step's output
-(transfers_done); the scheduler never sees a host block. A load whose GPU blocks have been free
-since before the step in flight was planned (BlockPool.free_since) is marked unordered: the
-workers may start it beside that step (KVTransfer.ordered).
+(transfers_done); the scheduler never sees a host block. With early loads (ECHO_KV_EARLY_LOADS),
+a load whose GPU blocks have all been free since before the step in flight was planned
+(BlockPool.free_since) is marked unordered: the workers start it beside that step
+(KVTransfer.ordered). If it is also small (JOINED_LOAD_MAX_BLOCKS), it is joined: its blocks
+join the prefix cache at once and its request is admitted in the step that carries the load,
+whose kernels wait for it on the device (KVTransfer.before_step); the load keeps its own
+reference on the blocks until reported done.
 """
 
 import hashlib
@@ -40,6 +44,12 @@ from echo.core.request import Request
 from echo.core.sched_output import KVTransfer
 
 _encode = msgspec.msgpack.Encoder().encode
+
+# A joined load's step waits for it on the device, so the load should land while the step
+# before it runs: 128 blocks are ~300 MB of Qwen3-8B's KV (2.36 MB a block), ~5.5 ms at the
+# ~55 GB/s of pinned copies, about one decode step of 32 requests on an H100. A larger load
+# waits for its report instead, and stalls nobody.
+JOINED_LOAD_MAX_BLOCKS = 128
 
 
 class ComputedBlocks(NamedTuple):
@@ -80,7 +90,8 @@ class _RequestBlocks:
 class _Transfer:
     """A step's stores, or one request's load."""
 
-    __slots__ = ("stores", "swaps", "loads", "load_hashes", "owner", "started", "ordered")
+    __slots__ = ("stores", "swaps", "loads", "load_hashes", "owner", "started", "ordered",
+                 "joined")
 
     def __init__(self, owner: str | None = None):
         self.stores: list[tuple[int, int]] = []  # each pins its GPU block until done
@@ -92,6 +103,7 @@ class _Transfer:
         self.owner = owner  # the request a load is for
         self.started = 0.0  # monotonic() when a step took it
         self.ordered = True  # waits for the steps before it on the device (KVTransfer.ordered)
+        self.joined = False  # a load whose request runs in the step that carries it
 
     def __bool__(self) -> bool:
         return bool(self.stores or self.swaps or self.loads)
@@ -100,7 +112,8 @@ class _Transfer:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_host_blocks: int = 0, num_lookahead_tokens: int = 0,
-                 max_model_len: int | None = None, write_back: bool = False):
+                 max_model_len: int | None = None, write_back: bool = False,
+                 early_loads: bool = False):
         self.block_size = block_size
         # slots past a request's scheduled tokens, up to max_model_len, that the workers may
         # write in the same step: a drafter's KV for the tokens it proposes
@@ -115,6 +128,7 @@ class KVCacheManager:
         # loads gathered for the next step, and those started (by transfer id) not yet done
         self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
         self.write_back = write_back and self.host is not None
+        self.early_loads = early_loads  # unordered and joined loads (the module's docstring)
         if self.write_back:
             self.pool.evicted = []
         self._next_stores = _Transfer()
@@ -134,6 +148,7 @@ class KVCacheManager:
         # the output that reported it done (what a load adds to a request's first token)
         self.loads_done = 0
         self.load_wait_seconds = 0.0
+        self.loads_joined = 0  # of which joined: their requests did not wait for the report
 
     @property
     def num_blocks(self) -> int:
@@ -287,7 +302,9 @@ class KVCacheManager:
     def start_load(self, request: Request, computed: ComputedBlocks) -> bool:
         """Load the part of a waiting request's prefix that continues on the host after its
         GPU prefix `computed`, into newly allocated GPU blocks. True if a load started: the
-        request then waits (is_loading) and is admitted once it is done."""
+        request then waits (is_loading) and is admitted once it is done, unless the load is
+        joined: its blocks are then cached and held for the request, which get_computed_blocks
+        finds through them at once."""
         rid = request.request_id
         if (self.host is None or _skips_cache(request) or rid in self._loaded_once
                 or rid in self._loading):
@@ -325,13 +342,21 @@ class KVCacheManager:
             self.pool.free(computed.block_ids)
         self.host_hits += len(found) * self.block_size
         transfer = _Transfer(owner=rid)
-        transfer.ordered = not self.pool.free_since(block_ids, settled_before)
+        transfer.ordered = not (self.early_loads
+                                and self.pool.free_since(block_ids, settled_before))
         for (host_block, block_hash), block_id in zip(found, block_ids):
             transfer.loads.append((host_block, block_id))
             transfer.load_hashes.append(block_hash)
         self._next_loads.append(transfer)
-        self._loading.add(rid)
         self._loaded_once.add(rid)
+        transfer.joined = not transfer.ordered and len(block_ids) <= JOINED_LOAD_MAX_BLOCKS
+        if transfer.joined:  # nothing runs before it lands: the step that reads them waits
+            for block_id, block_hash in zip(block_ids, transfer.load_hashes):
+                self.pool.cache_block(block_id, block_hash)
+            self.pool.touch(block_ids)  # held for the request; the load keeps its reference
+            self._loaded[rid] = block_ids
+        else:
+            self._loading.add(rid)
         return True
 
     def is_loading(self, request: Request) -> bool:
@@ -380,7 +405,8 @@ class KVCacheManager:
             self._next_transfer_id += 1
             self._transfers[transfer_id] = transfer
             plans.append(KVTransfer(transfer_id, transfer.stores + transfer.swaps,
-                                    transfer.loads, bool(transfer.swaps), transfer.ordered))
+                                    transfer.loads, bool(transfer.swaps) or transfer.joined,
+                                    transfer.ordered))
         self.pool.epoch += 1  # a step's plan is complete: what is freed from now on, it may use
         return plans, released
 
@@ -402,7 +428,6 @@ class KVCacheManager:
             if transfer.stores:  # unpinned
                 self.pool.free([block_id for block_id, _ in transfer.stores])
             if transfer.loads:
-                rid = transfer.owner
                 for (host_block, block_id), block_hash in zip(transfer.loads,
                                                               transfer.load_hashes):
                     self.host.unpin(host_block)
@@ -410,14 +435,23 @@ class KVCacheManager:
                 loaded = [block_id for _, block_id in transfer.loads]
                 self.loaded_blocks += len(loaded)
                 self.loads_done += 1
-                self.load_wait_seconds += monotonic() - transfer.started
-                self._loading.discard(rid)
-                if rid in self._abandoned:  # cached all the same, held by nobody
-                    self._abandoned.discard(rid)
+                if transfer.joined:  # its request did not wait; the load's reference goes
+                    self.loads_joined += 1
                     self.pool.free(loaded)
                 else:
-                    self._loaded[rid] = loaded
+                    self._load_landed(transfer.owner, loaded, transfer.started)
             self._released.append(transfer_id)
+
+    def _load_landed(self, rid: str, loaded: list[int], started: float) -> None:
+        """A request waiting for its load may be admitted: its blocks are held for it (aborted
+        meanwhile: they stay cached, held by nobody)."""
+        self.load_wait_seconds += monotonic() - started
+        self._loading.discard(rid)
+        if rid in self._abandoned:
+            self._abandoned.discard(rid)
+            self.pool.free(loaded)
+        else:
+            self._loaded[rid] = loaded
 
     def num_held_blocks(self, request: Request) -> int:
         state = self._requests.get(request.request_id)

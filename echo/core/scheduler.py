@@ -43,6 +43,7 @@ from bisect import insort
 from collections import deque
 from collections.abc import Iterable
 
+from echo import envs
 from echo.config import CacheConfig, SchedulerConfig
 from echo.core.kv_cache_manager import KVCacheManager
 from echo.core.length_limit import check_request_length, length_limit
@@ -100,7 +101,8 @@ class Scheduler:
                                  cache_config.enable_prefix_caching, num_host_blocks,
                                  num_lookahead_tokens=draft_model_tokens,
                                  max_model_len=self.max_model_len,
-                                 write_back=cache_config.kv_offloading_policy == "write_back")
+                                 write_back=cache_config.kv_offloading_policy == "write_back",
+                                 early_loads=envs.kv_early_loads())
         # a preempted request's blocks go to the host tier (swap) or are only freed
         self.store_on_preempt = cache_config.preemption_mode == "swap"
         self.tensor_parallel_size = tensor_parallel_size
@@ -307,8 +309,11 @@ class Scheduler:
             # a load only for a request that will find a seat: loaded blocks are held for it
             if (len(running) + self.kv.num_loading_requests < self.max_num_seqs
                     and self.kv.start_load(request, computed)):
-                compiling.append(waiting.popleft())
-                continue
+                if self.kv.is_loading(request):
+                    compiling.append(waiting.popleft())
+                    continue
+                # joined: its step waits for the load on the device; its blocks are cached
+                computed = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - computed.num_tokens, budget)
             held_back = (num_new > self.long_prefill_token_threshold and len(waiting) > 1
                          and len(running) + 1 < self.max_num_seqs)
@@ -600,6 +605,7 @@ class Scheduler:
             kv_loaded_blocks=kv.loaded_blocks,
             kv_loads=kv.loads_done,
             kv_load_wait_seconds=kv.load_wait_seconds,
+            kv_loads_joined=kv.loads_joined,
             kv_stored_bytes=stored * tp,
             kv_loaded_bytes=loaded * tp,
             kv_transfer_seconds=seconds,

@@ -72,6 +72,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # step that started the load to the output that reported it done), summed
     kv_loads: int = 0
     kv_load_wait_seconds: float = 0.0
+    kv_loads_joined: int = 0  # of kv_loads: run in the step that loaded them, no wait counted
     # ... and the bytes and copy seconds of all ranks together
     kv_stored_bytes: int = 0
     kv_loaded_bytes: int = 0

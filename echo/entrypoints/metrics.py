@@ -93,6 +93,9 @@ ENGINE_SERIES = (
     (_COUNTER, "echo:kv_offload_load_wait_seconds",
      "Time requests waited for their host-tier loads, from the step that started each to the "
      "output that reported it done.", "kv_load_wait_seconds"),
+    (_COUNTER, "echo:kv_offload_loads_joined",
+     "Loads whose request ran in the step that carried them (early loads), not counted in "
+     "the wait.", "kv_loads_joined"),
     (_COUNTER, "echo:kv_offload_stored_bytes", "Bytes copied to the host tier (all ranks).",
      "kv_stored_bytes"),
     (_COUNTER, "echo:kv_offload_loaded_bytes", "Bytes loaded from the host tier (all ranks).",

@@ -153,8 +153,7 @@ class KVTransfers:
 
     def __init__(self, device_cache: StackedKVCache, host: HostKVCache, device: torch.device,
                  max_blocks_per_chunk: int = STAGING_BLOCKS,
-                 chunks_in_flight: int = CHUNKS_IN_FLIGHT, copy_mode: str | None = None,
-                 early_loads: bool | None = None):
+                 chunks_in_flight: int = CHUNKS_IN_FLIGHT, copy_mode: str | None = None):
         if max_blocks_per_chunk < 1:
             raise ValueError(f"max_blocks_per_chunk: must be >= 1, got {max_blocks_per_chunk}")
         if chunks_in_flight < 1:
@@ -188,9 +187,6 @@ class KVTransfers:
         # a second one (the staging slot's and the chunk's events order the two)
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self.copy_mode = copy_mode
-        # loads the scheduler marks unordered skip the wait for the main stream (off until
-        # timed: ECHO_KV_EARLY_LOADS)
-        self.early_loads = envs.kv_early_loads() if early_loads is None else early_loads
         self.split_streams = copy_mode == "split" and self._cuda
         self.direct = copy_mode == "direct"
         self._kernel_stream = (torch.cuda.Stream(self.device) if self.split_streams
@@ -261,7 +257,7 @@ class KVTransfers:
         host block load_host_blocks[j] into device block load_device_blocks[j] (stores first,
         so a transfer may store a block and load into it). Returns at once on CUDA. Its copies
         wait for the work queued on the current stream, unless `ordered` is False (a load
-        into blocks no queued work uses, KVTransfer.ordered) and early loads are on."""
+        into blocks no queued work uses, KVTransfer.ordered: the scheduler's early loads)."""
         if transfer_id in self._pending:
             raise ValueError(f"transfer_id: {transfer_id} is still pending (not released)")
         if not ordered and store_device_blocks:
@@ -300,7 +296,7 @@ class KVTransfers:
             return
         # the blocks stored were written, and those loaded into were last used, by kernels
         # queued on the main stream so far: the first chunk waits for them
-        if ordered or not self.early_loads:
+        if ordered:
             transfer.ready = torch.cuda.Event()
             transfer.ready.record(torch.cuda.current_stream(self.device))
         self._issue()

@@ -8,10 +8,11 @@ bookkeeping, and appends the tokens it samples itself, as real workers do.
 With check_kv it also simulates the KV cache: computing a position writes a fingerprint of the
 whole token sequence up to it into that position's slot, and every step checks each slot it
 reads. A block shared, reused or freed wrongly shows up as an AssertionError there, instead of
-as subtly different text. The host tier's copies move those slots to and from host blocks,
-before the step's own work as on the device, and are reported done with the step; a load the
-plan marks unordered (it may start beside the step before it on a device) must not fill a block
-that step used.
+as subtly different text. The host tier's copies move those slots to and from host blocks and
+are reported done with the step: stores and the loads the step waits for (before_step) before
+the step's own work, as on the device, other loads after it (the step may not read them); a
+load the plan marks unordered (it may start beside the step before it on a device) must not
+fill a block that step used.
 
 The default next token is a function of the whole sequence so far (greedy decoding), so the
 same requests give the same outputs under any schedule: chunked, preempted, cached, async.
@@ -90,7 +91,7 @@ class FakeModelRunner:
             self._check_new_blocks(block_ids, req.block_ids)
             req.block_ids.extend(block_ids)
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
-        self._copy_kv(so)
+        self._copy_kv(so, before_step=True)
 
         steps = so.num_decode_steps
         assert steps == 1 or set(so.num_scheduled_tokens.values()) == {1}, (
@@ -99,6 +100,7 @@ class FakeModelRunner:
         for sub_step in range(steps):  # each decode step after the first: one token each
             self._compute(so.num_scheduled_tokens if sub_step == 0 else
                           dict.fromkeys(so.num_scheduled_tokens, 1), sampled)
+        self._copy_kv(so, before_step=False)
         req_ids, logprobs = list(sampled), []
         for rid in req_ids:
             params = self.requests[rid].params
@@ -114,11 +116,17 @@ class FakeModelRunner:
         return ModelRunnerOutput(so.step_id, req_ids, list(sampled.values()), logprobs,
                                  finished_kv_transfers=done)
 
-    def _copy_kv(self, so: SchedulerOutput) -> None:
+    def _copy_kv(self, so: SchedulerOutput, before_step: bool) -> None:
+        """The step's stores, and the loads its kernels wait for (KVTransfer.before_step),
+        before its own work; other loads after it, since on a device the step need not see
+        them."""
         bs, kv = self.block_size, self.kv
         for transfer in so.kv_transfers:
-            for device_block, host_block in transfer.stores:
-                self.host[host_block] = kv[device_block * bs:(device_block + 1) * bs]
+            if before_step:
+                for device_block, host_block in transfer.stores:
+                    self.host[host_block] = kv[device_block * bs:(device_block + 1) * bs]
+            if transfer.before_step != before_step:
+                continue
             if transfer.loads:
                 self.loads += 1
                 self.unordered_loads += not transfer.ordered

@@ -237,7 +237,7 @@ def test_a_load_is_unordered_only_into_blocks_free_since_before_the_step_in_flig
     """A load may start beside the step in flight (KVTransfer.ordered False) only when none of
     its blocks was freed after the step before it was planned: the one in flight may use those.
     It takes such blocks first, passing over a block freed just now."""
-    kv = KVCacheManager(num_blocks=12, block_size=BS, num_host_blocks=24)
+    kv = KVCacheManager(num_blocks=12, block_size=BS, num_host_blocks=24, early_loads=True)
     prefixes = [list(range(12)), list(range(40, 52)), list(range(60, 72))]  # 3 blocks each
     for i, prompt in enumerate([*prefixes, list(range(100, 148))]):
         run_to_end(kv, req(f"r{i}", prompt))  # the last takes all 12 GPU blocks: evicts the rest
@@ -270,7 +270,8 @@ def test_a_load_is_unordered_only_into_blocks_free_since_before_the_step_in_flig
 
 
 def test_an_unordered_load_into_blocks_a_swap_out_reads_stays_after_it():
-    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8, write_back=True)
+    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8, write_back=True,
+                        early_loads=True)
     prompt = list(range(8))  # two full blocks
     run_to_end(kv, req("a", prompt))  # write-back: nothing stored while its blocks stay cached
     assert kv.take_transfers() == ([], [])
@@ -284,3 +285,76 @@ def test_an_unordered_load_into_blocks_a_swap_out_reads_stays_after_it():
     assert swap.before_step and [d for d, _ in swap.stores] == [d for _, d in load.loads]
     assert not load.ordered  # free since long enough, but queued behind the swap all the same
     kv.check_invariants()
+
+
+def _evicted_to_host(kv: KVCacheManager, prompt: list[int], filler: list[int]) -> None:
+    """Run `prompt` (written through to the host), then `filler`, which takes every GPU block;
+    two more plans go by, so the blocks are free since before the step in flight."""
+    for tokens in (prompt, filler):
+        run_to_end(kv, req(f"run{tokens[0]}", tokens))
+        kv.transfers_done([take_one(kv).transfer_id])
+    kv.take_transfers()
+    kv.take_transfers()
+
+
+def test_without_early_loads_every_load_waits_for_the_steps_before_it():
+    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8)
+    prompt = list(range(12))
+    _evicted_to_host(kv, prompt, list(range(100, 116)))
+    b = req("b", prompt + [5])
+    assert kv.start_load(b, kv.get_computed_blocks(b)) and kv.is_loading(b)
+    load = take_one(kv)
+    assert load.ordered and not load.before_step
+
+
+def test_a_small_settled_load_is_joined_and_its_request_admitted_in_the_step_that_loads_it():
+    """Early loads: the request finds its prefix through the loading blocks at once and is
+    admitted with them; the plan makes the step wait for the load on the device. The load keeps
+    its own reference until reported done, and its wait is not counted."""
+    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8, early_loads=True)
+    prompt = list(range(12))  # three full blocks
+    _evicted_to_host(kv, prompt, list(range(100, 116)))
+    b = req("b", prompt + [5])
+    assert kv.get_computed_blocks(b).num_tokens == 0
+    assert kv.start_load(b, kv.get_computed_blocks(b)) and not kv.is_loading(b)
+    computed = kv.get_computed_blocks(b)
+    assert computed.num_tokens == 12 and len(computed.block_ids) == 3
+    assert admit(kv, b) is not None
+    assert kv.get_block_ids(b)[:3] == computed.block_ids
+    load = take_one(kv)
+    assert not load.ordered and load.before_step
+    assert [d for _, d in load.loads] == computed.block_ids
+    assert [kv.pool.ref_counts[d] for d in computed.block_ids] == [2, 2, 2]  # b and the load
+    kv.check_invariants()
+    kv.transfers_done([load.transfer_id])
+    assert [kv.pool.ref_counts[d] for d in computed.block_ids] == [1, 1, 1]
+    assert (kv.loads_done, kv.loads_joined, kv.load_wait_seconds) == (1, 1, 0.0)
+    kv.check_invariants()
+
+
+def test_a_joined_request_freed_before_its_load_lands_leaves_the_blocks_to_the_load():
+    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8, early_loads=True)
+    prompt = list(range(12))
+    _evicted_to_host(kv, prompt, list(range(100, 116)))
+    b = req("b", prompt + [5])
+    assert kv.start_load(b, kv.get_computed_blocks(b)) and not kv.is_loading(b)
+    kv.free(b)  # aborted before admission: the hold goes, the load's reference stays
+    load = take_one(kv)
+    assert [kv.pool.ref_counts[d] for _, d in load.loads] == [1, 1, 1]
+    kv.check_invariants()
+    kv.transfers_done([load.transfer_id])
+    assert kv.pool.num_free_blocks == 4
+    c = req("c", prompt + [6])  # cached all the same
+    assert kv.get_computed_blocks(c).num_tokens == 12
+    kv.check_invariants()
+
+
+def test_a_load_larger_than_the_joined_limit_waits_for_its_report(monkeypatch):
+    monkeypatch.setattr("echo.core.kv_cache_manager.JOINED_LOAD_MAX_BLOCKS", 2)
+    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8, early_loads=True)
+    prompt = list(range(12))  # three blocks to load
+    _evicted_to_host(kv, prompt, list(range(100, 116)))
+    b = req("b", prompt + [5])
+    assert kv.start_load(b, kv.get_computed_blocks(b)) and kv.is_loading(b)
+    load = take_one(kv)
+    assert not load.ordered and not load.before_step  # early, but nobody waits for it

@@ -5,9 +5,12 @@ pool and the request queues must be consistent; at the end every request has fin
 aborted, nothing leaks, and every output equals the greedy reference computed directly (so
 preemption, chunking, caching and the host tier never change a token). The FakeModelRunner
 also checks every KV slot it reads against the token sequence that wrote it, and that no
-unordered load fills a block the step before it used."""
+unordered load fills a block the step before it used; with early loads, a joined request reads
+its loaded blocks in the very step that loads them."""
 
+import os
 from collections import Counter, deque
+from unittest import mock
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -103,13 +106,16 @@ def test_random_workloads_keep_every_invariant(prefix_caching, **workload):
 
 @SETTINGS
 @given(num_host_blocks=st.integers(1, 24), policy=st.sampled_from(["write_through", "write_back"]),
-       swap=st.booleans(), transfer_delay=st.integers(0, 2), **workloads)
+       swap=st.booleans(), transfer_delay=st.integers(0, 2), early_loads=st.booleans(),
+       **workloads)
 def test_random_workloads_with_a_host_tier_keep_every_invariant(num_host_blocks, policy, swap,
-                                                               transfer_delay, **workload):
+                                                               transfer_delay, early_loads,
+                                                               **workload):
     host_tier = {"kv_offloading_policy": policy,
                  "preemption_mode": "swap" if swap else "recompute"}
-    run_workload(prefix_caching=True, num_host_blocks=num_host_blocks, host_tier=host_tier,
-                 transfer_delay=transfer_delay, **workload)
+    with mock.patch.dict(os.environ, {"ECHO_KV_EARLY_LOADS": "1" if early_loads else "0"}):
+        run_workload(prefix_caching=True, num_host_blocks=num_host_blocks, host_tier=host_tier,
+                     transfer_delay=transfer_delay, **workload)
 
 
 def run_workload(block_size, num_blocks, max_num_seqs, extra_budget, max_model_len,
@@ -191,7 +197,8 @@ def run_workload(block_size, num_blocks, max_num_seqs, extra_budget, max_model_l
     event(f"preemptions: {'yes' if sched.num_preemptions else 'no'}")
     event(f"steps: {len(steps) // 50 * 50}+")
     if sched.kv.host is not None:
-        loads = ("unordered ones" if runner.unordered_loads else
+        loads = ("joined ones" if sched.kv.loads_joined else
+                 "unordered ones" if runner.unordered_loads else
                  "ordered only" if runner.loads else "none")
         event(f"loads: {loads}")
     while pending:

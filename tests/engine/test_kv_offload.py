@@ -159,3 +159,16 @@ def test_two_ranks_move_their_own_shards(tiny_llama):
     on, stats = run_conversations(str(tiny_llama), kv_offloading_size=0.01, **args)
     assert on == off
     assert stats.kv_loaded_blocks > 0
+
+
+def test_early_loads_give_the_same_tokens_and_admit_some_requests_with_their_loads(
+        smollm2, without_offload, monkeypatch):
+    """ECHO_KV_EARLY_LOADS: loads into blocks no step in flight uses start at once and, when
+    small, their requests run in the step that carries them (joined); the tokens stay those of
+    the run without the tier."""
+    off, _ = without_offload
+    monkeypatch.setenv("ECHO_KV_EARLY_LOADS", "1")
+    on, stats = run_conversations(smollm2, kv_offloading_size=OFFLOAD_GIB)
+    assert on == off
+    assert 0 < stats.kv_loads_joined <= stats.kv_loads
+    assert stats.kv_loaded_blocks > 0

@@ -378,10 +378,10 @@ def test_gpu_direct_swap_outs_do_not_wait_for_loads_and_loads_wait_for_them():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("copy_mode", COPY_MODES)
 def test_gpu_an_early_load_runs_beside_the_main_streams_work(copy_mode):
-    """With early loads on, an unordered load (into blocks no queued work uses) lands while the
-    main stream still spins; an ordered one, and any load with early loads off, waits."""
+    """An unordered load (into blocks no queued work uses) lands while the main stream still
+    spins, also when the stream's next work waits for it (a joined load); an ordered one
+    waits for the spin."""
     xfer, caches, expected = gpu_transfers(copy_mode)
-    xfer.early_loads = True
     xfer.start(1, list(range(8)), list(range(8)), [], [])
     xfer.wait_all()
     assert xfer.poll_done() == [1]
@@ -391,22 +391,30 @@ def test_gpu_an_early_load_runs_beside_the_main_streams_work(copy_mode):
     behind_spin.record()
     xfer.start(2, [], [], [0, 1, 2], [40, 41, 42], ordered=False)
     xfer.start(3, [], [], [3, 4], [50, 51])  # ordered: after the spin
-    for _ in range(40):  # ~40 ms of the spin's ~100
-        xfer.pump()
-        if xfer._pending[2].issued and xfer._pending[2].end.query():
-            break
-        time.sleep(0.001)
-    assert xfer._pending[2].end.query(), "the early load did not land beside the spin"
+    _wait_for_landing(xfer, 2)
     assert not behind_spin.query() and not xfer._pending[3].end.query()
-    xfer.early_loads = False
-    xfer.start(4, [], [], [5], [60], ordered=False)  # early loads off: it waits as well
+    xfer.start(4, [], [], [5], [60], ordered=False)  # joined: the stream's next work waits
     xfer.wait_on_device(4)
-    assert not behind_spin.query() and not xfer._pending[4].end.query()
+    after_join = torch.cuda.Event()
+    after_join.record()
+    _wait_for_landing(xfer, 4)
+    assert not behind_spin.query() and not after_join.query()
     xfer.wait_all()
     torch.cuda.synchronize()
     for p, e in zip(parts(caches), expected):
         for host_block, device_block in ((0, 40), (1, 41), (2, 42), (3, 50), (4, 51), (5, 60)):
             assert torch.equal(p[device_block], e[host_block])
+
+
+def _wait_for_landing(xfer, transfer_id: int) -> None:
+    """Feed the side stream for ~40 ms of the spin's ~100 until the transfer lands."""
+    transfer = xfer._pending[transfer_id]
+    for _ in range(40):
+        xfer.pump()
+        if transfer.issued and transfer.end.query():
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"transfer {transfer_id} did not land beside the spin")
 
 
 def _block_bytes(values, block: int, bytes_per_block: int) -> torch.Tensor:
