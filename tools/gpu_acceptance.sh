@@ -154,8 +154,9 @@ stage_commands() {
           "${against[@]}" 2>&1 | tail -9
         against=(--against "$dir/multiturn_staged_none.json")  # the run without the tier
       done
-      # loads into blocks no step in flight uses started beside that step (KVTransfer.ordered):
-      # later turns' TTFT, and the decoders beside loads with them
+      # early loads: loads into blocks no step in flight uses start beside that step, and small
+      # ones run their request in the step that carries them (joined): later turns' TTFT, and
+      # the decoders beside loads with them
       echo "ECHO_KV_EARLY_LOADS=1 ECHO_KV_COPY_MODE=staged --kv-offloading-size 16"
       ECHO_KV_EARLY_LOADS=1 ECHO_KV_COPY_MODE=staged $PY tools/bench_multiturn.py \
         --model qwen3-8b --num-gpu-blocks-override 1500 --kv-offloading-size 16 \

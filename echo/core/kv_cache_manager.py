@@ -45,10 +45,10 @@ from echo.core.sched_output import KVTransfer
 
 _encode = msgspec.msgpack.Encoder().encode
 
-# A joined load's step waits for it on the device, so the load should land while the step
-# before it runs: 128 blocks are ~300 MB of Qwen3-8B's KV (2.36 MB a block), ~5.5 ms at the
-# ~55 GB/s of pinned copies, about one decode step of 32 requests on an H100. A larger load
-# waits for its report instead, and stalls nobody.
+# A joined load's step waits on the device for it and for the copies queued before it, so
+# they should land while the step before it runs: 128 blocks are ~300 MB of Qwen3-8B's KV
+# (2.36 MB a block), ~5.5 ms at the ~55 GB/s of pinned copies, about one decode step of 32
+# requests on an H100. A load behind more waits for its report instead, and stalls nobody.
 JOINED_LOAD_MAX_BLOCKS = 128
 
 
@@ -349,7 +349,9 @@ class KVCacheManager:
             transfer.load_hashes.append(block_hash)
         self._next_loads.append(transfer)
         self._loaded_once.add(rid)
-        transfer.joined = not transfer.ordered and len(block_ids) <= JOINED_LOAD_MAX_BLOCKS
+        # the step waits for the copies queued before the load on the workers' side stream too
+        transfer.joined = (not transfer.ordered and len(block_ids) + self._queued_blocks()
+                           <= JOINED_LOAD_MAX_BLOCKS)
         if transfer.joined:  # nothing runs before it lands: the step that reads them waits
             for block_id, block_hash in zip(block_ids, transfer.load_hashes):
                 self.pool.cache_block(block_id, block_hash)
@@ -358,6 +360,11 @@ class KVCacheManager:
         else:
             self._loading.add(rid)
         return True
+
+    def _queued_blocks(self) -> int:
+        """Blocks of the copies started and not seen done, and of the loads gathered so far."""
+        return sum(len(t.stores) + len(t.swaps) + len(t.loads)
+                   for t in [*self._transfers.values(), *self._next_loads])
 
     def is_loading(self, request: Request) -> bool:
         return request.request_id in self._loading

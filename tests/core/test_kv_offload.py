@@ -358,3 +358,22 @@ def test_a_load_larger_than_the_joined_limit_waits_for_its_report(monkeypatch):
     assert kv.start_load(b, kv.get_computed_blocks(b)) and kv.is_loading(b)
     load = take_one(kv)
     assert not load.ordered and not load.before_step  # early, but nobody waits for it
+
+
+def test_a_load_behind_copies_in_flight_is_not_joined(monkeypatch):
+    """The joined limit counts the copies queued before the load on the workers' side stream:
+    a store not yet seen done is one."""
+    monkeypatch.setattr("echo.core.kv_cache_manager.JOINED_LOAD_MAX_BLOCKS", 4)
+    kv = KVCacheManager(num_blocks=8, block_size=BS, num_host_blocks=16, early_loads=True)
+    prompt = list(range(12))  # three blocks to load
+    _evicted_to_host(kv, prompt, list(range(100, 132)))
+    run_to_end(kv, req("y", list(range(200, 208))))  # two blocks stored, in flight
+    store = take_one(kv)
+    kv.take_transfers()
+    b = req("b", prompt + [5])
+    assert kv.start_load(b, kv.get_computed_blocks(b)) and kv.is_loading(b)  # 3 + 2 > 4
+    load = take_one(kv)
+    assert not load.ordered and not load.before_step  # early all the same
+    kv.transfers_done([store.transfer_id, load.transfer_id])
+    assert kv.loads_joined == 0
+    kv.check_invariants()
