@@ -5,7 +5,7 @@
 # profile-tail serving int8-pool kv-offload structured awq moe persistent persistent-models
 # persistent-awq, and tp and profile-tp (two GPUs). Rough minutes on an H200: tests 14 (two
 # calls: tests-kernels 7, tests-rest 7, on a machine just started), kernels 2, latency 3,
-# offline 5, profile 5, profile-tail 2, serving 4, int8-pool 2, kv-offload 6, structured 4,
+# offline 5, profile 5, profile-tail 2, serving 4, int8-pool 2, kv-offload 7, structured 4,
 # awq 8, moe 6, persistent 6, persistent-models 8 and persistent-awq 8
 # (guesses: not yet run), tp 6 (plus start-up): pick what fits the device budget. Logs and
 # JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the device tool returns
@@ -138,32 +138,27 @@ stage_commands() {
       # with the GPU pool about a quarter of the conversations' final working set
       $PY tools/bench_kv_load_decode.py --model qwen3-8b --json "$dir/kv_load_decode.json" \
         2>&1 | tail -30
-      # without the tier, then the tier written through, then written back with direct copies
-      # (a write-back's copy on a staged mode's one stream would queue behind loads), each
-      # against the first run's TTFT
-      local against=()
-      for run in "staged" "staged --kv-offloading-size 16" \
-          "direct --kv-offloading-size 16 --kv-offloading-policy write_back"; do
-        set -- $run
-        local mode=$1 tier=none
-        shift
-        [ $# -gt 0 ] && tier=${4:-write_through}
-        echo "ECHO_KV_COPY_MODE=$mode $*"
-        ECHO_KV_COPY_MODE=$mode $PY tools/bench_multiturn.py --model qwen3-8b \
-          --num-gpu-blocks-override 1500 "$@" --json "$dir/multiturn_${mode}_$tier.json" \
-          "${against[@]}" 2>&1 | tail -9
-        against=(--against "$dir/multiturn_staged_none.json")  # the run without the tier
-      done
       # early loads: loads into blocks no step in flight uses start beside that step, and small
-      # ones run their request in the step that carries them (joined): later turns' TTFT, and
-      # the decoders beside loads with them
-      echo "ECHO_KV_EARLY_LOADS=1 ECHO_KV_COPY_MODE=staged --kv-offloading-size 16"
-      ECHO_KV_EARLY_LOADS=1 ECHO_KV_COPY_MODE=staged $PY tools/bench_multiturn.py \
-        --model qwen3-8b --num-gpu-blocks-override 1500 --kv-offloading-size 16 \
-        --json "$dir/multiturn_staged_early.json" "${against[@]}" 2>&1 | tail -9
+      # ones run their request in the step that carries them (joined); the decoders beside
+      # loads with them
       echo "ECHO_KV_EARLY_LOADS=1 bench_kv_load_decode"
       ECHO_KV_EARLY_LOADS=1 $PY tools/bench_kv_load_decode.py --model qwen3-8b \
-        --json "$dir/kv_load_decode_early.json" 2>&1 | grep -E "decode_ratio|transfer_gb" ;;
+        --json "$dir/kv_load_decode_early.json" 2>&1 | grep -E "decode_ratio|transfer_gb"
+      # later turns' TTFT: twice (a run's later-turn p50 moved by ~40 ms between calls on
+      # 2026-12-05) without the tier, written through (staged), and with early loads, each
+      # against its round's run without the tier
+      local round early
+      for round in 1 2; do
+        ECHO_KV_COPY_MODE=staged $PY tools/bench_multiturn.py --model qwen3-8b \
+          --num-gpu-blocks-override 1500 --json "$dir/multiturn_none_$round.json" 2>&1 | tail -1
+        for early in 0 1; do
+          echo "round $round: --kv-offloading-size 16, ECHO_KV_EARLY_LOADS=$early"
+          ECHO_KV_EARLY_LOADS=$early ECHO_KV_COPY_MODE=staged $PY tools/bench_multiturn.py \
+            --model qwen3-8b --num-gpu-blocks-override 1500 --kv-offloading-size 16 \
+            --json "$dir/multiturn_tier_early${early}_$round.json" \
+            --against "$dir/multiturn_none_$round.json" 2>&1 | tail -2
+        done
+      done ;;
     structured)  # #25: the constrained decode step, the core's grammar work, and a profile
       local tok=${TOKENIZER:+--tokenizer $TOKENIZER}  # a folder with SmolLM2's tokenizer files
       $PY tools/dev/probe_grammar_step.py $tok 2>&1 | tail -1
