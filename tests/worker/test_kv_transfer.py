@@ -390,15 +390,18 @@ def test_gpu_an_early_load_runs_beside_the_main_streams_work(copy_mode):
     behind_spin = torch.cuda.Event()
     behind_spin.record()
     xfer.start(2, [], [], [0, 1, 2], [40, 41, 42], ordered=False)
-    xfer.start(3, [], [], [3, 4], [50, 51])  # ordered: after the spin
-    _wait_for_landing(xfer, 2)
-    assert not behind_spin.query() and not xfer._pending[3].end.query()
-    xfer.start(4, [], [], [5], [60], ordered=False)  # joined: the stream's next work waits
-    xfer.wait_on_device(4)
+    xfer.start(3, [], [], [5], [60], ordered=False)  # joined: the stream's next work waits
+    xfer.wait_on_device(3)
     after_join = torch.cuda.Event()
     after_join.record()
-    _wait_for_landing(xfer, 4)
+    # ordered: after the spin (and the joined load); the scheduler puts early loads first, as
+    # here, since a stream's copies run in order
+    xfer.start(4, [], [], [3, 4], [50, 51])
+    _wait_for_landing(xfer, 2)
+    _wait_for_landing(xfer, 3)
     assert not behind_spin.query() and not after_join.query()
+    ordered = xfer._pending[4]
+    assert not (ordered.issued and ordered.end.query())
     xfer.wait_all()
     torch.cuda.synchronize()
     for p, e in zip(parts(caches), expected):
