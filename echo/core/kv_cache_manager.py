@@ -347,11 +347,11 @@ class KVCacheManager:
         for (host_block, block_hash), block_id in zip(found, block_ids):
             transfer.loads.append((host_block, block_id))
             transfer.load_hashes.append(block_hash)
-        self._next_loads.append(transfer)
-        self._loaded_once.add(rid)
         # the step waits for the copies queued before the load on the workers' side stream too
         transfer.joined = (not transfer.ordered and len(block_ids) + self._queued_blocks()
                            <= JOINED_LOAD_MAX_BLOCKS)
+        self._next_loads.append(transfer)
+        self._loaded_once.add(rid)
         if transfer.joined:  # nothing runs before it lands: the step that reads them waits
             for block_id, block_hash in zip(block_ids, transfer.load_hashes):
                 self.pool.cache_block(block_id, block_hash)

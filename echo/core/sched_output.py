@@ -20,10 +20,12 @@ class KVTransfer(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     transfer_id: int
     # [GPU block, host block]: KV that earlier steps wrote
     stores: list[tuple[int, int]] = []
-    # [host block, GPU block]: into blocks nothing reads until the transfer is reported done
+    # [host block, GPU block]: into blocks nothing reads until the transfer is reported done,
+    # but the step that carries a joined load (before_step)
     loads: list[tuple[int, int]] = []
-    # the step reuses blocks these stores read (a preemption's swap-out): its kernels wait for
-    # the copies on the device
+    # the step's kernels wait for the copies on the device: it reuses blocks these stores read
+    # (a preemption's swap-out), or reads the blocks this load fills (a joined load: its
+    # request was admitted with it, KVCacheManager.start_load)
     before_step: bool = False
     # the copies wait for the work queued on the device before them (the KV a store reads was
     # written by earlier steps; a step still in flight may use a block a load fills). False
