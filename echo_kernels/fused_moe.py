@@ -17,10 +17,7 @@ would sit alone in a tile of 16 rows. Then fused_moe_pairs runs each pair as a G
 cores (as echo_kernels.linear does for dense layers): one launch for gate_up, one for down,
 whose programs also sum a token's k rows: the last of a token's k pairs to finish a column
 block adds the k rows in slot order (an arrival count per token and block; the order of the
-sum does not depend on which pair arrives last, so the output stays deterministic). From the
-router's logits (fused_moe_from_logits, the model's path) each pair program can route its token
-itself (route_row: softmax and top-k over a few hundred bytes), so that no routing launch sits
-between the router and the experts (ROUTE_IN_PAIRS).
+sum does not depend on which pair arrives last, so the output stays deterministic).
 """
 
 import torch
@@ -52,10 +49,6 @@ PAIR_MAX = 32
 # at Qwen3-30B-A3B's shapes, one and two tokens (H200, 2026-12-04, docs/benchmarks.md Qwen3-MoE)
 PAIR_GATE_UP_CONFIG = (2, 256, 1)
 PAIR_DOWN_CONFIG = (8, 128, 2)
-# fused_moe_from_logits' default: whether the pair GEMVs route each token themselves (no
-# moe_routing launch before them). Off until timed on a GPU against moe_routing + the pairs
-# (bench_kernels --only moe, its "routed" rows; built 2026-12-05 when no GPU was lent)
-ROUTE_IN_PAIRS = False
 
 
 def _gemm_config(num_tokens: int) -> tuple[int, int, int, int]:
@@ -152,9 +145,8 @@ def route_row(logits_ptr, num_experts, top_k, RENORMALIZE: tl.constexpr, BLOCK_E
               BLOCK_K: tl.constexpr):
     """One token's routing, moe_routing's rule: (weights [BLOCK_K] float32, expert ids [BLOCK_K]
     int32) from its logits at logits_ptr. A loop over the k picks where _moe_routing_kernel
-    unrolls them: the pair GEMVs and the persistent decode step each route a token in every
-    program, where the unrolled picks spill (persistent_decode, sm_90). A caller that wants
-    only the j-th expert passes top_k = j + 1 (the first picks do not depend on the later)."""
+    unrolls them: the persistent decode step routes a token in every program, where the
+    unrolled picks spill (sm_90)."""
     experts = tl.arange(0, BLOCK_E)
     slots = tl.arange(0, BLOCK_K)
     in_e = experts < num_experts
@@ -468,24 +460,18 @@ def _moe_pair_gate_up_kernel(
     hidden_ptr,  # [M, H]
     w13_ptr,  # [E, 2I, H]
     act_ptr,  # [M*k, I] out: silu(gate) * up of each pair, in hidden's dtype
-    ids_ptr,  # [M*k] int32, the flattened topk_ids (not ROUTED)
-    logits_ptr,  # [M, E] the router's logits (ROUTED)
+    ids_ptr,  # [M*k] int32, the flattened topk_ids
     arrivals_ptr,  # [num_arrivals] int32 out: zeroed here for the down kernel
     num_arrivals,
     top_k,
-    num_experts,
     hidden_size,
     inter_size,
     stride_hm,
-    stride_lm,
     stride_we,
     stride_wn,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # inter_size % BLOCK_N == 0 and hidden_size % BLOCK_K == 0
-    ROUTED: tl.constexpr,  # each program routes its token itself (route_row): no ids
-    BLOCK_E: tl.constexpr,  # (ROUTED) num_experts and top_k rounded up to powers of two
-    BLOCK_TOPK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     num_n = tl.cdiv(inter_size, BLOCK_N)
@@ -496,15 +482,7 @@ def _moe_pair_gate_up_kernel(
     for a in range(tl.program_id(0), num_arrivals, tl.num_programs(0)):
         tl.store(arrivals_ptr + a, 0)
     token = (pair // top_k).to(tl.int64)
-    if ROUTED:
-        # only this pair's pick: the picks before it, not all k (the weights are down's)
-        slot = pair % top_k
-        _, ids = route_row(logits_ptr + token * stride_lm, num_experts, slot + 1, False,
-                           BLOCK_E, BLOCK_TOPK)
-        expert = tl.sum(tl.where(tl.arange(0, BLOCK_TOPK) == slot, ids, 0), 0)
-        expert = expert.to(tl.int64)
-    else:
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
     g_ptrs = (w13_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
               + offs_k[None, :])
     u_ptrs = g_ptrs + inter_size * stride_wn
@@ -526,16 +504,13 @@ def _moe_pair_gate_up_kernel(
 def _moe_pair_down_kernel(
     act_ptr,  # [M*k, I]
     w2_ptr,  # [E, H, I]
-    weights_ptr,  # [M*k] float32 routing weights (not ROUTED)
-    ids_ptr,  # [M*k] int32 (not ROUTED)
-    logits_ptr,  # [M, E] the router's logits (ROUTED)
+    weights_ptr,  # [M*k] float32 routing weights
+    ids_ptr,  # [M*k] int32
     rows_ptr,  # [M*k, H] out: weight * (w2[e] @ act) of each pair, in hidden's dtype
     arrivals_ptr,  # [M, cdiv(H, BLOCK_N)] int32, zeroed by the gate_up kernel
     out_ptr,  # [M, H] out: the sum of each token's k rows
-    num_experts,
     hidden_size,
     inter_size,
-    stride_lm,
     stride_we,
     stride_wn,
     stride_om,
@@ -543,10 +518,6 @@ def _moe_pair_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # hidden_size % BLOCK_N == 0 and inter_size % BLOCK_K == 0
-    ROUTED: tl.constexpr,  # each program routes its token itself (route_row), as gate_up did
-    RENORMALIZE: tl.constexpr,  # (ROUTED)
-    BLOCK_E: tl.constexpr,  # (ROUTED) num_experts and TOP_K rounded up to powers of two
-    BLOCK_TOPK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     num_n = tl.cdiv(hidden_size, BLOCK_N)
@@ -554,18 +525,11 @@ def _moe_pair_down_kernel(
     block = tl.program_id(0) % num_n
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    # the routing (or the router, ROUTED) finished before the gate_up kernel let this one
-    # launch (gate_up waited for it), so the expert and the first weight tile load while
-    # gate_up is still finishing; past L1, which may hold an earlier step's at the same address
-    if ROUTED:
-        weights, ids = route_row(logits_ptr + (pair // TOP_K) * stride_lm, num_experts, TOP_K,
-                                 RENORMALIZE, BLOCK_E, BLOCK_TOPK)
-        mine = tl.arange(0, BLOCK_TOPK) == pair % TOP_K
-        expert = tl.sum(tl.where(mine, ids, 0), 0).to(tl.int64)
-        weight = tl.sum(tl.where(mine, weights, 0.0), 0)
-    else:
-        expert = tl.load(ids_ptr + pair, cache_modifier=".cg").to(tl.int64)
-        weight = tl.load(weights_ptr + pair, cache_modifier=".cg")
+    # the routing finished before the gate_up kernel let this one launch (gate_up waited for
+    # it), so the expert and the first weight tile load while gate_up is still finishing; past
+    # L1, which may hold an earlier step's at the same address
+    expert = tl.load(ids_ptr + pair, cache_modifier=".cg").to(tl.int64)
+    weight = tl.load(weights_ptr + pair, cache_modifier=".cg")
     w_ptrs = (w2_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
               + offs_k[None, :])
     w_next = weight_tile(w_ptrs, cols, offs_k, 0, hidden_size, inter_size, EVEN)
@@ -602,32 +566,16 @@ def fused_moe_pairs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     down_config: tuple[int, int, int] = PAIR_DOWN_CONFIG) -> torch.Tensor:
     """fused_moe with each (token, expert) pair a GEMV (the arguments and the result as there);
     the configs are (BLOCK_N, BLOCK_K, num_warps) of the gate_up and the down kernel."""
-    return _pair_gemvs(hidden, w13, w2, topk_ids.shape[1], gate_up_config, down_config,
-                       weights=topk_weights.contiguous().view(-1),
-                       ids=topk_ids.contiguous().view(-1))
-
-
-def _pair_gemvs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-                gate_up_config: tuple[int, int, int], down_config: tuple[int, int, int],
-                weights: torch.Tensor | None = None, ids: torch.Tensor | None = None,
-                logits: torch.Tensor | None = None, renormalize: bool = False) -> torch.Tensor:
-    """The two pair launches, from the flattened routing (weights, ids) or from the router's
-    logits, which each program then routes itself."""
     num_tokens, hidden_size = hidden.shape
-    num_experts, inter_size = w13.shape[0], w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    inter_size = w13.shape[1] // 2
     num_pairs = num_tokens * top_k
     device, dtype = hidden.device, hidden.dtype
-    routed = logits is not None
-    if routed:
-        weights = ids = logits  # unread placeholders
-    else:
-        logits = ids
+    weights, ids = topk_weights.contiguous().view(-1), topk_ids.contiguous().view(-1)
     out = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
     act = torch.empty(num_pairs, inter_size, dtype=dtype, device=device)
     rows = torch.empty(num_pairs, hidden_size, dtype=dtype, device=device)
     pdl = pdl_options(device)
-    routing = {"ROUTED": routed, "BLOCK_E": triton.next_power_of_2(num_experts),
-               "BLOCK_TOPK": triton.next_power_of_2(top_k)}
     up_n, up_k, up_warps = gate_up_config
     down_n, down_k, down_warps = down_config
     up_k = min(up_k, triton.next_power_of_2(hidden_size))
@@ -635,38 +583,27 @@ def _pair_gemvs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k
     num_down_n = triton.cdiv(hidden_size, down_n)
     arrivals = torch.empty(num_tokens, num_down_n, dtype=torch.int32, device=device)
     _moe_pair_gate_up_kernel[(num_pairs * triton.cdiv(inter_size, up_n),)](
-        hidden, w13, act, ids, logits, arrivals, arrivals.numel(), top_k, num_experts,
-        hidden_size, inter_size, hidden.stride(0), logits.stride(0), w13.stride(0),
-        w13.stride(1), BLOCK_N=up_n, BLOCK_K=up_k,
-        EVEN=inter_size % up_n == 0 and hidden_size % up_k == 0, num_warps=up_warps,
-        **routing, **pdl)
+        hidden, w13, act, ids, arrivals, arrivals.numel(), top_k, hidden_size, inter_size,
+        hidden.stride(0), w13.stride(0), w13.stride(1), BLOCK_N=up_n, BLOCK_K=up_k,
+        EVEN=inter_size % up_n == 0 and hidden_size % up_k == 0, num_warps=up_warps, **pdl)
     _moe_pair_down_kernel[(num_pairs * num_down_n,)](
-        act, w2, weights, ids, logits, rows, arrivals, out, num_experts, hidden_size,
-        inter_size, logits.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
-        BLOCK_N=down_n, BLOCK_K=down_k,
+        act, w2, weights, ids, rows, arrivals, out, hidden_size, inter_size, w2.stride(0),
+        w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_N=down_n, BLOCK_K=down_k,
         EVEN=hidden_size % down_n == 0 and inter_size % down_k == 0, num_warps=down_warps,
-        RENORMALIZE=renormalize, **routing, **pdl)
+        **pdl)
     return out
 
 
 def fused_moe_from_logits(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                          router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                          route_in_pairs: bool | None = None) -> torch.Tensor:
+                          router_logits: torch.Tensor, top_k: int,
+                          renormalize: bool) -> torch.Tensor:
     """The whole MoE MLP from the router's logits [M, E]: moe_routing's weights and experts,
-    then fused_moe's result. With `route_in_pairs`, up to PAIR_MAX pairs the pair GEMVs route
-    each token in every program (route_row, a few hundred bytes of logits): no routing launch
-    between the router and the experts; otherwise moe_routing, then fused_moe. None:
-    ROUTE_IN_PAIRS, read at each call (a probe may set it before the engine starts)."""
-    if route_in_pairs is None:
-        route_in_pairs = ROUTE_IN_PAIRS
+    then fused_moe's result. (Routing inside the pair GEMVs instead, which saves the routing
+    launch, lost on an H100: e3d54d2, docs/benchmarks.md.)"""
     assert router_logits.dim() == 2 and router_logits.stride(1) == 1
     num_tokens = hidden.shape[0]
     assert router_logits.shape == (num_tokens, w13.shape[0]) and 1 <= top_k <= w13.shape[0]
-    if not route_in_pairs or not num_tokens or num_tokens * top_k > PAIR_MAX:
-        return fused_moe(hidden, w13, w2, *moe_routing(router_logits, top_k, renormalize))
-    _check_moe_inputs(hidden, w13, w2)
-    return _pair_gemvs(hidden, w13, w2, top_k, PAIR_GATE_UP_CONFIG, PAIR_DOWN_CONFIG,
-                       logits=router_logits, renormalize=renormalize)
+    return fused_moe(hidden, w13, w2, *moe_routing(router_logits, top_k, renormalize))
 
 
 def _check_moe_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:

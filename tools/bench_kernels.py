@@ -29,7 +29,6 @@ from echo.worker.step_buffers import longest_first  # noqa: E402
 from echo_kernels import (  # noqa: E402
     fused_add_rms_norm,
     fused_moe,
-    fused_moe_from_logits,
     moe_routing,
     rms_norm,
     rotary_embedding,
@@ -483,11 +482,9 @@ def bench_moe(rows: Rows, sweep: set[str]) -> None:
             measure = dict(flops=2 * 3 * h * i * m * k,
                            target=0.5 * rows.ceil["matmul_bf16_TFLOPs"])
             prefix = ""
-        # decode rows: the pair programs routing their tokens (fused_moe_from_logits with
-        # route_in_pairs: no routing launch), then pair GEMVs and sorted tiles after
-        # moe_routing (fused_moe picks by the pair count)
-        configs = ([{"routed": True}, {"pairs": True}, {"pairs": False}] if m <= 16
-                   else [{}])
+        # decode rows: pair GEMVs and sorted tiles after moe_routing (fused_moe picks by the
+        # pair count)
+        configs = [{"pairs": True}, {"pairs": False}] if m <= 16 else [{}]
         if ("small" if m <= 16 else "large") in sweep:
             configs += [dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), c),
                              pairs=False)
@@ -497,7 +494,7 @@ def bench_moe(rows: Rows, sweep: set[str]) -> None:
             ms = fits(lambda: time_fused_moe(xs, logits, w13, w2, k,  # noqa: B023
                                              graph=m <= 16, **tiles))  # noqa: B023
             if ms is not None:
-                swept = set(tiles) - {"pairs", "routed"}
+                swept = set(tiles) - {"pairs"}
                 rows.add("fused_moe sweep" if swept else "fused_moe", shape, ms, **measure,
                          note=f"{prefix} {note}".strip())
         if m <= 16:
@@ -510,15 +507,13 @@ def bench_moe(rows: Rows, sweep: set[str]) -> None:
                            rep=20), flops=2 * 3 * h * i * m * k)
 
 
-def time_fused_moe(xs, logits, w13, w2, top_k: int, graph: bool, gate=None, routed=False,
+def time_fused_moe(xs, logits, w13, w2, top_k: int, graph: bool, gate=None,
                    **tiles) -> float:
-    """ms per fused_moe call with its routing from `logits` (or from x @ gate where `gate` is
-    given), through moe_routing or, `routed`, fused_moe_from_logits: in a CUDA graph over every
-    x in turn, or with do_bench on the first."""
+    """ms per fused_moe call with its routing (moe_routing) from `logits` (or from x @ gate
+    where `gate` is given): in a CUDA graph over every x in turn, or with do_bench on the
+    first."""
     def call(x, lg):
         lg = x @ gate if gate is not None else lg
-        if routed:
-            return fused_moe_from_logits(x, w13, w2, lg, top_k, True, route_in_pairs=True)
         return fused_moe(x, w13, w2, *moe_routing(lg, top_k, True), **tiles)
 
     fns = [functools.partial(call, x, lg) for x, lg in zip(xs, logits)]

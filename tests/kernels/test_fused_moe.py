@@ -222,18 +222,15 @@ def moe_from_logits_ref(hidden, w13, w2, logits, top_k, renormalize):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("renormalize", [False, True])
-@pytest.mark.parametrize("rows, experts, top_k, route_in_pairs", [
-    (1, 8, 2, True), (4, 6, 3, True), (17, 8, 2, True), (4, 6, 3, False)])
+@pytest.mark.parametrize("rows, experts, top_k", [(1, 8, 2), (4, 6, 3), (17, 8, 2)])
 def test_fused_moe_from_logits_matches_reference(device, dtype, renormalize, rows, experts,
-                                                 top_k, route_in_pairs):
-    # routed in the pairs, 1 and 4 rows: every pair program routes its token (6 experts: a
-    # masked tail in the routing's block of 8); 17 rows (34 pairs): moe_routing, then the sorted
-    # tiles; not routed in the pairs: moe_routing, then the pair GEMVs
+                                                 top_k):
+    # 1 and 4 rows: moe_routing, then the pair GEMVs (6 experts: a masked tail in the
+    # routing's block of 8); 17 rows (34 pairs): moe_routing, then the sorted tiles
     hidden, w13, w2, _, _ = moe_inputs(rows, experts, top_k, 64, 32, dtype, device, seed=3)
     gen = torch.Generator().manual_seed(3)
     logits = (torch.randn(rows, experts, generator=gen) * 2).to(dtype).to(device)
-    out = fused_moe_from_logits(hidden, w13, w2, logits, top_k, renormalize,
-                                route_in_pairs=route_in_pairs)
+    out = fused_moe_from_logits(hidden, w13, w2, logits, top_k, renormalize)
     assert out.shape == (rows, 64) and out.dtype == dtype
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(
@@ -242,15 +239,14 @@ def test_fused_moe_from_logits_matches_reference(device, dtype, renormalize, row
 
 
 def test_fused_moe_from_logits_ties(device):
-    # three logit values over 16 experts (and one row all equal): the pair programs must pick
-    # the reference's experts, ties to the lower id, or the rows come from other weights
+    # three logit values over 16 experts (and one row all equal): the routing must pick the
+    # reference's experts, ties to the lower id, or the rows come from other weights
     hidden, w13, w2, _, _ = moe_inputs(3, 16, 5, 64, 32, torch.float32, device, seed=4)
     logits = torch.randint(0, 3, (3, 16), generator=torch.Generator().manual_seed(4)).float()
     logits[2] = 1.0
     logits = logits.to(device)
     for renormalize in (False, True):
-        out = fused_moe_from_logits(hidden, w13, w2, logits, 5, renormalize,
-                                    route_in_pairs=True)
+        out = fused_moe_from_logits(hidden, w13, w2, logits, 5, renormalize)
         torch.testing.assert_close(
             out, moe_from_logits_ref(hidden, w13, w2, logits, 5, renormalize), atol=1e-5,
             rtol=1e-5)
@@ -282,6 +278,5 @@ def test_gpu_qwen3_30b_shapes(rows):
     # bf16 rounding of silu(g) * u, of each pair's row and of the sum vs a float32 twin
     want = fused_moe_ref(hidden, w13, w2, weights, ids)
     torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
-    # 1 and 2 rows routed in the pair programs (64 and 1024 through moe_routing regardless)
-    routed = fused_moe_from_logits(hidden, w13, w2, logits, 8, True, route_in_pairs=True)
-    torch.testing.assert_close(routed, want, atol=2e-2, rtol=2e-2)
+    # the model's entry point: the same routing, then the same kernels
+    torch.testing.assert_close(fused_moe_from_logits(hidden, w13, w2, logits, 8, True), out)

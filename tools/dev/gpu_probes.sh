@@ -3,7 +3,7 @@
 # tools/gpu_acceptance.sh so each fits one device call:
 #   source .gpu/prelude.sh; tools/dev/gpu_probes.sh STAGE...
 # Stages, rough minutes on an H200 (plus start-up): sweeps 5, int8-probe 2, l2-prefetch 2,
-# kv-contention 4, kv-trace 7, moe-route 6, kv-split 7, step-copies 8, offload-kernel 8,
+# kv-contention 4, kv-trace 7, kv-split 7, step-copies 8, offload-kernel 8,
 # layer-l2 2.
 # Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz, and the key lines
 # are printed.
@@ -49,20 +49,6 @@ stage_commands() {
           > "$dir/$name.log" 2>&1
         grep -v "^echo:" "$dir/$name.log" \
           | grep -E "decode_ratio|p50|gb_per_s\"|priority|^==|^   |^kernels"
-      done ;;
-    moe-route)  # the pair GEMVs routing their tokens (ROUTE_IN_PAIRS) against moe_routing
-      # + the pairs: GPU tests, the kernel rows, then batch-1 Qwen3-30B-A3B each way
-      $PY -m pytest -m gpu -q tests/kernels/test_fused_moe.py tests/models/test_qwen3_moe.py \
-        2>&1 | tail -3
-      $PY tools/bench_kernels.py --only moe 2>&1 | tee "$dir/moe_kernels.log" | grep "M=1 \|M=2 \|M=4 "
-      for on in False True; do
-        echo "--- ROUTE_IN_PAIRS=$on"
-        $PY -c "import importlib, runpy, sys
-importlib.import_module('echo_kernels.fused_moe').ROUTE_IN_PAIRS = $on
-sys.argv = ['bench_latency.py', '--model', 'qwen3-30b-a3b', '--max-model-len', '2048',
-            '--iters', '2', '--num-scheduler-steps', '8']
-runpy.run_path('tools/bench_latency.py', run_name='__main__')" 2>&1 \
-          | tee "$dir/latency_route_$on.log" | grep -v "^echo:" | tail -4
       done ;;
     kv-split)  # the host tier's copy modes (ECHO_KV_COPY_MODE): its GPU tests, then the
       # decoders beside loads, staged on one side stream, split over two, and direct (strided
