@@ -325,7 +325,8 @@ class KVCacheManager:
         # a step planned after one of these blocks was freed may still use it: it is in flight
         # (planned in the last epoch; after a plan that went nowhere, in the one before), so
         # only a load into blocks free since before both may start before it on the device
-        settled_before = self.pool.epoch - 1
+        # (early loads; without them every load waits for the steps before it)
+        settled_before = self.pool.epoch - 1 if self.early_loads else None
         # keep the GPU prefix out of reach of this allocation (it may be free and cached)
         self.pool.touch(computed.block_ids)
         try:
@@ -342,8 +343,8 @@ class KVCacheManager:
             self.pool.free(computed.block_ids)
         self.host_hits += len(found) * self.block_size
         transfer = _Transfer(owner=rid)
-        transfer.ordered = not (self.early_loads
-                                and self.pool.free_since(block_ids, settled_before))
+        transfer.ordered = (settled_before is None
+                            or not self.pool.free_since(block_ids, settled_before))
         for (host_block, block_hash), block_id in zip(found, block_ids):
             transfer.loads.append((host_block, block_id))
             transfer.load_hashes.append(block_hash)
