@@ -36,6 +36,19 @@ def kv_early_loads() -> bool:
     return os.environ.get("ECHO_KV_EARLY_LOADS", "0") == "1"
 
 
+def kv_joined_load_blocks() -> int | None:
+    """With early loads, the most blocks a joined load and the copies queued before it may
+    hold (ECHO_KV_JOINED_LOAD_BLOCKS; unset: the KV cache manager's JOINED_LOAD_MAX_BLOCKS), so
+    the limit can be timed on a GPU before one is fixed; 0 joins none."""
+    value = os.environ.get("ECHO_KV_JOINED_LOAD_BLOCKS")
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"ECHO_KV_JOINED_LOAD_BLOCKS must be a whole number of blocks, "
+                         f"got {value!r}")
+    return int(value)
+
+
 def kv_copy_mode() -> str:
     """How the KV host tier's copies move blocks (ECHO_KV_COPY_MODE: staged, the default, split
     or direct; echo/worker/kv_transfer.py), so the modes can be timed against each other in the

@@ -19,6 +19,17 @@ def test_early_kv_loads_are_off_by_default(monkeypatch):
     assert envs.kv_early_loads()
 
 
+def test_the_joined_load_limit_is_unset_by_default_and_names_a_bad_value(monkeypatch):
+    monkeypatch.delenv("ECHO_KV_JOINED_LOAD_BLOCKS", raising=False)
+    assert envs.kv_joined_load_blocks() is None
+    monkeypatch.setenv("ECHO_KV_JOINED_LOAD_BLOCKS", "256")
+    assert envs.kv_joined_load_blocks() == 256
+    for bad in ("-1", "1.5", "many"):
+        monkeypatch.setenv("ECHO_KV_JOINED_LOAD_BLOCKS", bad)
+        with pytest.raises(ValueError, match="ECHO_KV_JOINED_LOAD_BLOCKS"):
+            envs.kv_joined_load_blocks()
+
+
 def test_step_timeout_defaults_to_ten_minutes(monkeypatch):
     monkeypatch.delenv("ECHO_STEP_TIMEOUT_S", raising=False)
     assert envs.step_timeout_s() == 600

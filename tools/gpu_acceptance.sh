@@ -2,11 +2,12 @@
 # The GPU measurements behind the open acceptance points, staged so each fits one device call:
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
 # Stages: tests (or tests-kernels, then tests-rest), kernels latency offline profile
-# profile-tail serving int8-pool kv-offload structured awq moe persistent persistent-models
-# persistent-awq, and tp and profile-tp (two GPUs). Rough minutes on an H200: tests 14 (two
-# calls: tests-kernels 7, tests-rest 7, on a machine just started), kernels 2, latency 3,
-# offline 5, profile 5, profile-tail 2, serving 4, int8-pool 2, kv-offload 7, structured 4,
-# awq 8, moe 6, persistent 6, persistent-models 8 and persistent-awq 8
+# profile-tail serving int8-pool kv-offload kv-offload-repeat structured awq moe persistent
+# persistent-models persistent-awq, and tp and profile-tp (two GPUs). Rough minutes on an H200:
+# tests 14 (two calls: tests-kernels 7, tests-rest 7, on a machine just started), kernels 2,
+# latency 3, offline 5, profile 5, profile-tail 2, serving 4, int8-pool 2, kv-offload 7,
+# kv-offload-repeat 3, structured 4, awq 8, moe 6, persistent 6, persistent-models 8 and
+# persistent-awq 8
 # (guesses: not yet run), tp 6 (plus start-up): pick what fits the device budget. Logs and
 # JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the device tool returns
 # few files), and the key lines are printed. Every process started here is ended here, by PID.
@@ -23,6 +24,22 @@ persistent_latency() {  # DIR MODEL FLAGS...: bench_latency once per set of flag
     # shellcheck disable=SC2086
     timeout 300 $PY tools/bench_latency.py --model "$model" --max-model-len 2048 --iters 2 \
       $flags --json "$dir/latency_${model}${flags// /_}.json" 2>&1 | tail -1
+  done
+}
+
+multiturn_round() {  # DIR ROUND LIMIT...: later turns' TTFT without the tier, then with it
+  # (staged copies) for each join limit against that run; limit 0: early loads off
+  local dir=$1 round=$2 limit early
+  shift 2
+  ECHO_KV_COPY_MODE=staged $PY tools/bench_multiturn.py --model qwen3-8b \
+    --num-gpu-blocks-override 1500 --json "$dir/multiturn_none_$round.json" 2>&1 | tail -1
+  for limit in "$@"; do
+    early=$(( limit > 0 ))
+    echo "round $round: --kv-offloading-size 16, ECHO_KV_EARLY_LOADS=$early, joined limit $limit"
+    ECHO_KV_EARLY_LOADS=$early ECHO_KV_JOINED_LOAD_BLOCKS=$limit ECHO_KV_COPY_MODE=staged \
+      $PY tools/bench_multiturn.py --model qwen3-8b --num-gpu-blocks-override 1500 \
+      --kv-offloading-size 16 --json "$dir/multiturn_tier_limit${limit}_$round.json" \
+      --against "$dir/multiturn_none_$round.json" 2>&1 | tail -2
   done
 }
 
@@ -144,21 +161,10 @@ stage_commands() {
       echo "ECHO_KV_EARLY_LOADS=1 bench_kv_load_decode"
       ECHO_KV_EARLY_LOADS=1 $PY tools/bench_kv_load_decode.py --model qwen3-8b \
         --json "$dir/kv_load_decode_early.json" 2>&1 | grep -E "decode_ratio|transfer_gb"
-      # later turns' TTFT: twice (a run's later-turn p50 moved by ~40 ms between calls on
-      # 2026-12-05) without the tier, written through (staged), and with early loads, each
-      # against its round's run without the tier
-      local round early
-      for round in 1 2; do
-        ECHO_KV_COPY_MODE=staged $PY tools/bench_multiturn.py --model qwen3-8b \
-          --num-gpu-blocks-override 1500 --json "$dir/multiturn_none_$round.json" 2>&1 | tail -1
-        for early in 0 1; do
-          echo "round $round: --kv-offloading-size 16, ECHO_KV_EARLY_LOADS=$early"
-          ECHO_KV_EARLY_LOADS=$early ECHO_KV_COPY_MODE=staged $PY tools/bench_multiturn.py \
-            --model qwen3-8b --num-gpu-blocks-override 1500 --kv-offloading-size 16 \
-            --json "$dir/multiturn_tier_early${early}_$round.json" \
-            --against "$dir/multiturn_none_$round.json" 2>&1 | tail -2
-        done
-      done ;;
+      multiturn_round "$dir" 1 0 128 256 ;;
+    kv-offload-repeat)  # #29: a second round of kv-offload's TTFT runs (a run's later-turn p50
+      # moved by ~40 ms between calls on 2026-12-05)
+      multiturn_round "$dir" 2 128 256 ;;
     structured)  # #25: the constrained decode step, the core's grammar work, and a profile
       local tok=${TOKENIZER:+--tokenizer $TOKENIZER}  # a folder with SmolLM2's tokenizer files
       $PY tools/dev/probe_grammar_step.py $tok 2>&1 | tail -1

@@ -25,7 +25,7 @@ is admitted once its own blocks have landed) and come back done with a step's ou
 (transfers_done); the scheduler never sees a host block. With early loads (ECHO_KV_EARLY_LOADS),
 a load whose GPU blocks have all been free since before the step in flight was planned
 (BlockPool.free_since) is marked unordered: the workers start it beside that step
-(KVTransfer.ordered). If it is also small (JOINED_LOAD_MAX_BLOCKS), it is joined: its blocks
+(KVTransfer.ordered). If it is also small (joined_load_max_blocks), it is joined: its blocks
 join the prefix cache at once and its request is admitted in the step that carries the load,
 whose kernels wait for it on the device (KVTransfer.before_step); the load keeps its own
 reference on the blocks until reported done.
@@ -113,7 +113,8 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_host_blocks: int = 0, num_lookahead_tokens: int = 0,
                  max_model_len: int | None = None, write_back: bool = False,
-                 early_loads: bool = False):
+                 early_loads: bool = False,
+                 joined_load_max_blocks: int = JOINED_LOAD_MAX_BLOCKS):
         self.block_size = block_size
         # slots past a request's scheduled tokens, up to max_model_len, that the workers may
         # write in the same step: a drafter's KV for the tokens it proposes
@@ -129,6 +130,7 @@ class KVCacheManager:
         self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
         self.write_back = write_back and self.host is not None
         self.early_loads = early_loads  # unordered and joined loads (the module's docstring)
+        self.joined_load_max_blocks = joined_load_max_blocks
         if self.write_back:
             self.pool.evicted = []
         self._next_stores = _Transfer()
@@ -350,7 +352,7 @@ class KVCacheManager:
             transfer.load_hashes.append(block_hash)
         # the step waits for the copies queued before the load on the workers' side stream too
         transfer.joined = (not transfer.ordered and len(block_ids) + self._queued_blocks()
-                           <= JOINED_LOAD_MAX_BLOCKS)
+                           <= self.joined_load_max_blocks)
         self._next_loads.append(transfer)
         self._loaded_once.add(rid)
         if transfer.joined:  # nothing runs before it lands: the step that reads them waits

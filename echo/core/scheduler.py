@@ -45,7 +45,7 @@ from collections.abc import Iterable
 
 from echo import envs
 from echo.config import CacheConfig, SchedulerConfig
-from echo.core.kv_cache_manager import KVCacheManager
+from echo.core.kv_cache_manager import JOINED_LOAD_MAX_BLOCKS, KVCacheManager
 from echo.core.length_limit import check_request_length, length_limit
 from echo.core.request import Request, RequestStatus
 from echo.core.request_queue import PriorityWaitingQueue, priority_key
@@ -97,12 +97,16 @@ class Scheduler:
         # own: their slots are allocated with the step's (lookahead)
         self.draft_model_tokens = draft_model_tokens
         self.spec_max_batch_size = spec_max_batch_size
+        joined_limit = envs.kv_joined_load_blocks()
+        if joined_limit is None:
+            joined_limit = JOINED_LOAD_MAX_BLOCKS
         self.kv = KVCacheManager(num_gpu_blocks, self.block_size,
                                  cache_config.enable_prefix_caching, num_host_blocks,
                                  num_lookahead_tokens=draft_model_tokens,
                                  max_model_len=self.max_model_len,
                                  write_back=cache_config.kv_offloading_policy == "write_back",
-                                 early_loads=envs.kv_early_loads())
+                                 early_loads=envs.kv_early_loads(),
+                                 joined_load_max_blocks=joined_limit)
         # a preempted request's blocks go to the host tier (swap) or are only freed
         self.store_on_preempt = cache_config.preemption_mode == "swap"
         self.tensor_parallel_size = tensor_parallel_size

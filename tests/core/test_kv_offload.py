@@ -349,9 +349,9 @@ def test_a_joined_request_freed_before_its_load_lands_leaves_the_blocks_to_the_l
     kv.check_invariants()
 
 
-def test_a_load_larger_than_the_joined_limit_waits_for_its_report(monkeypatch):
-    monkeypatch.setattr("echo.core.kv_cache_manager.JOINED_LOAD_MAX_BLOCKS", 2)
-    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8, early_loads=True)
+def test_a_load_larger_than_the_joined_limit_waits_for_its_report():
+    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8, early_loads=True,
+                        joined_load_max_blocks=2)
     prompt = list(range(12))  # three blocks to load
     _evicted_to_host(kv, prompt, list(range(100, 116)))
     b = req("b", prompt + [5])
@@ -360,11 +360,11 @@ def test_a_load_larger_than_the_joined_limit_waits_for_its_report(monkeypatch):
     assert not load.ordered and not load.before_step  # early, but nobody waits for it
 
 
-def test_a_load_behind_copies_in_flight_is_not_joined(monkeypatch):
+def test_a_load_behind_copies_in_flight_is_not_joined():
     """The joined limit counts the copies queued before the load on the workers' side stream:
     a store not yet seen done is one."""
-    monkeypatch.setattr("echo.core.kv_cache_manager.JOINED_LOAD_MAX_BLOCKS", 4)
-    kv = KVCacheManager(num_blocks=8, block_size=BS, num_host_blocks=16, early_loads=True)
+    kv = KVCacheManager(num_blocks=8, block_size=BS, num_host_blocks=16, early_loads=True,
+                        joined_load_max_blocks=4)
     prompt = list(range(12))  # three blocks to load
     _evicted_to_host(kv, prompt, list(range(100, 132)))
     run_to_end(kv, req("y", list(range(200, 208))))  # two blocks stored, in flight
@@ -377,3 +377,13 @@ def test_a_load_behind_copies_in_flight_is_not_joined(monkeypatch):
     kv.transfers_done([store.transfer_id, load.transfer_id])
     assert kv.loads_joined == 0
     kv.check_invariants()
+
+
+def test_the_scheduler_takes_early_loads_and_their_joined_limit_from_the_environment(
+        monkeypatch):
+    monkeypatch.delenv("ECHO_KV_JOINED_LOAD_BLOCKS", raising=False)
+    monkeypatch.setenv("ECHO_KV_EARLY_LOADS", "1")
+    kv = swap_scheduler("swap").kv
+    assert kv.early_loads and kv.joined_load_max_blocks == 128
+    monkeypatch.setenv("ECHO_KV_JOINED_LOAD_BLOCKS", "0")  # early loads, none joined
+    assert swap_scheduler("swap").kv.joined_load_max_blocks == 0
