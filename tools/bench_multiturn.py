@@ -147,11 +147,8 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen3-8b")
-    parser.add_argument("--load-format", default="dummy")
-    parser.add_argument("--device", default=None)
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The conversations and how they arrive (tools/dev/sim_kv_loads.py models the same)."""
     parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system-len", type=int, default=1024)
@@ -159,6 +156,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-concurrency", type=int, default=8)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-8b")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--device", default=None)
+    add_workload_args(parser)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--kv-offloading-size", type=float, default=None,

@@ -25,6 +25,9 @@ from pathlib import Path
 from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_multiturn import add_workload_args  # noqa: E402
 
 from echo.core.request import Request  # noqa: E402
 from echo.sampling_params import SamplingParams  # noqa: E402
@@ -116,13 +119,7 @@ def simulate(args: argparse.Namespace, host_blocks: int, early: bool, limit: int
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limits", default="128,256", help="join limits, blocks")
-    parser.add_argument("--conversations", type=int, default=32)
-    parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--system-len", type=int, default=1024)
-    parser.add_argument("--user-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--max-concurrency", type=int, default=8)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    add_workload_args(parser)
     parser.add_argument("--gpu-blocks", type=int, default=1500)
     parser.add_argument("--host-blocks", type=int, default=6900, help="16 GiB of Qwen3-8B's")
     parser.add_argument("--block-size", type=int, default=16)
