@@ -151,14 +151,18 @@ def test_bad_offload_arguments_name_their_field(smollm2):
                             kv_offloading_policy="lazy")
 
 
-def test_two_ranks_move_their_own_shards(tiny_llama):
+@pytest.mark.parametrize("early_loads", ["0", "1"])
+def test_two_ranks_move_their_own_shards(tiny_llama, early_loads, monkeypatch):
     """TP=2 (gloo, worker processes): each rank stores and loads its half of every block; the
-    tokens equal one rank's without offload, and only rank 0's report reaches the core."""
+    tokens equal one rank's without offload, and only rank 0's report reaches the core. With
+    early loads, each rank's step waits for its own shard of a joined load."""
     args = {"tensor_parallel_size": 2, "vocab": VOCAB}
     off, _ = run_conversations(str(tiny_llama), **args)
+    monkeypatch.setenv("ECHO_KV_EARLY_LOADS", early_loads)
     on, stats = run_conversations(str(tiny_llama), kv_offloading_size=0.01, **args)
     assert on == off
     assert stats.kv_loaded_blocks > 0
+    assert (stats.kv_loads_joined > 0) == (early_loads == "1")
 
 
 def test_early_loads_give_the_same_tokens_and_admit_some_requests_with_their_loads(
