@@ -107,13 +107,17 @@ def test_random_workloads_keep_every_invariant(prefix_caching, **workload):
 @SETTINGS
 @given(num_host_blocks=st.integers(1, 24), policy=st.sampled_from(["write_through", "write_back"]),
        swap=st.booleans(), transfer_delay=st.integers(0, 2), early_loads=st.booleans(),
-       **workloads)
+       joined_limit=st.sampled_from([2, 128, 128]), **workloads)
 def test_random_workloads_with_a_host_tier_keep_every_invariant(num_host_blocks, policy, swap,
                                                                transfer_delay, early_loads,
-                                                               **workload):
+                                                               joined_limit, **workload):
+    """joined_limit: with early loads, 2 joins some (loads and the copies ahead of them are a
+    few blocks here), 128 nearly all."""
     host_tier = {"kv_offloading_policy": policy,
                  "preemption_mode": "swap" if swap else "recompute"}
-    with mock.patch.dict(os.environ, {"ECHO_KV_EARLY_LOADS": "1" if early_loads else "0"}):
+    switches = {"ECHO_KV_EARLY_LOADS": "1" if early_loads else "0",
+                "ECHO_KV_JOINED_LOAD_BLOCKS": str(joined_limit)}
+    with mock.patch.dict(os.environ, switches):
         run_workload(prefix_caching=True, num_host_blocks=num_host_blocks, host_tier=host_tier,
                      transfer_delay=transfer_delay, **workload)
 
