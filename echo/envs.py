@@ -29,10 +29,10 @@ KV_COPY_MODES = ("staged", "split", "direct")
 
 
 def kv_early_loads() -> bool:
-    """Whether the scheduler marks a KV host-tier load into blocks no step in flight uses
-    unordered, so the workers start it at once, beside that step, and, when it is small,
-    admits its request in the step that carries it, which waits for it on the device
-    (ECHO_KV_EARLY_LOADS=1; echo/core/kv_cache_manager.py). Off until timed on a GPU."""
+    """Whether the scheduler joins a small KV host-tier load into blocks no step in flight
+    uses: the workers start it at once, beside that step, and its request is admitted in the
+    step that carries it, which waits for it on the device (ECHO_KV_EARLY_LOADS=1;
+    echo/core/kv_cache_manager.py). Off until timed on a GPU."""
     return os.environ.get("ECHO_KV_EARLY_LOADS", "0") == "1"
 
 

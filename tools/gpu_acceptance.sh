@@ -155,9 +155,9 @@ stage_commands() {
       # with the GPU pool about a quarter of the conversations' final working set
       $PY tools/bench_kv_load_decode.py --model qwen3-8b --json "$dir/kv_load_decode.json" \
         2>&1 | tail -30
-      # early loads: loads into blocks no step in flight uses start beside that step, and small
-      # ones run their request in the step that carries them (joined); the decoders beside
-      # loads with them
+      # early loads (small loads into blocks no step in flight uses start beside that step and
+      # run their request in the step that carries them: joined), the config to become the
+      # default: the decoders beside its loads (32K-token histories: none joined)
       echo "ECHO_KV_EARLY_LOADS=1 bench_kv_load_decode"
       ECHO_KV_EARLY_LOADS=1 $PY tools/bench_kv_load_decode.py --model qwen3-8b \
         --json "$dir/kv_load_decode_early.json" 2>&1 | grep -E "decode_ratio|transfer_gb"

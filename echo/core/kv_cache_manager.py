@@ -24,11 +24,11 @@ there (so the steps in between cannot evict them), or until it is freed. Transfe
 is admitted once its own blocks have landed) and come back done with a step's output
 (transfers_done); the scheduler never sees a host block. With early loads (ECHO_KV_EARLY_LOADS),
 a load whose GPU blocks have all been free since before the step in flight was planned
-(BlockPool.free_since) is marked unordered: the workers start it beside that step
-(KVTransfer.ordered). If it is also small (joined_load_max_blocks), it is joined: its blocks
-join the prefix cache at once and its request is admitted in the step that carries the load,
-whose kernels wait for it on the device (KVTransfer.before_step); the load keeps its own
-reference on the blocks until reported done.
+(BlockPool.free_since) and that is small (joined_load_max_blocks) is joined: the workers start
+it at once, beside that step (KVTransfer.ordered is False), its blocks join the prefix cache at
+once and its request is admitted in the step that carries the load, whose kernels wait for it
+on the device (KVTransfer.before_step); the load keeps its own reference on the blocks until
+reported done. Other loads wait for the steps before them and for their report.
 """
 
 import hashlib
@@ -129,7 +129,7 @@ class KVCacheManager:
         # loads gathered for the next step, and those started (by transfer id) not yet done
         self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
         self.write_back = write_back and self.host is not None
-        self.early_loads = early_loads  # unordered and joined loads (the module's docstring)
+        self.early_loads = early_loads  # joined loads (the module's docstring)
         self.joined_load_max_blocks = joined_load_max_blocks
         if self.write_back:
             self.pool.evicted = []
@@ -339,20 +339,24 @@ class KVCacheManager:
             # and a store may take the least recently used unpinned host block
             for host_block, _ in found:
                 self.host.pin(host_block)
-            # blocks no step in flight uses first: the load may then be unordered
+            # blocks no step in flight uses first: the load may then be joined
             block_ids = self._allocate(len(found), settled_before)
         finally:
             self.pool.free(computed.block_ids)
         self.host_hits += len(found) * self.block_size
         transfer = _Transfer(owner=rid)
-        transfer.ordered = (settled_before is None
-                            or not self.pool.free_since(block_ids, settled_before))
         for (host_block, block_hash), block_id in zip(found, block_ids):
             transfer.loads.append((host_block, block_id))
             transfer.load_hashes.append(block_hash)
-        # the step waits for the copies queued before the load on the workers' side stream too
-        transfer.joined = (not transfer.ordered and len(block_ids) + self._queued_blocks()
+        # joined: settled blocks, and small, counting the copies queued before the load on the
+        # workers' side stream, which the step waits for too. Only a joined load starts beside
+        # the step in flight (unordered): a load that waits for its report gained nothing by
+        # starting early (docs/benchmarks.md, KV offload, 2026-12-05 evening)
+        transfer.joined = (settled_before is not None
+                           and self.pool.free_since(block_ids, settled_before)
+                           and len(block_ids) + self._queued_blocks()
                            <= self.joined_load_max_blocks)
+        transfer.ordered = not transfer.joined
         self._next_loads.append(transfer)
         self._loaded_once.add(rid)
         if transfer.joined:  # nothing runs before it lands: the step that reads them waits
@@ -396,7 +400,7 @@ class KVCacheManager:
         """The copies gathered for the next step, in the order the workers start them, and the
         transfers seen done since the last step (the workers may now reuse their blocks). The
         step's stores go before its loads (a load may fill a block a swap-out frees, and the
-        workers run a stream's copies in order), except unordered loads that fill no block a
+        workers run a stream's copies in order), except joined loads that fill no block a
         swap-out reads: they go first, so as not to queue behind stores that wait for the step
         in flight."""
         released, self._released = self._released, []

@@ -70,7 +70,7 @@ class FakeModelRunner:
         self.kv: list[int | None] = [None] * (num_blocks * block_size)
         self.host: dict[int, list[int | None]] = {}  # host block -> its slots
         self._last_step_blocks: set[int] = set()  # every block of the requests last scheduled
-        self.loads = self.unordered_loads = 0  # the host tier's loads run, and how many unordered
+        self.loads = 0  # the host tier's loads run
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_req_ids:
@@ -129,7 +129,6 @@ class FakeModelRunner:
                 continue
             if transfer.loads:
                 self.loads += 1
-                self.unordered_loads += not transfer.ordered
             for host_block, device_block in transfer.loads:
                 assert transfer.ordered or device_block not in self._last_step_blocks, (
                     f"an unordered load fills block {device_block}, which the step before "

@@ -234,9 +234,9 @@ def test_a_prefix_cache_reset_forgets_the_host_tier_too():
 
 
 def test_a_load_is_unordered_only_into_blocks_free_since_before_the_step_in_flight():
-    """A load may start beside the step in flight (KVTransfer.ordered False) only when none of
-    its blocks was freed after the step before it was planned: the one in flight may use those.
-    It takes such blocks first, passing over a block freed just now."""
+    """A load may start beside the step in flight (joined, KVTransfer.ordered False) only when
+    none of its blocks was freed after the step before it was planned: the one in flight may use
+    those. It takes such blocks first, passing over a block freed just now."""
     kv = KVCacheManager(num_blocks=12, block_size=BS, num_host_blocks=24, early_loads=True)
     prefixes = [list(range(12)), list(range(40, 52)), list(range(60, 72))]  # 3 blocks each
     for i, prompt in enumerate([*prefixes, list(range(100, 148))]):
@@ -357,7 +357,8 @@ def test_a_load_larger_than_the_joined_limit_waits_for_its_report():
     b = req("b", prompt + [5])
     assert kv.start_load(b, kv.get_computed_blocks(b)) and kv.is_loading(b)
     load = take_one(kv)
-    assert not load.ordered and not load.before_step  # early, but nobody waits for it
+    # not joined: it waits for the steps before it and for its report, as without early loads
+    assert load.ordered and not load.before_step
 
 
 def test_a_load_behind_copies_in_flight_is_not_joined():
@@ -373,7 +374,7 @@ def test_a_load_behind_copies_in_flight_is_not_joined():
     b = req("b", prompt + [5])
     assert kv.start_load(b, kv.get_computed_blocks(b)) and kv.is_loading(b)  # 3 + 2 > 4
     load = take_one(kv)
-    assert not load.ordered and not load.before_step  # early all the same
+    assert load.ordered and not load.before_step
     kv.transfers_done([store.transfer_id, load.transfer_id])
     assert kv.loads_joined == 0
     kv.check_invariants()

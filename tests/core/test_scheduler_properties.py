@@ -202,7 +202,6 @@ def run_workload(block_size, num_blocks, max_num_seqs, extra_budget, max_model_l
     event(f"steps: {len(steps) // 50 * 50}+")
     if sched.kv.host is not None:
         loads = ("joined ones" if sched.kv.loads_joined else
-                 "unordered ones" if runner.unordered_loads else
                  "ordered only" if runner.loads else "none")
         event(f"loads: {loads}")
     while pending:
