@@ -39,7 +39,7 @@ def kv_early_loads() -> bool:
 def kv_joined_load_blocks() -> int | None:
     """With early loads, the most blocks a joined load and the copies queued before it may
     hold (ECHO_KV_JOINED_LOAD_BLOCKS; unset: the KV cache manager's JOINED_LOAD_MAX_BLOCKS), so
-    the limit can be timed on a GPU before one is fixed; 0 joins none."""
+    the limit can be timed on a GPU before one is fixed."""
     value = os.environ.get("ECHO_KV_JOINED_LOAD_BLOCKS")
     if value is None:
         return None

@@ -22,9 +22,9 @@ cache like any computed block; they stay held for the request until its admissio
 there (so the steps in between cannot evict them), or until it is freed. Transfers leave with a step
 (take_transfers: the step's stores as one, each request's load as one of its own, so a request
 is admitted once its own blocks have landed) and come back done with a step's output
-(transfers_done); the scheduler never sees a host block. With early loads (ECHO_KV_EARLY_LOADS),
-a load whose GPU blocks have all been free since before the step in flight was planned
-(BlockPool.free_since) and that is small (joined_load_max_blocks) is joined: the workers start
+(transfers_done); the scheduler never sees a host block. With early loads (ECHO_KV_EARLY_LOADS,
+which sets joined_load_max_blocks), a load whose GPU blocks have all been free since before the
+step in flight was planned (BlockPool.free_since) and that is small is joined: the workers start
 it at once, beside that step (KVTransfer.ordered is False), its blocks join the prefix cache at
 once and its request is admitted in the step that carries the load, whose kernels wait for it
 on the device (KVTransfer.before_step); the load keeps its own reference on the blocks until
@@ -113,8 +113,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_host_blocks: int = 0, num_lookahead_tokens: int = 0,
                  max_model_len: int | None = None, write_back: bool = False,
-                 early_loads: bool = False,
-                 joined_load_max_blocks: int = JOINED_LOAD_MAX_BLOCKS):
+                 joined_load_max_blocks: int = 0):
         self.block_size = block_size
         # slots past a request's scheduled tokens, up to max_model_len, that the workers may
         # write in the same step: a drafter's KV for the tokens it proposes
@@ -129,7 +128,7 @@ class KVCacheManager:
         # loads gathered for the next step, and those started (by transfer id) not yet done
         self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
         self.write_back = write_back and self.host is not None
-        self.early_loads = early_loads  # joined loads (the module's docstring)
+        # joined loads (the module's docstring) of at most this many blocks; 0: none
         self.joined_load_max_blocks = joined_load_max_blocks
         if self.write_back:
             self.pool.evicted = []
@@ -327,8 +326,8 @@ class KVCacheManager:
         # a step planned after one of these blocks was freed may still use it: it is in flight
         # (planned in the last epoch; after a plan that went nowhere, in the one before), so
         # only a load into blocks free since before both may start before it on the device
-        # (early loads; without them every load waits for the steps before it)
-        settled_before = self.pool.epoch - 1 if self.early_loads else None
+        # (joined loads; without them every load waits for the steps before it)
+        settled_before = self.pool.epoch - 1 if self.joined_load_max_blocks else None
         # keep the GPU prefix out of reach of this allocation (it may be free and cached)
         self.pool.touch(computed.block_ids)
         try:

@@ -98,14 +98,15 @@ class Scheduler:
         self.draft_model_tokens = draft_model_tokens
         self.spec_max_batch_size = spec_max_batch_size
         joined_limit = envs.kv_joined_load_blocks()
-        if joined_limit is None:
+        if not envs.kv_early_loads():
+            joined_limit = 0
+        elif joined_limit is None:
             joined_limit = JOINED_LOAD_MAX_BLOCKS
         self.kv = KVCacheManager(num_gpu_blocks, self.block_size,
                                  cache_config.enable_prefix_caching, num_host_blocks,
                                  num_lookahead_tokens=draft_model_tokens,
                                  max_model_len=self.max_model_len,
                                  write_back=cache_config.kv_offloading_policy == "write_back",
-                                 early_loads=envs.kv_early_loads(),
                                  joined_load_max_blocks=joined_limit)
         # a preempted request's blocks go to the host tier (swap) or are only freed
         self.store_on_preempt = cache_config.preemption_mode == "swap"

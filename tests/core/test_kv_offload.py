@@ -233,11 +233,12 @@ def test_a_prefix_cache_reset_forgets_the_host_tier_too():
     kv.check_invariants()
 
 
-def test_a_load_is_unordered_only_into_blocks_free_since_before_the_step_in_flight():
+def test_a_load_is_joined_only_into_blocks_free_since_before_the_step_in_flight():
     """A load may start beside the step in flight (joined, KVTransfer.ordered False) only when
     none of its blocks was freed after the step before it was planned: the one in flight may use
     those. It takes such blocks first, passing over a block freed just now."""
-    kv = KVCacheManager(num_blocks=12, block_size=BS, num_host_blocks=24, early_loads=True)
+    kv = KVCacheManager(num_blocks=12, block_size=BS, num_host_blocks=24,
+                        joined_load_max_blocks=128)
     prefixes = [list(range(12)), list(range(40, 52)), list(range(60, 72))]  # 3 blocks each
     for i, prompt in enumerate([*prefixes, list(range(100, 148))]):
         run_to_end(kv, req(f"r{i}", prompt))  # the last takes all 12 GPU blocks: evicts the rest
@@ -269,9 +270,9 @@ def test_a_load_is_unordered_only_into_blocks_free_since_before_the_step_in_flig
     kv.check_invariants()
 
 
-def test_an_unordered_load_into_blocks_a_swap_out_reads_stays_after_it():
+def test_a_joined_load_into_blocks_a_swap_out_reads_stays_after_it():
     kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8, write_back=True,
-                        early_loads=True)
+                        joined_load_max_blocks=128)
     prompt = list(range(8))  # two full blocks
     run_to_end(kv, req("a", prompt))  # write-back: nothing stored while its blocks stay cached
     assert kv.take_transfers() == ([], [])
@@ -311,7 +312,8 @@ def test_a_small_settled_load_is_joined_and_its_request_admitted_in_the_step_tha
     """Early loads: the request finds its prefix through the loading blocks at once and is
     admitted with them; the plan makes the step wait for the load on the device. The load keeps
     its own reference until reported done, and its wait is not counted."""
-    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8, early_loads=True)
+    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8,
+                        joined_load_max_blocks=128)
     prompt = list(range(12))  # three full blocks
     _evicted_to_host(kv, prompt, list(range(100, 116)))
     b = req("b", prompt + [5])
@@ -333,7 +335,8 @@ def test_a_small_settled_load_is_joined_and_its_request_admitted_in_the_step_tha
 
 
 def test_a_joined_request_freed_before_its_load_lands_leaves_the_blocks_to_the_load():
-    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8, early_loads=True)
+    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8,
+                        joined_load_max_blocks=128)
     prompt = list(range(12))
     _evicted_to_host(kv, prompt, list(range(100, 116)))
     b = req("b", prompt + [5])
@@ -350,7 +353,7 @@ def test_a_joined_request_freed_before_its_load_lands_leaves_the_blocks_to_the_l
 
 
 def test_a_load_larger_than_the_joined_limit_waits_for_its_report():
-    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8, early_loads=True,
+    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8,
                         joined_load_max_blocks=2)
     prompt = list(range(12))  # three blocks to load
     _evicted_to_host(kv, prompt, list(range(100, 116)))
@@ -364,7 +367,7 @@ def test_a_load_larger_than_the_joined_limit_waits_for_its_report():
 def test_a_load_behind_copies_in_flight_is_not_joined():
     """The joined limit counts the copies queued before the load on the workers' side stream:
     a store not yet seen done is one."""
-    kv = KVCacheManager(num_blocks=8, block_size=BS, num_host_blocks=16, early_loads=True,
+    kv = KVCacheManager(num_blocks=8, block_size=BS, num_host_blocks=16,
                         joined_load_max_blocks=4)
     prompt = list(range(12))  # three blocks to load
     _evicted_to_host(kv, prompt, list(range(100, 132)))
@@ -385,6 +388,8 @@ def test_the_scheduler_takes_early_loads_and_their_joined_limit_from_the_environ
     monkeypatch.delenv("ECHO_KV_JOINED_LOAD_BLOCKS", raising=False)
     monkeypatch.setenv("ECHO_KV_EARLY_LOADS", "1")
     kv = swap_scheduler("swap").kv
-    assert kv.early_loads and kv.joined_load_max_blocks == 128
-    monkeypatch.setenv("ECHO_KV_JOINED_LOAD_BLOCKS", "0")  # early loads, none joined
+    assert kv.joined_load_max_blocks == 128
+    monkeypatch.setenv("ECHO_KV_JOINED_LOAD_BLOCKS", "7")
+    assert swap_scheduler("swap").kv.joined_load_max_blocks == 7
+    monkeypatch.setenv("ECHO_KV_EARLY_LOADS", "0")  # off: nothing joins, whatever the limit
     assert swap_scheduler("swap").kv.joined_load_max_blocks == 0
