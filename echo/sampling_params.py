@@ -100,6 +100,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
     bad_words_token_ids: list[list[int]] | None = None
     # the output follows a JSON schema, regex, choice or grammar (vLLM's structured outputs)
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: keep only the prompt's last k tokens (left truncation; -1: max_model_len), done
+    # by the frontend before the length checks (InputProcessor.truncate)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -132,6 +135,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
                  f"must be in [0, 2**63), got {self.seed}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop",
                  "must be non-empty strings")
+        _require(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
+                 or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
+                 f"must be -1 (max_model_len) or >= 1, got {self.truncate_prompt_tokens}")
         self._check_token_rules()
         _require(self.structured_outputs is None or isinstance(
             self.structured_outputs, StructuredOutputsParams), "structured_outputs",

@@ -187,6 +187,7 @@ class AsyncClient:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = self.input_processor.chat_to_ids(prompt)
         text, ids = self.input_processor.tokenize(prompt)
+        ids = self.input_processor.truncate(ids, params)
         self.input_processor.validate(ids, params)
         request_id = request_id or uuid.uuid4().hex
         link = self._route(ids)

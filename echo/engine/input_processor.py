@@ -99,6 +99,20 @@ class InputProcessor:
         text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def truncate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last truncate_prompt_tokens ids (-1: max_model_len), as vLLM keeps
+        them; all of them without it."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return prompt_token_ids
+        limit = self.config.max_model_len
+        if keep == -1:
+            keep = limit
+        if keep > limit:
+            raise ValueError(f"SamplingParams.truncate_prompt_tokens: {keep} is greater than "
+                             f"max_model_len ({limit})")
+        return prompt_token_ids[-keep:]
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens_must_fit: bool = False, structured_field: str | None = None) -> None:
         """What the engine would refuse; with max_tokens_must_fit (the OpenAI server), also a

@@ -188,6 +188,7 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
             raise APIError(400, str(e), "prompt") from None
         try:
             params = body.sampling_params(max_tokens, logprobs, options.generation_defaults)
+            ids = client.input_processor.truncate(ids, params)
             if reasoning_ids is not None and params.structured_outputs is not None:
                 params.structured_outputs.reasoning_token_ids = reasoning_ids
             constraint = body.structured_constraint()  # a grammar error names its field

@@ -99,6 +99,8 @@ class LLM:
             self.config.scheduler.check_priority(value)
         # tokenize and validate everything before anything is queued
         inputs = [self.input_processor.tokenize(p) for p in prompts]
+        inputs = [(text, self.input_processor.truncate(ids, p))
+                  for (text, ids), p in zip(inputs, params)]
         for (_, ids), p in zip(inputs, params):
             self.input_processor.validate(ids, p)
         return self._run(inputs, params, use_tqdm, priorities)

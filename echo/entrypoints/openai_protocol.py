@@ -154,6 +154,7 @@ class _SamplingFields(Utf8Only):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     user: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens
 
     @field_validator("stream_options")
     @classmethod
@@ -231,6 +232,7 @@ class _SamplingFields(Utf8Only):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words or None,
             structured_outputs=constraint[1] if constraint else None,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
     def logit_bias_ids(self) -> dict[int, float] | None:

@@ -41,9 +41,9 @@ def echo_prompts(body, prompts: list, prepared: list, states: list["ChoiceState"
     requests computing prompt logprobs hand them to their choices. Returns the streams."""
     result = []
     for i, (prompt, (ids, params), stream) in enumerate(zip(prompts, prepared, streams)):
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and params.truncate_prompt_tokens is None:
             text = prompt
-        else:
+        else:  # token ids, or a prompt cut to its last tokens: the text of what the model saw
             text = tokenizer.decode(ids) if tokenizer is not None else ""
         choice_prompts = [EchoedPrompt(text, ids, body.echo, body.echo_only,
                                        body.logprobs is not None,

@@ -242,3 +242,26 @@ def test_out_of_vocabulary_stop_token_ids_are_refused_as_the_server_refuses_them
                             use_tqdm=False)[0].outputs[0].token_ids
     finally:
         llm.shutdown()
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_llama):
+    """vLLM's truncate_prompt_tokens: the model sees the last k prompt tokens (-1: as many as
+    max_model_len holds), so the output is transformers' on those tokens alone; a k past
+    max_model_len or below -1 is refused by name."""
+    llm = make_llm(tiny_llama, max_model_len=64)
+    long = list(range(1, 81))  # past max_model_len
+    cut = llm.generate([PROMPTS[2], long], [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, truncate_prompt_tokens=7),
+        SamplingParams(temperature=0, max_tokens=None, ignore_eos=True,
+                       truncate_prompt_tokens=-1)], use_tqdm=False)
+    assert cut[0].prompt_token_ids == PROMPTS[2][-7:]
+    assert cut[0].outputs[0].token_ids == hf_greedy(tiny_llama, PROMPTS[2][-7:], 6)
+    # all 64 positions taken by the prompt: the one token sampled after it, then the limit
+    assert cut[1].prompt_token_ids == long[-64:]
+    assert cut[1].outputs[0].token_ids == hf_greedy(tiny_llama, long[-64:], 1)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens: 65 is greater than "
+                                         "max_model_len"):
+        llm.generate([long], SamplingParams(truncate_prompt_tokens=65), use_tqdm=False)
+    for value in (0, -2):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=value)

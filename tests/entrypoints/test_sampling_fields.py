@@ -146,6 +146,8 @@ def test_server_fields_and_errors_through_the_openai_shape(tiny_chat_model):
         ({"allowed_token_ids": [4, vocab]}, "allowed_token_ids"),
         ({"bad_words": ["  "]}, "bad_words"),
         ({"bad_words": ["x"] * 1000}, "bad_words"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),  # past max_model_len
     ]
 
     async def test(http, client):
@@ -162,6 +164,10 @@ def test_server_fields_and_errors_through_the_openai_shape(tiny_chat_model):
                        for fields, _ in bad]
         r["chat_error"] = await http.post("/v1/chat/completions", json={
             **chat, "allowed_token_ids": []})
+        r["truncated"] = await http.post("/v1/completions", json={
+            **base, "truncate_prompt_tokens": 3, "echo": True})
+        r["chat_truncated"] = await http.post("/v1/chat/completions", json={
+            **chat, "temperature": 0, "truncate_prompt_tokens": 2})
         return r
 
     r = with_server(tiny_chat_model, test)
@@ -177,6 +183,13 @@ def test_server_fields_and_errors_through_the_openai_shape(tiny_chat_model):
     assert r["chat_allowed"].status_code == 200, r["chat_allowed"].text
     assert set(ids(r["chat_allowed"])) <= {target, 200} and len(ids(r["chat_allowed"])) == 8
     assert ids(r["chat_bias"]) == [target] * 8
+    # vLLM's truncate_prompt_tokens: the model saw the prompt's last 3 tokens alone, and they
+    # are what the usage counts and the echo repeats
+    truncated = r["truncated"].json()
+    assert ids(r["truncated"]) == reference_greedy(model, prompt_ids[-3:], 12)
+    assert truncated["usage"]["prompt_tokens"] == 3
+    assert truncated["choices"][0]["text"].startswith(tokenizer.decode(prompt_ids[-3:]))
+    assert r["chat_truncated"].json()["usage"]["prompt_tokens"] == 2
     for response, (fields, field) in zip(r["errors"] + [r["chat_error"]],
                                          bad + [({}, "allowed_token_ids")]):
         assert response.status_code == 400, (fields, response.text)
