@@ -238,7 +238,8 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
 
         tool_calls_finish = tools is not None and tools.mode in ("auto", "required")
         states = [ChoiceState(i * body.n + c, client.tokenizer, chat, body.return_token_ids,
-                              chat_output() if chat else None, tool_calls_finish)
+                              chat_output() if chat else None, tool_calls_finish,
+                              body.return_tokens_as_token_ids)
                   for i in range(len(prepared)) for c in range(body.n)]
         streams = [stream_outputs(ids, params, f"{request_id}-{i}", body.priority)
                    for i, (ids, params) in enumerate(prepared)]

@@ -1,8 +1,9 @@
 """OpenAI request bodies (pydantic) and their translation into SamplingParams.
 
 Unknown fields are ignored, as OpenAI-compatible servers commonly do; known fields that echo
-cannot honour (best_of > n, suffix, non-text message parts) are rejected with a 400 that names
-them, so nothing silently behaves differently from what was asked.
+cannot honour (best_of > n, use_beam_search, suffix, prompt_embeds, non-text message parts) are
+rejected with a 400 that names them, so nothing silently behaves differently from what was
+asked.
 
 Structured outputs come in four spellings, at most one per request: OpenAI's response_format
 (json_object, json_schema), vLLM's structured_outputs object, its older guided_* fields, and
@@ -140,10 +141,13 @@ class _SamplingFields(Utf8Only):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # vLLM's extension: choices carry their output token ids
+    # vLLM's: logprobs name their tokens "token_id:ID", for tokens that are not valid text
+    return_tokens_as_token_ids: bool = False
     priority: int = 0  # vLLM's: lower first; other than 0 needs --scheduling-policy priority
     stream: bool = False
     stream_options: StreamOptions | None = None
     best_of: int | None = None
+    use_beam_search: bool = False  # vLLM's; refused: echo samples
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string) -> bias
     allowed_token_ids: list[int] | None = None  # vLLM's extensions
     bad_words: list[str] | None = None
@@ -168,6 +172,8 @@ class _SamplingFields(Utf8Only):
         """The name of a field echo cannot honour, if one was set."""
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
+        if self.use_beam_search:
+            return "use_beam_search"
         return None
 
     def structured_constraint(self) -> tuple[str, StructuredOutputsParams] | None:
@@ -296,6 +302,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's, on the choice
     suffix: str | None = None
+    prompt_embeds: Any = None  # vLLM's (--enable-prompt-embeds); refused: echo takes tokens
 
     @model_validator(mode="after")
     def _prompt_logprobs_not_streamed(self):
@@ -306,6 +313,8 @@ class CompletionRequest(_SamplingFields):
     def unsupported(self) -> str | None:
         if self.suffix:
             return "suffix"
+        if self.prompt_embeds is not None:
+            return "prompt_embeds"
         return super().unsupported()
 
     @property

@@ -61,11 +61,15 @@ class ChoiceState:
     """One choice of a response: what has been sent so far and how to format the rest."""
 
     def __init__(self, index: int, tokenizer, chat: bool, return_token_ids: bool = False,
-                 chat_output: ChatOutput | None = None, tool_calls_finish: bool = False):
+                 chat_output: ChatOutput | None = None, tool_calls_finish: bool = False,
+                 tokens_as_ids: bool = False):
         """chat_output: splits a chat output into reasoning, content and tool calls;
         tool_calls_finish: a message with tool calls finishes with "tool_calls" (auto and
-        required tool choices; a named choice finishes with "stop", as in OpenAI's API)."""
+        required tool choices; a named choice finishes with "stop", as in OpenAI's API);
+        tokens_as_ids: logprobs name tokens "token_id:ID" (vLLM's
+        return_tokens_as_token_ids)."""
         self.index, self.tokenizer, self.chat = index, tokenizer, chat
+        self.tokens_as_ids = tokens_as_ids
         self.chat_output = chat_output
         self.tool_calls_finish = tool_calls_finish
         # vLLM's extension: choices also carry their token ids, so a client can count and time
@@ -190,9 +194,11 @@ class ChoiceState:
         return choice
 
     def _token(self, token_id: int, lp: Logprob) -> str:
-        if lp.decoded_token is not None:
+        if lp.decoded_token is not None and not self.tokens_as_ids:
             return lp.decoded_token
-        return self.tokenizer.decode([token_id]) if self.tokenizer else f"token_id:{token_id}"
+        if self.tokenizer is None or self.tokens_as_ids:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
 
     def _chat_logprob(self, token_id: int, entry: dict[int, Logprob]) -> dict:
         # the sampled token's entry: ranked when it is in the top-N (at temperature > 0 not

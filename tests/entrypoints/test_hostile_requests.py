@@ -205,6 +205,10 @@ def test_limits_name_their_field(smollm2_server):
         (completion(prompt=["a"] * 10**5), "prompt"), (completion(prompt=[1] * 10**6), "prompt"),
         (chat(messages=CHAT * 10**5), "messages"), (completion(min_tokens=50), "min_tokens"),
         (completion(temperature=-1), "temperature"),
+        # vLLM fields echo cannot honour: refused, not silently sampled
+        (completion(use_beam_search=True), "use_beam_search"),
+        (chat(use_beam_search=True), "use_beam_search"),
+        (completion(prompt_embeds="AAAA"), "prompt_embeds"),
     ]
     with httpx.Client(base_url=base, timeout=LIMIT_S) as http:
         for body, field in cases:

@@ -93,6 +93,24 @@ def test_sampled_token_without_a_decoded_text_is_decoded_by_its_own_id():
 
 
 @pytest.mark.parametrize("chat", [True, False])
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id(chat):
+    """vLLM's return_tokens_as_token_ids: "token_id:ID" in place of the decoded text, for the
+    sampled token and the top ones, whatever the detokenizer made of them."""
+    lp = {10: Logprob(-0.5, 1, decoded_token="a"), 11: Logprob(-1.25, 2, decoded_token="\ufffd")}
+    state = ChoiceState(0, None, chat=chat, tokens_as_ids=True)
+    state.absorb(CompletionOutput(index=0, text="\ufffd", token_ids=[11], logprobs=[lp],
+                                  finish_reason="length"))
+    logprobs = state.final_choice()["logprobs"]
+    if chat:
+        (entry,) = logprobs["content"]
+        assert entry["token"] == "token_id:11" and entry["bytes"] == list(b"token_id:11")
+        assert [t["token"] for t in entry["top_logprobs"]] == ["token_id:10", "token_id:11"]
+    else:
+        assert logprobs["tokens"] == ["token_id:11"]
+        assert logprobs["top_logprobs"] == [{"token_id:10": -0.5, "token_id:11": -1.25}]
+
+
+@pytest.mark.parametrize("chat", [True, False])
 def test_n_gt_1_stream_sends_each_finish_chunk_once(chat):
     # choice 0 finishes at step 1 (stop token), choice 1 at step 3; the request's outputs keep
     # carrying choice 0, finished, until then

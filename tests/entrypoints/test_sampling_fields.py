@@ -168,6 +168,8 @@ def test_server_fields_and_errors_through_the_openai_shape(tiny_chat_model):
             **base, "truncate_prompt_tokens": 3, "echo": True})
         r["chat_truncated"] = await http.post("/v1/chat/completions", json={
             **chat, "temperature": 0, "truncate_prompt_tokens": 2})
+        r["as_ids"] = await http.post("/v1/completions", json={
+            **base, "logprobs": 1, "return_tokens_as_token_ids": True})
         return r
 
     r = with_server(tiny_chat_model, test)
@@ -190,6 +192,9 @@ def test_server_fields_and_errors_through_the_openai_shape(tiny_chat_model):
     assert truncated["usage"]["prompt_tokens"] == 3
     assert truncated["choices"][0]["text"].startswith(tokenizer.decode(prompt_ids[-3:]))
     assert r["chat_truncated"].json()["usage"]["prompt_tokens"] == 2
+    # vLLM's return_tokens_as_token_ids: logprobs name the tokens by id
+    assert r["as_ids"].json()["choices"][0]["logprobs"]["tokens"] == [
+        f"token_id:{t}" for t in free]
     for response, (fields, field) in zip(r["errors"] + [r["chat_error"]],
                                          bad + [({}, "allowed_token_ids")]):
         assert response.status_code == 400, (fields, response.text)
