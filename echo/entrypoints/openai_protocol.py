@@ -356,6 +356,14 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tool_choice: str | dict | None = None  # none, auto (the default with tools), required, named
     parallel_tool_calls: bool | None = None  # accepted; a required choice may make several
+    echo: bool = False  # vLLM's: a reply to an assistant's last message starts with it
+
+    def echoed_text(self) -> str:
+        """What each choice's content starts with: with echo, the last message's text when it
+        is the assistant's (the reply's own role, as vLLM has it), else nothing."""
+        if not self.echo or self.messages[-1].role != "assistant":
+            return ""
+        return self.message_dicts()[-1]["content"]
 
     @field_validator("top_logprobs")
     @classmethod

@@ -97,6 +97,37 @@ def test_tool_messages_and_continue_final_message_reach_the_template(tiny_chat_m
     assert reserved.json()["error"]["param"] == "chat_template_kwargs"
 
 
+def test_chat_echo_starts_the_reply_with_the_assistants_last_message(tiny_chat_model):
+    """vLLM's chat echo: a reply that continues the assistant's last message starts with it,
+    streamed or not; with a user's last message there is nothing to repeat."""
+    open_reply = [{"role": "user", "content": "weather?"},
+                  {"role": "assistant", "content": "It is"}]
+    base = {"messages": open_reply, "add_generation_prompt": False,
+            "continue_final_message": True, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+
+    async def test(http):
+        plain = await http.post("/v1/chat/completions", json=base)
+        echoed = await http.post("/v1/chat/completions", json={**base, "echo": True})
+        streamed = await http.post("/v1/chat/completions",
+                                   json={**base, "echo": True, "stream": True})
+        user_last = await http.post("/v1/chat/completions", json={
+            "messages": open_reply[:1], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "echo": True})
+        user_plain = await http.post("/v1/chat/completions", json={
+            "messages": open_reply[:1], "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+        return plain, echoed, streamed, user_last, user_plain
+
+    plain, echoed, streamed, user_last, user_plain = with_app(tiny_chat_model, test)
+    content = plain.json()["choices"][0]["message"]["content"]
+    assert echoed.json()["choices"][0]["message"]["content"] == "It is" + content
+    deltas = [e["choices"][0]["delta"].get("content") or "" for e in sse_events(streamed.text)
+              if e != "[DONE]" and e["choices"]]
+    assert "".join(deltas) == "It is" + content
+    assert (user_last.json()["choices"][0]["message"]["content"]
+            == user_plain.json()["choices"][0]["message"]["content"])
+
+
 def test_llm_chat_takes_template_arguments(tiny_chat_model, tokenizer):
     llm = LLM(str(tiny_chat_model), **ENGINE_ARGS)
     llm.input_processor.chat_template = TEMPLATE
