@@ -25,6 +25,7 @@ from echo.models.arch import (
 )
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's names, accepted as they are
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATION_METHODS = ("awq", "compressed-tensors")  # quant_method of the W4A16 checkpoints
 # "auto" and "bf16" store K/V in the model dtype; "int8" adds per-token-head float32 scales
@@ -88,7 +89,8 @@ MODEL_ARGS = (
               "local Hugging Face folder to load the tokenizer from (default: the model's)"),
     EngineArg("dtype", str, "auto",
               "weights and activations dtype; auto: float32 on CPU, else the model's "
-              "bfloat16/float16 (bfloat16 for float32 models)", choices=DTYPES),
+              "bfloat16/float16 (bfloat16 for float32 models)",
+              choices=(*DTYPES, *DTYPE_ALIASES)),
     EngineArg("max_model_len", int, None,
               "longest sequence, prompt plus output, in tokens (default: the model's "
               "max_position_embeddings)"),
@@ -496,7 +498,8 @@ def _resolve_model(model: str | None, load_format: str) -> tuple[Path | None, di
 
 
 def _resolve_dtype(dtype: str, arch: ModelArch, device: str) -> str:
-    _check_choice(dtype, "dtype", DTYPES)
+    _check_choice(dtype, "dtype", (*DTYPES, *DTYPE_ALIASES))
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype != "auto":
         return dtype
     if device == "cpu":
@@ -514,6 +517,8 @@ def _resolve_device(device: str) -> str:
 
 
 def _create(model: str | None, **kwargs) -> EngineConfig:
+    # vLLM's trust_remote_code is taken and has no effect: echo never runs a model's own code
+    kwargs.pop("trust_remote_code", None)
     kwargs = {_ALIASES.get(k, k): v for k, v in kwargs.items() if v is not None}
     parts = {}
     for part, names in _PART_FIELDS.items():

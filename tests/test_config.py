@@ -108,6 +108,16 @@ def test_unknown_argument_is_rejected(tiny_llama):
         EngineConfig.create(str(tiny_llama), max_num_seq=4)
 
 
+@pytest.mark.parametrize("dtype, resolved", [("half", "float16"), ("float", "float32"),
+                                             ("bfloat16", "bfloat16")])
+def test_vllms_dtype_names_and_trust_remote_code_are_taken(tiny_llama, dtype, resolved):
+    """vLLM's LLM(...) arguments as its users type them: dtype "half" and "float", and
+    trust_remote_code (no effect: echo never runs a model's own code)."""
+    config = EngineConfig.create(str(tiny_llama), device="cpu", dtype=dtype,
+                                 trust_remote_code=True)
+    assert config.model.dtype == resolved
+
+
 def test_config_is_frozen(tiny_llama):
     config = EngineConfig.create(str(tiny_llama), device="cpu")
     with pytest.raises(AttributeError):
