@@ -161,10 +161,12 @@ stage_commands() {
       echo "ECHO_KV_EARLY_LOADS=1 bench_kv_load_decode"
       ECHO_KV_EARLY_LOADS=1 $PY tools/bench_kv_load_decode.py --model qwen3-8b \
         --json "$dir/kv_load_decode_early.json" 2>&1 | grep -E "decode_ratio|transfer_gb"
-      multiturn_round "$dir" 1 0 128 192 ;;
+      multiturn_round "$dir" 1 0 128 192
+      $PY tools/dev/kv_offload_verdict.py "$dir" ;;
     kv-offload-repeat)  # #29: a second round of kv-offload's TTFT runs (a run's later-turn p50
       # moved by ~40 ms between calls on 2026-12-05)
-      multiturn_round "$dir" 2 128 192 ;;
+      multiturn_round "$dir" 2 128 192
+      $PY tools/dev/kv_offload_verdict.py "$dir" ;;
     structured)  # #25: the constrained decode step, the core's grammar work, and a profile
       local tok=${TOKENIZER:+--tokenizer $TOKENIZER}  # a folder with SmolLM2's tokenizer files
       $PY tools/dev/probe_grammar_step.py $tok 2>&1 | tail -1
