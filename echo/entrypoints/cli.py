@@ -79,8 +79,6 @@ def add_server_args(srv: argparse.ArgumentParser) -> None:
                           "repetition_penalty, max_new_tokens, extra EOS ids) from the model "
                           "folder's generation_config.json; a folder: from its file; 'vllm': "
                           "none (default: auto)")
-    srv.add_argument("--trust-remote-code", action="store_true",
-                     help="accepted for vLLM command lines; echo never runs a model's code")
     logs = srv.add_mutually_exclusive_group()
     logs.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
                       default=False, help="log each request's id, prompt size and parameters")
@@ -112,6 +110,46 @@ def add_server_args(srv: argparse.ArgumentParser) -> None:
     chat.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
                       help="JSON object of chat template arguments for every request, e.g. "
                            "'{\"enable_thinking\": false}'; a request's own override them")
+
+
+# vLLM `serve` flags that change nothing in echo, taken so that a vLLM command line starts it:
+# (flag, argparse keywords, why it changes nothing); serve prints the reason of each one given
+VLLM_FLAGS_WITHOUT_EFFECT = (
+    ("--trust-remote-code", {"action": "store_true"}, "echo never runs a model's own code"),
+    ("--enable-chunked-prefill", {"action": "store_true"}, "echo always chunks prefills"),
+    ("--disable-log-stats", {"action": "store_true"},
+     "echo logs no periodic stats (GET /metrics has them)"),
+    ("--max-log-len", {"type": int}, "request logs hold sizes and parameters, not prompts"),
+    ("--download-dir", {}, "echo never downloads: models are local folders"),
+    ("--disable-frontend-multiprocessing", {"action": "store_true"},
+     "the API server is echo's frontend process already"),
+    ("--swap-space", {"type": float},
+     "preempted requests swap to the host tier: --kv-offloading-size with --preemption-mode "
+     "swap"),
+)
+
+
+def add_vllm_flags_without_effect(srv: argparse.ArgumentParser) -> None:
+    group = srv.add_argument_group("vLLM flags taken without effect (serve says why)")
+    for flag, kwargs, why in VLLM_FLAGS_WITHOUT_EFFECT:
+        group.add_argument(flag, help=why, **kwargs)
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                       help="1 only: echo splits a model by tensor parallelism")
+
+
+def flags_without_effect(args: argparse.Namespace) -> list[str]:
+    """A note for each vLLM flag given that changes nothing (ValueError for a pipeline-parallel
+    size echo cannot run)."""
+    if getattr(args, "pipeline_parallel_size", 1) != 1:
+        raise ValueError(f"pipeline_parallel_size: echo has no pipeline parallelism, got "
+                         f"{args.pipeline_parallel_size}; use --tensor-parallel-size or "
+                         "--data-parallel-size")
+    notes = []
+    for flag, _, why in VLLM_FLAGS_WITHOUT_EFFECT:
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value not in (None, False):
+            notes.append(f"echo: {flag} has no effect: {why}")
+    return notes
 
 
 def resolve_model(args: argparse.Namespace) -> str:
@@ -165,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(srv)
     add_server_args(srv)
+    add_vllm_flags_without_effect(srv)
     srv.set_defaults(handler=_serve)
     return parser
 

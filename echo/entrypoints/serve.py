@@ -10,6 +10,7 @@ import sys
 import uvicorn
 
 from echo import envs
+from echo.entrypoints.cli import flags_without_effect
 
 
 class _Server(uvicorn.Server):
@@ -51,9 +52,8 @@ async def _run(args: argparse.Namespace, model: str, engine_args: dict) -> int:
     from echo.entrypoints.api_server import ServerOptions, create_app
 
     _log_to_stderr(args.log_level)
-    if args.trust_remote_code:
-        print("echo: --trust-remote-code has no effect: echo never runs a model's own code",
-              file=sys.stderr, flush=True)
+    for note in flags_without_effect(args):
+        print(note, file=sys.stderr, flush=True)
     chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     client = AsyncClient(model, chat_template=chat_template, **engine_args)
     options = ServerOptions(

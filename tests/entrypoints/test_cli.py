@@ -139,3 +139,20 @@ def test_speculative_config_reaches_the_engine_config(tiny_llama):
          '{"method": "ngram", "num_speculative_tokens": 3}'])
     config = EngineConfig.create(args.model, device="cpu", **engine_kwargs(args))
     assert config.speculative.num_speculative_tokens == 3
+
+
+def test_vllm_flags_without_effect_are_taken_with_a_reason_and_pipeline_parallelism_refused(
+        tiny_llama, capsys):
+    from echo.entrypoints.cli import VLLM_FLAGS_WITHOUT_EFFECT, build_parser, flags_without_effect
+    from echo.entrypoints.cli import main as cli_main
+
+    line = ["serve", str(tiny_llama), "--enable-chunked-prefill", "--disable-log-stats",
+            "--max-log-len", "100", "--download-dir", "/tmp", "--trust-remote-code",
+            "--disable-frontend-multiprocessing", "--swap-space", "4", "-pp", "1"]
+    notes = flags_without_effect(build_parser().parse_args(line))
+    assert [n.split(" has no effect")[0] for n in notes] == [
+        f"echo: {flag}" for flag, _, _ in VLLM_FLAGS_WITHOUT_EFFECT]
+    assert flags_without_effect(build_parser().parse_args(["serve", str(tiny_llama)])) == []
+    # refused before anything starts
+    assert cli_main(["serve", str(tiny_llama), "--pipeline-parallel-size", "2"]) == 2
+    assert "pipeline_parallel_size: echo has no pipeline parallelism" in capsys.readouterr().err
