@@ -28,6 +28,8 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's names, accepted as they are
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATION_METHODS = ("awq", "compressed-tensors")  # quant_method of the W4A16 checkpoints
+# vLLM's names of its own kernels for the same checkpoints, taken as the format they read
+QUANTIZATION_ALIASES = {"awq_marlin": "awq"}
 # "auto" and "bf16" store K/V in the model dtype; "int8" adds per-token-head float32 scales
 KV_CACHE_DTYPES = ("auto", "bf16", "int8")
 DEVICES = ("auto", "cuda", "cpu")
@@ -102,7 +104,7 @@ MODEL_ARGS = (
     EngineArg("quantization", str, None,
               "the checkpoint's weight format, checked against its config.json's "
               "quantization_config (read from there when not given)",
-              choices=QUANTIZATION_METHODS),
+              choices=(*QUANTIZATION_METHODS, *QUANTIZATION_ALIASES)),
     EngineArg("speculative_config", dict, None,
               'speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
               '"num_speculative_tokens": 4, "prompt_lookup_max": 4}'),
@@ -542,7 +544,8 @@ def _create(model: str | None, **kwargs) -> EngineConfig:
     arch = arch_from_hf_config(hf_config, source=f"{path or model}/config.json")
     quantization = model_kwargs.get("quantization")
     if quantization is not None:
-        _check_choice(quantization, "quantization", QUANTIZATION_METHODS)
+        _check_choice(quantization, "quantization", (*QUANTIZATION_METHODS, *QUANTIZATION_ALIASES))
+        quantization = QUANTIZATION_ALIASES.get(quantization, quantization)
         _check(arch.quantization is not None, "quantization",
                f"{quantization!r} given, but {path or model}/config.json has no "
                "quantization_config: the weights are not quantized")

@@ -147,6 +147,11 @@ def test_the_quantization_argument_is_checked_against_the_checkpoint(awq_model, 
     folder, _ = awq_model
     config = EngineConfig.create(str(folder), device="cpu", quantization="awq")
     assert config.model.arch.quantization.group_size == GROUP
+    # vLLM's name of its kernel for AWQ checkpoints reads the same checkpoint
+    marlin = EngineConfig.create(str(folder), device="cpu", quantization="awq_marlin")
+    assert marlin.model.arch.quantization == config.model.arch.quantization
+    with pytest.raises(ValueError, match="quantization: 'awq' given"):
+        EngineConfig.create(str(tiny_llama), device="cpu", quantization="awq_marlin")
     with pytest.raises(ValueError, match="quantization: 'awq' given"):
         EngineConfig.create(str(tiny_llama), device="cpu", quantization="awq")
     with pytest.raises(ValueError, match="quantization"):
