@@ -247,9 +247,9 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
         prompt_tokens = sum(len(ids) for ids, _ in prepared)
         if not chat and (body.echo or body.prompt_logprobs is not None):
             streams = echo_prompts(body, prompts, prepared, states, streams, client.tokenizer)
-        elif chat and body.echoed_text():
+        elif chat and (echoed := body.echoed_text()):
             for state in states:
-                state.prompt = EchoedPrompt(body.echoed_text(), [], echo=True)
+                state.prompt = EchoedPrompt(echoed, [], echo=True)
         if options.log_requests:
             for i, (ids, params) in enumerate(prepared):
                 log.info("request %s-%d: %d prompt tokens, %s", request_id, i, len(ids), params)
