@@ -298,9 +298,12 @@ def _evicted_to_host(kv: KVCacheManager, prompt: list[int], filler: list[int]) -
     kv.take_transfers()
 
 
-def test_without_early_loads_every_load_waits_for_the_steps_before_it():
-    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8)
-    prompt = list(range(12))
+@pytest.mark.parametrize("joined_limit", [0, 2], ids=["without early loads", "past the limit"])
+def test_a_load_not_joined_waits_for_the_steps_before_it_and_for_its_report(joined_limit):
+    """Without early loads (limit 0), or a load of three blocks past a limit of 2."""
+    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8,
+                        joined_load_max_blocks=joined_limit)
+    prompt = list(range(12))  # three blocks to load
     _evicted_to_host(kv, prompt, list(range(100, 116)))
     b = req("b", prompt + [5])
     assert kv.start_load(b, kv.get_computed_blocks(b)) and kv.is_loading(b)
@@ -350,18 +353,6 @@ def test_a_joined_request_freed_before_its_load_lands_leaves_the_blocks_to_the_l
     c = req("c", prompt + [6])  # cached all the same
     assert kv.get_computed_blocks(c).num_tokens == 12
     kv.check_invariants()
-
-
-def test_a_load_larger_than_the_joined_limit_waits_for_its_report():
-    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8,
-                        joined_load_max_blocks=2)
-    prompt = list(range(12))  # three blocks to load
-    _evicted_to_host(kv, prompt, list(range(100, 116)))
-    b = req("b", prompt + [5])
-    assert kv.start_load(b, kv.get_computed_blocks(b)) and kv.is_loading(b)
-    load = take_one(kv)
-    # not joined: it waits for the steps before it and for its report, as without early loads
-    assert load.ordered and not load.before_step
 
 
 def test_a_load_behind_copies_in_flight_is_not_joined():
