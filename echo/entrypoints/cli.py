@@ -126,6 +126,8 @@ VLLM_FLAGS_WITHOUT_EFFECT = (
     ("--swap-space", {"type": float},
      "preempted requests swap to the host tier: --kv-offloading-size with --preemption-mode "
      "swap"),
+    ("--disable-hybrid-kv-cache-manager", {"action": "store_true"},
+     "echo's models have one kind of attention layer, so one KV cache manager"),
 )
 
 
@@ -135,15 +137,21 @@ def add_vllm_flags_without_effect(srv: argparse.ArgumentParser) -> None:
         group.add_argument(flag, help=why, **kwargs)
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                        help="1 only: echo splits a model by tensor parallelism")
+    group.add_argument("--kv-offloading-backend", default="native",
+                       help="native only: echo's own host tier, sized by --kv-offloading-size")
 
 
 def flags_without_effect(args: argparse.Namespace) -> list[str]:
     """A note for each vLLM flag given that changes nothing (ValueError for a pipeline-parallel
-    size echo cannot run)."""
+    size or a KV offloading backend echo cannot run)."""
     if getattr(args, "pipeline_parallel_size", 1) != 1:
         raise ValueError(f"pipeline_parallel_size: echo has no pipeline parallelism, got "
                          f"{args.pipeline_parallel_size}; use --tensor-parallel-size or "
                          "--data-parallel-size")
+    backend = getattr(args, "kv_offloading_backend", "native")
+    if backend != "native":
+        raise ValueError(f"kv_offloading_backend: echo's host tier is its own (native), there "
+                         f"is no {backend!r} connector; give --kv-offloading-size alone")
     notes = []
     for flag, _, why in VLLM_FLAGS_WITHOUT_EFFECT:
         value = getattr(args, flag[2:].replace("-", "_"), None)

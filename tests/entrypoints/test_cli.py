@@ -148,7 +148,8 @@ def test_vllm_flags_without_effect_are_taken_with_a_reason_and_pipeline_parallel
 
     line = ["serve", str(tiny_llama), "--enable-chunked-prefill", "--disable-log-stats",
             "--max-log-len", "100", "--download-dir", "/tmp", "--trust-remote-code",
-            "--disable-frontend-multiprocessing", "--swap-space", "4", "-pp", "1"]
+            "--disable-frontend-multiprocessing", "--swap-space", "4",
+            "--disable-hybrid-kv-cache-manager", "-pp", "1", "--kv-offloading-backend", "native"]
     notes = flags_without_effect(build_parser().parse_args(line))
     assert [n.split(" has no effect")[0] for n in notes] == [
         f"echo: {flag}" for flag, _, _ in VLLM_FLAGS_WITHOUT_EFFECT]
@@ -156,3 +157,6 @@ def test_vllm_flags_without_effect_are_taken_with_a_reason_and_pipeline_parallel
     # refused before anything starts
     assert cli_main(["serve", str(tiny_llama), "--pipeline-parallel-size", "2"]) == 2
     assert "pipeline_parallel_size: echo has no pipeline parallelism" in capsys.readouterr().err
+    assert cli_main(["serve", str(tiny_llama), "--kv-offloading-backend", "lmcache",
+                     "--kv-offloading-size", "1"]) == 2
+    assert "kv_offloading_backend: echo's host tier is its own" in capsys.readouterr().err
