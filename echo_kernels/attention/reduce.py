@@ -2,9 +2,7 @@
 
 Each split left an unnormalised output `acc_s`, its running max `m_s` (log2 units) and sum `l_s`;
 the exact result is sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s with m = max_s m_s. A split
-that saw no key of a row holds m_s = M_FLOOR, l_s = 0 and drops out with weight 0. The merge is
-a launch of its own (merge_splits) or, where the attention launch counts its splits' arrivals,
-the last split's epilogue (merge_split_rows).
+that saw no key of a row holds m_s = M_FLOOR, l_s = 0 and drops out with weight 0.
 """
 
 import torch
@@ -43,30 +41,6 @@ def _merge_splits_kernel(
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def merge_split_rows(part_acc_ptr, part_ml_ptr, parts, row_ok, num_splits,
-                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The normalised outputs [BLOCK_M, HEAD_DIM] of the rows `parts` (token * num_heads +
-    head) from their partials, a split at a time. Loads bypass L1: other SMs wrote them."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for s in range(num_splits):
-        part = parts * num_splits + s
-        m_s = tl.load(part_ml_ptr + part * 2, mask=row_ok, other=0.0, cache_modifier=".cg")
-        l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
-        acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, m_s)
-        alpha = tl.math.exp2(m - m_new)
-        beta = tl.math.exp2(m_s - m_new)
-        acc = acc * alpha[:, None] + acc_s * beta[:, None]
-        l_sum = l_sum * alpha + l_s * beta
-        m = m_new
-    return acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
 
 
 def merge_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor) -> None:
