@@ -31,9 +31,10 @@ KV_COPY_MODES = ("staged", "split", "direct")
 def kv_early_loads() -> bool:
     """Whether the scheduler joins a small KV host-tier load into blocks no step in flight
     uses: the workers start it at once, beside that step, and its request is admitted in the
-    step that carries it, which waits for it on the device (ECHO_KV_EARLY_LOADS=1;
-    echo/core/kv_cache_manager.py). Off until timed on a GPU."""
-    return os.environ.get("ECHO_KV_EARLY_LOADS", "0") == "1"
+    step that carries it, which waits for it on the device (echo/core/kv_cache_manager.py).
+    On unless ECHO_KV_EARLY_LOADS=0: on an H100 it brought later turns' TTFT p50 of
+    bench_multiturn 5.42x below no tier (docs/benchmarks.md, KV offload, 2026-12-06)."""
+    return os.environ.get("ECHO_KV_EARLY_LOADS", "1") == "1"
 
 
 def kv_joined_load_blocks() -> int | None:

@@ -12,11 +12,11 @@ def test_fused_norm_all_reduce_is_on_by_default(monkeypatch):
     assert not envs.fused_norm_all_reduce()
 
 
-def test_early_kv_loads_are_off_by_default(monkeypatch):
+def test_early_kv_loads_are_on_by_default(monkeypatch):
     monkeypatch.delenv("ECHO_KV_EARLY_LOADS", raising=False)
-    assert not envs.kv_early_loads()
-    monkeypatch.setenv("ECHO_KV_EARLY_LOADS", "1")
     assert envs.kv_early_loads()
+    monkeypatch.setenv("ECHO_KV_EARLY_LOADS", "0")
+    assert not envs.kv_early_loads()
 
 
 def test_the_joined_load_limit_is_unset_by_default_and_names_a_bad_value(monkeypatch):
