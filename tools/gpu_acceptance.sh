@@ -153,11 +153,11 @@ stage_commands() {
       wait $pid ;;
     kv-offload)  # #29: loads beside decoders and against pinned copies; later turns' TTFT
       # with the GPU pool about a quarter of the conversations' final working set
-      $PY tools/bench_kv_load_decode.py --model qwen3-8b --json "$dir/kv_load_decode.json" \
-        2>&1 | tail -30
+      ECHO_KV_EARLY_LOADS=0 $PY tools/bench_kv_load_decode.py --model qwen3-8b \
+        --json "$dir/kv_load_decode.json" 2>&1 | tail -30
       # early loads (small loads into blocks no step in flight uses start beside that step and
-      # run their request in the step that carries them: joined), the config to become the
-      # default: the decoders beside its loads (32K-token histories: none joined)
+      # run their request in the step that carries them: joined), the default since
+      # 2026-12-06: the decoders beside its loads (32K-token histories: none joined)
       echo "ECHO_KV_EARLY_LOADS=1 bench_kv_load_decode"
       ECHO_KV_EARLY_LOADS=1 $PY tools/bench_kv_load_decode.py --model qwen3-8b \
         --json "$dir/kv_load_decode_early.json" 2>&1 | grep -E "decode_ratio|transfer_gb"
