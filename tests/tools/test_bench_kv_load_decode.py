@@ -13,7 +13,12 @@ from echo.config import EngineConfig  # noqa: E402
 from echo.worker.kv_cache import kv_cache_spec  # noqa: E402
 
 
-def test_histories_load_from_the_host_tier_while_the_decoders_run(tiny_llama, tmp_path):
+def test_histories_load_from_the_host_tier_while_the_decoders_run(tiny_llama, tmp_path,
+                                                                   monkeypatch):
+    # the bench's 32K-token histories load more blocks than early loads join (128), so their
+    # loads wait for their report beside the decoders; these 4-block ones do too under a
+    # limit of 2
+    monkeypatch.setenv("ECHO_KV_JOINED_LOAD_BLOCKS", "2")
     result = main(["--model", str(tiny_llama), "--load-format", "auto", "--device", "cpu",
                    "--decoders", "2", "--histories", "3", "--history-len", "64",
                    "--suffix-len", "4", "--settle-steps", "5", "--after-steps", "3",
