@@ -4,7 +4,7 @@
 #   source .gpu/prelude.sh; tools/dev/gpu_probes.sh STAGE...
 # Stages, rough minutes on an H200 (plus start-up): sweeps 5, int8-probe 2, l2-prefetch 2,
 # kv-contention 4, kv-trace 7, kv-split 7, step-copies 8, offload-kernel 8,
-# layer-l2 2.
+# layer-l2 2, gemv-shares 2.
 # Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz, and the key lines
 # are printed.
 set -uo pipefail
@@ -104,6 +104,11 @@ stage_commands() {
       for spin in 8 0; do
         $PY tools/dev/probe_layer_l2_prefetch.py --spin-us $spin 2>&1 | tee -a "$dir/layer_l2.log"
       done ;;
+    gemv-shares)  # #27: Qwen3-0.6B's 112 GEMVs in one launch, each program's whole share of
+      # the next GEMV requested before the grid barrier, against the launch chain and the
+      # tile-at-a-time persistent chain
+      timeout 300 $PY tools/dev/probe_persistent_gemv.py --programs-per-sm 2,3 2>&1 \
+        | tee "$dir/gemv_shares.log" ;;
     *)
       echo "unknown stage $stage" >&2; return 2 ;;
   esac

@@ -13,6 +13,12 @@ output), timed three ways in CUDA graphs:
                barrier (weights do not depend on activations), so the stream does not stop
   no barriers  the persistent kernel without them: its outputs are wrong (no GEMV waits for
                its input), its time is the rate of its weight stream alone
+  shares       one launch in which a program owns ROWS contiguous rows of each GEMV over the
+               whole of K (its share, 16-64 KB) and requests all of the next GEMV's share
+               before it waits at the barrier (before its arrival, or between its arrival and
+               its wait): the weights of a phase stream while the stragglers of the one before
+               finish, so a phase should cost the barrier and one activation load, not a
+               chain of tile latencies (the per-phase ~5 us the persistent decode step showed)
 No norms, attention or activation functions: the GEMVs alone, to see what the barriers cost
 against the launches. Each variant's output is checked against a PyTorch chain first. The grid
 is sized to be co-resident (the barrier would otherwise wait forever); a spin that passes
@@ -152,6 +158,113 @@ def _persistent_chain_kernel(
         tl.store(arrivals_ptr + 1, 0)
 
 
+# Rows a program owns in each GEMV of SHAPES (qkv, o_proj, gate_up, down) for the "shares"
+# variant: N / ROWS programs take part in a phase (256, 256, 384, 256), every share 16-32 KB of
+# bf16 (down's 4 x 3072 rows padded to 4 x 4096 in registers: the masked quarter loads nothing)
+SHARE_ROWS = (16, 4, 16, 4)
+# three 4-warp programs an SM (384 programs on 132 SMs): sm_90 code takes 240 registers
+# unbounded, 168 with no spills when capped (Triton 3.6, offline compile, 2026-12-06)
+SHARE_MAX_REGISTERS = 168
+
+
+@triton.jit
+def _arrive(arrivals_ptr, ON: tl.constexpr):
+    if ON:
+        tl.debug_barrier()  # this program's stores before its arrival (released by the atomic)
+        tl.atomic_add(arrivals_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait(arrivals_ptr, target, error_ptr, ON: tl.constexpr):
+    """_grid_barrier's wait alone."""
+    if ON:
+        polls = 0
+        while (tl.atomic_add(arrivals_ptr, 0, sem="acquire", scope="gpu") < target) & (
+                polls < SPIN_LIMIT):
+            polls += 1
+        if polls >= SPIN_LIMIT:
+            tl.store(error_ptr, 1)
+        tl.debug_barrier()
+
+
+@triton.jit
+def _share(w_ptr, n_rows, K: tl.constexpr, ROWS: tl.constexpr):
+    """This program's rows of a row-major [n_rows, K] weight, [ROWS, K rounded up to a power
+    of two]; zeros for a program past its rows (it takes no part in the phase) and for every
+    program when n_rows is 0."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, triton.next_power_of_2(K))
+    return tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
+                   mask=(rows[:, None] < n_rows) & (cols[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _share_step(w, x_ptr, y_ptr, next_w_ptr, next_n, arrivals_ptr, target, error_ptr,
+                N: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, NEXT_K: tl.constexpr,
+                NEXT_ROWS: tl.constexpr, LOAD_BEFORE_ARRIVAL: tl.constexpr,
+                BARRIERS: tl.constexpr):
+    """y[rows] = w @ x[:K] from this program's share w in registers; then the next GEMV's
+    share requested (next_n of its rows) and the barrier passed. Returns that share."""
+    if tl.program_id(0) * ROWS < N:
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, triton.next_power_of_2(K))
+        # x stays in its own dtype until the product: down's 4 x 4096 share would otherwise
+        # hold 128 float32 of x a thread beside its weights
+        x = tl.load(x_ptr + cols[None, :], mask=cols[None, :] < K, other=0.0,
+                    cache_modifier=".cg")
+        y = tl.sum(w.to(tl.float32) * x.to(tl.float32), 1)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
+    if LOAD_BEFORE_ARRIVAL:
+        w = _share(next_w_ptr, next_n, NEXT_K, NEXT_ROWS)
+        _arrive(arrivals_ptr, BARRIERS)
+    else:
+        _arrive(arrivals_ptr, BARRIERS)
+        w = _share(next_w_ptr, next_n, NEXT_K, NEXT_ROWS)
+    _wait(arrivals_ptr, target, error_ptr, BARRIERS)
+    return w
+
+
+@triton.jit
+def _share_chain_kernel(
+    w_ptr, bufs_ptr, arrivals_ptr, error_ptr,  # as _persistent_chain_kernel's
+    num_layers,
+    N0: tl.constexpr, K0: tl.constexpr, N1: tl.constexpr, K1: tl.constexpr,
+    N2: tl.constexpr, K2: tl.constexpr, N3: tl.constexpr, K3: tl.constexpr,
+    R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr,
+    LOAD_BEFORE_ARRIVAL: tl.constexpr,
+    BARRIERS: tl.constexpr,
+):
+    layer_size = N0 * K0 + N1 * K1 + N2 * K2 + N3 * K3
+    grid = tl.num_programs(0)
+    o1 = N0 * K0
+    o2 = o1 + N1 * K1
+    o3 = o2 + N2 * K2
+    w = _share(w_ptr, N0, K0, R0)
+    target = 0
+    for layer in range(num_layers):
+        base = w_ptr + tl.cast(layer, tl.int64) * layer_size
+        x_in = bufs_ptr + tl.where(layer == 0, 0, 4) * 8192
+        target += grid
+        w = _share_step(w, x_in, bufs_ptr + 8192, base + o1, N1, arrivals_ptr, target,
+                        error_ptr, N0, K0, R0, K1, R1, LOAD_BEFORE_ARRIVAL, BARRIERS)
+        target += grid
+        w = _share_step(w, bufs_ptr + 8192, bufs_ptr + 2 * 8192, base + o2, N2, arrivals_ptr,
+                        target, error_ptr, N1, K1, R1, K2, R2, LOAD_BEFORE_ARRIVAL, BARRIERS)
+        target += grid
+        w = _share_step(w, bufs_ptr + 2 * 8192, bufs_ptr + 3 * 8192, base + o3, N3,
+                        arrivals_ptr, target, error_ptr, N2, K2, R2, K3, R3,
+                        LOAD_BEFORE_ARRIVAL, BARRIERS)
+        target += grid
+        # then the next layer's qkv share: none after the last layer (no rows, so the load
+        # past the weights is masked off)
+        next_n0 = tl.where(layer + 1 < num_layers, N0, 0)
+        w = _share_step(w, bufs_ptr + 3 * 8192, bufs_ptr + 4 * 8192, base + layer_size,
+                        next_n0, arrivals_ptr, target, error_ptr, N3, K3, R3, K0, R0,
+                        LOAD_BEFORE_ARRIVAL, BARRIERS)
+    if tl.atomic_add(arrivals_ptr + 1, 1, sem="acq_rel", scope="gpu") == grid - 1:
+        tl.store(arrivals_ptr, 0)
+        tl.store(arrivals_ptr + 1, 0)
+
 class PersistentChain:
     """The persistent kernel's buffers, allocated once (so a graph replay is the launch alone)."""
 
@@ -175,6 +288,30 @@ class PersistentChain:
             BARRIERS=self.barriers, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
         return self.bufs[4, :n3]
 
+
+
+class ShareChain(PersistentChain):
+    """The "shares" variant: as many programs as the largest phase has shares (they must be
+    co-resident: at most 3 an SM at 4 warps). rows: a program's rows in each GEMV, powers of
+    two dividing N."""
+
+    def __init__(self, weights: torch.Tensor, x: torch.Tensor, num_layers: int,
+                 load_before_arrival: bool, barriers: bool = True, shapes=SHAPES,
+                 rows=SHARE_ROWS):
+        assert all(n % r == 0 for (n, _), r in zip(shapes, rows))
+        programs = max(n // r for (n, _), r in zip(shapes, rows))
+        super().__init__(weights, x, num_layers, programs, False, shapes, barriers)
+        self.rows, self.load_before_arrival = rows, load_before_arrival
+
+    def __call__(self) -> torch.Tensor:
+        (n0, k0), (n1, k1), (n2, k2), (n3, k3) = self.shapes
+        r0, r1, r2, r3 = self.rows
+        _share_chain_kernel[(self.programs,)](
+            self.weights, self.bufs, self.arrivals, self.error, self.num_layers, N0=n0, K0=k0,
+            N1=n1, K1=k1, N2=n2, K2=k2, N3=n3, K3=k3, R0=r0, R1=r1, R2=r2, R3=r3,
+            LOAD_BEFORE_ARRIVAL=self.load_before_arrival, BARRIERS=self.barriers, num_warps=4,
+            maxnreg=SHARE_MAX_REGISTERS)
+        return self.bufs[4, :n3]
 
 def layer_views(weights: torch.Tensor, num_layers: int,
                 shapes=SHAPES) -> list[list[torch.Tensor]]:
@@ -242,6 +379,15 @@ def main() -> None:
             report(f"persistent {per_sm}/SM{' + prefetch' if prefetch else ''}", run, run.error)
         run = PersistentChain(weights, x, args.layers, sms * per_sm, True, barriers=False)
         report(f"no barriers {per_sm}/SM (rate only)", run)
+    if ShareChain(weights, x, args.layers, True).programs > 3 * sms:
+        print("shares: more programs than 3 an SM; not run", flush=True)
+        return
+    for before in (True, False):
+        run = ShareChain(weights, x, args.layers, before)
+        when = "before" if before else "after"
+        report(f"shares, loads {when} the arrival", run, run.error)
+    run = ShareChain(weights, x, args.layers, True, barriers=False)
+    report("shares, no barriers (rate only)", run)
 
 
 if __name__ == "__main__":
