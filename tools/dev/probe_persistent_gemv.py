@@ -265,6 +265,7 @@ def _share_chain_kernel(
         tl.store(arrivals_ptr, 0)
         tl.store(arrivals_ptr + 1, 0)
 
+
 class PersistentChain:
     """The persistent kernel's buffers, allocated once (so a graph replay is the launch alone)."""
 
@@ -289,7 +290,6 @@ class PersistentChain:
         return self.bufs[4, :n3]
 
 
-
 class ShareChain(PersistentChain):
     """The "shares" variant: as many programs as the largest phase has shares (they must be
     co-resident: at most 3 an SM at 4 warps). rows: a program's rows in each GEMV, powers of
@@ -312,6 +312,7 @@ class ShareChain(PersistentChain):
             LOAD_BEFORE_ARRIVAL=self.load_before_arrival, BARRIERS=self.barriers, num_warps=4,
             maxnreg=SHARE_MAX_REGISTERS)
         return self.bufs[4, :n3]
+
 
 def layer_views(weights: torch.Tensor, num_layers: int,
                 shapes=SHAPES) -> list[list[torch.Tensor]]:
