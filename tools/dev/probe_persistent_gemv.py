@@ -1,6 +1,7 @@
 """How fast can one launch stream a small model's layer weights through its GEMVs at batch 1?
 
     python tools/dev/probe_persistent_gemv.py [--layers 28] [--programs-per-sm 1,2]
+        [--share-settings 16,4,16,4:4 16,4,32,4:8]
 
 #27's question before a persistent decode kernel is built: Qwen3-0.6B's four GEMVs a layer
 (qkv 4096 x 1024, o_proj 1024 x 2048, gate_up 6144 x 1024, down 1024 x 3072; bf16, 881 MB over
@@ -158,13 +159,15 @@ def _persistent_chain_kernel(
         tl.store(arrivals_ptr + 1, 0)
 
 
-# Rows a program owns in each GEMV of SHAPES (qkv, o_proj, gate_up, down) for the "shares"
-# variant: N / ROWS programs take part in a phase (256, 256, 384, 256), every share 16-32 KB of
-# bf16 (down's 4 x 3072 rows padded to 4 x 4096 in registers: the masked quarter loads nothing)
+# The "shares" variant's settings, "rows a program owns in each GEMV of SHAPES (qkv, o_proj,
+# gate_up, down):warps a program"; N / rows programs take part in a phase. 16,4,16,4:4 gives
+# 256, 256, 384, 256 programs, 3 an SM, shares of 16-32 KB of bf16 (down's 4 x 3072 rows padded
+# to 4 x 4096 in registers: the masked quarter loads nothing); 16,4,32,4:8 gives 2 an SM of 8
+# warps, gate_up's share 64 KB. Registers are capped for the programs an SM to fit: sm_90 code
+# of the first takes 240 unbounded and 168 capped, without spills (Triton 3.6, offline
+# compile, 2026-12-06).
+SHARE_SETTINGS = ("16,4,16,4:4", "16,4,32,4:8")
 SHARE_ROWS = (16, 4, 16, 4)
-# three 4-warp programs an SM (384 programs on 132 SMs): sm_90 code takes 240 registers
-# unbounded, 168 with no spills when capped (Triton 3.6, offline compile, 2026-12-06)
-SHARE_MAX_REGISTERS = 168
 
 
 @triton.jit
@@ -297,11 +300,14 @@ class ShareChain(PersistentChain):
 
     def __init__(self, weights: torch.Tensor, x: torch.Tensor, num_layers: int,
                  load_before_arrival: bool, barriers: bool = True, shapes=SHAPES,
-                 rows=SHARE_ROWS):
+                 rows=SHARE_ROWS, warps: int = 4):
         assert all(n % r == 0 for (n, _), r in zip(shapes, rows))
         programs = max(n // r for (n, _), r in zip(shapes, rows))
         super().__init__(weights, x, num_layers, programs, False, shapes, barriers)
-        self.rows, self.load_before_arrival = rows, load_before_arrival
+        self.rows, self.load_before_arrival, self.warps = rows, load_before_arrival, warps
+        # an SM's 64K registers shared by the programs it must hold at once
+        per_sm = triton.cdiv(programs, sm_count(x.device, without_gpu=2))
+        self.max_registers = min(255, 65536 // (per_sm * warps * 32) // 8 * 8)
 
     def __call__(self) -> torch.Tensor:
         (n0, k0), (n1, k1), (n2, k2), (n3, k3) = self.shapes
@@ -309,8 +315,8 @@ class ShareChain(PersistentChain):
         _share_chain_kernel[(self.programs,)](
             self.weights, self.bufs, self.arrivals, self.error, self.num_layers, N0=n0, K0=k0,
             N1=n1, K1=k1, N2=n2, K2=k2, N3=n3, K3=k3, R0=r0, R1=r1, R2=r2, R3=r3,
-            LOAD_BEFORE_ARRIVAL=self.load_before_arrival, BARRIERS=self.barriers, num_warps=4,
-            maxnreg=SHARE_MAX_REGISTERS)
+            LOAD_BEFORE_ARRIVAL=self.load_before_arrival, BARRIERS=self.barriers,
+            num_warps=self.warps, maxnreg=self.max_registers)
         return self.bufs[4, :n3]
 
 
@@ -350,6 +356,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--programs-per-sm", default="1,2")
+    parser.add_argument("--share-settings", nargs="*", default=list(SHARE_SETTINGS),
+                        help="the shares variant's ROWS,ROWS,ROWS,ROWS:WARPS settings")
     args = parser.parse_args()
     torch.manual_seed(0)
     per_layer = sum(n * k for n, k in SHAPES)
@@ -380,16 +388,16 @@ def main() -> None:
             report(f"persistent {per_sm}/SM{' + prefetch' if prefetch else ''}", run, run.error)
         run = PersistentChain(weights, x, args.layers, sms * per_sm, True, barriers=False)
         report(f"no barriers {per_sm}/SM (rate only)", run)
-    if ShareChain(weights, x, args.layers, True).programs > 3 * sms:
-        print("shares: more programs than 3 an SM; not run", flush=True)
-        return
-    for before in (True, False):
-        run = ShareChain(weights, x, args.layers, before)
-        when = "before" if before else "after"
-        report(f"shares, loads {when} the arrival", run, run.error)
-    run = ShareChain(weights, x, args.layers, True, barriers=False)
-    report("shares, no barriers (rate only)", run)
-
+    for setting in args.share_settings:
+        rows, warps = setting.split(":")
+        rows, warps = tuple(map(int, rows.split(","))), int(warps)
+        for before in (True, False, None):  # None: no barriers (its rate only)
+            run = ShareChain(weights, x, args.layers, bool(before), before is not None, rows=rows,
+                             warps=warps)
+            when = {True: "loads before the arrival", False: "loads after the arrival",
+                    None: "no barriers (rate only)"}[before]
+            report(f"shares {setting} ({run.programs} programs, {run.max_registers} registers), "
+                   f"{when}", run, run.error)
 
 if __name__ == "__main__":
     main()
