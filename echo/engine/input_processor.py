@@ -69,10 +69,14 @@ class InputProcessor:
             raise ValueError("prompt: expected a string, a list of token ids or "
                              f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
                              ) from None
+        self.check_token_ids(ids, "prompt_token_ids")
+        return None, ids
+
+    def check_token_ids(self, ids: list, field: str) -> None:
+        """ValueError naming `field` unless every id is an int in the model's vocabulary."""
         vocab = self.config.arch.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt_token_ids: every id must be an int in [0, {vocab})")
-        return None, ids
+            raise ValueError(f"{field}: every id must be an int in [0, {vocab})")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs) -> str:

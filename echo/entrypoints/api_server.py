@@ -352,9 +352,9 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
         try:
-            limits.check_prompts([body.tokens], 1)
-            _, ids = client.input_processor.tokenize(body.tokens)  # checks the ids
-            text = client.input_processor.need_tokenizer("tokens").decode(ids)
+            limits.check_token_count(body.tokens, "tokens")
+            client.input_processor.check_token_ids(body.tokens, "tokens")
+            text = client.input_processor.need_tokenizer("tokens").decode(body.tokens)
         except ValueError as e:
             raise bad_request(e) from None
         return {"prompt": text}

@@ -81,6 +81,12 @@ class RequestLimits:
             else:  # token ids: their count, before each id is checked
                 check_request_length(len(prompt), self.max_prompt_tokens)
 
+    def check_token_count(self, ids: list, field: str) -> None:
+        """Token ids given as such (to /detokenize): no more than max_model_len of them."""
+        if len(ids) > self.max_prompt_tokens:
+            raise ValueError(f"{field}: {len(ids)} ids exceed max_model_len "
+                             f"{self.max_prompt_tokens}")
+
     def check_messages(self, messages: list[dict]) -> None:
         # every message adds at least one token through the chat template
         if len(messages) > self.max_prompt_tokens:

@@ -50,11 +50,13 @@ def test_tokenize_detokenize_and_ping(tiny_chat_model, tokenizer):
         chat = (await http.post("/tokenize", json={
             "messages": messages, "chat_template_kwargs": {"flavour": "mint"}})).json()
         text = (await http.post("/detokenize", json={"tokens": plain["tokens"]})).json()
-        bad = await http.post("/detokenize", json={"tokens": [10**9]})
+        bad = [await http.post("/detokenize", json={"tokens": tokens})
+               for tokens in ([10**9], [1] * 257)]  # out of the vocabulary; past max_model_len
+        empty = (await http.post("/detokenize", json={"tokens": []})).json()
         pings = [(await http.get("/ping")).status_code, (await http.post("/ping")).status_code]
-        return plain, chat, text, bad, pings
+        return plain, chat, text, bad, empty, pings
 
-    plain, chat, text, bad, pings = with_app(tiny_chat_model, test)
+    plain, chat, text, bad, empty, pings = with_app(tiny_chat_model, test)
     want = tokenizer.encode(prompt)
     assert plain == {"count": len(want), "max_model_len": 256, "tokens": want,
                      "token_strs": tokenizer.convert_ids_to_tokens(want)}
@@ -62,7 +64,9 @@ def test_tokenize_detokenize_and_ping(tiny_chat_model, tokenizer):
     rendered = "<system>Be brief.</system><user>one\ntwo</user><assistant>mint"
     assert chat["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
     assert text == {"prompt": tokenizer.decode(want)}
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_token_ids"
+    # the request's own field is named (the ids are not a prompt here)
+    assert [(r.status_code, r.json()["error"]["param"]) for r in bad] == [(400, "tokens")] * 2
+    assert empty == {"prompt": ""}
     assert pings == [200, 200]
 
 
