@@ -61,12 +61,23 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def port_number(text: str) -> int:
+    """argparse type of --port: a TCP port (0: any free one)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
+    return port
+
+
 def add_server_args(srv: argparse.ArgumentParser) -> None:
     """vLLM's `serve` flags, where echo does the same thing."""
     srv.add_argument("model_tag", nargs="?", metavar="MODEL",
                      help="the model, as `vllm serve MODEL` takes it (or --model)")
     srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=port_number, default=8000)
     srv.add_argument("--served-model-name", nargs="+", action="extend",
                      help="name(s) clients use for the model; the first is reported "
                           "(default: the model argument)")

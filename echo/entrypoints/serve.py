@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 
 import uvicorn
@@ -45,16 +46,37 @@ def _log_to_stderr(level: str) -> None:
     logger.setLevel(logging.DEBUG if level == "trace" else level.upper())
 
 
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the engine starts, so that a port in use (or a host
+    this machine does not have) is an error at once, not after the model has loaded."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds its own
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"port: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 async def _run(args: argparse.Namespace, model: str, engine_args: dict) -> int:
-    from echo.engine.async_client import AsyncClient
-    from echo.engine.generation_config import load_generation_defaults
     from echo.engine.input_processor import read_chat_template
-    from echo.entrypoints.api_server import ServerOptions, create_app
 
     _log_to_stderr(args.log_level)
     for note in flags_without_effect(args):
         print(note, file=sys.stderr, flush=True)
     chat_template = read_chat_template(args.chat_template) if args.chat_template else None
+    with _listening_socket(args.host, args.port) as sock:
+        return await _serve_on(sock, args, model, engine_args, chat_template)
+
+
+async def _serve_on(sock: socket.socket, args: argparse.Namespace, model: str,
+                    engine_args: dict, chat_template: str | None) -> int:
+    from echo.engine.async_client import AsyncClient
+    from echo.engine.generation_config import load_generation_defaults
+    from echo.entrypoints.api_server import ServerOptions, create_app
+
     client = AsyncClient(model, chat_template=chat_template, **engine_args)
     options = ServerOptions(
         generation_defaults=load_generation_defaults(
@@ -83,10 +105,11 @@ async def _run(args: argparse.Namespace, model: str, engine_args: dict) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, server.begin_shutdown)
         scheme = "https" if args.ssl_certfile else "http"
-        print(f"echo: serving {names[0]!r} on {scheme}://{args.host}:{args.port}", file=sys.stderr,
+        port = sock.getsockname()[1]  # the one given, or the free one picked for --port 0
+        print(f"echo: serving {names[0]!r} on {scheme}://{args.host}:{port}", file=sys.stderr,
               flush=True)
         watcher = asyncio.create_task(_stop_when_engine_dies(client, server))
-        await server.serve()
+        await server.serve(sockets=[sock])
         engine_died = watcher.done() and not watcher.cancelled()
         watcher.cancel()
         return 1 if engine_died else 0

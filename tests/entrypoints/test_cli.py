@@ -1,6 +1,7 @@
 """The command line: `python -m echo generate` and its errors."""
 
 import re
+import socket
 import subprocess
 import sys
 
@@ -34,6 +35,20 @@ def test_bad_arguments_exit_2_with_the_field_named(tmp_path):
     assert bad.returncode == 2 and "max_num_seqs" in bad.stderr
     preset = run_cli("generate", "--model", "qwen3-8b")
     assert preset.returncode == 2 and "never downloads" in preset.stderr
+
+
+def test_serve_refuses_a_bad_or_busy_port_before_the_engine_starts(tiny_chat_model):
+    out_of_range = run_cli("serve", str(tiny_chat_model), "--device", "cpu", "--port", "99999")
+    assert out_of_range.returncode == 2
+    assert "--port: must be in [0, 65535], got 99999" in out_of_range.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = run_cli("serve", str(tiny_chat_model), "--device", "cpu", "--port", str(port))
+    assert busy.returncode == 2
+    assert f"error: port: cannot listen on 127.0.0.1:{port}" in busy.stderr
+    assert "KV cache" not in busy.stderr  # refused before the engine was built
 
 
 @pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--tp", "-tp", "--tp-size"])
