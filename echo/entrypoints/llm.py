@@ -79,9 +79,13 @@ class LLM:
         """Prompts as text or token-id lists; one SamplingParams for all or one per prompt.
         priority: one per prompt, as vLLM's (lower first; needs scheduling_policy="priority"
         unless all are 0)."""
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                        and isinstance(prompts[0], int)):
+        # one prompt (text, token ids or vLLM's {"prompt_token_ids": ...} dict) or several
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise ValueError("prompts: expected a prompt (text, token ids or {'prompt_token_ids':"
+                             f" ...}}) or a list of them, got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

@@ -112,9 +112,25 @@ def test_bad_input_fails_before_queuing_and_llm_keeps_working(tiny_llama):
     for prompt in (None, 3.5, {"prompt_token_ids": None}):
         with pytest.raises(ValueError, match="prompt: expected a string"):
             llm.generate([prompt], good, use_tqdm=False)
+    for prompts in (None, 5):
+        with pytest.raises(ValueError, match="prompts: expected a prompt"):
+            llm.generate(prompts, good, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate([PROMPTS[0]], good, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_one_prompt_in_any_form_is_one_request(tiny_llama):
+    """A lone {"prompt_token_ids": ...} dict (vLLM's TokensPrompt) is one prompt, as a lone
+    id list is: not a sequence of its keys."""
+    llm = make_llm(tiny_llama)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = [5, 6, 7, 8]
+    as_list = llm.generate([ids], params, use_tqdm=False)
+    for prompt in (ids, {"prompt_token_ids": ids}):
+        out = llm.generate(prompt, params, use_tqdm=False)
+        assert len(out) == 1 and out[0].prompt_token_ids == ids
+        assert out[0].outputs[0].token_ids == as_list[0].outputs[0].token_ids
 
 
 def test_text_prompts_need_a_tokenizer_for_presetless_folders(tiny_llama):
