@@ -48,20 +48,32 @@ BLOCK_N, BLOCK_K = 8, 512
 
 
 @triton.jit
+def _arrive(arrivals_ptr, ON: tl.constexpr):
+    if ON:
+        tl.debug_barrier()  # this program's stores before its arrival (released by the atomic)
+        tl.atomic_add(arrivals_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait(arrivals_ptr, target, error_ptr, ON: tl.constexpr):
+    """Poll until `target` programs have arrived; give up after SPIN_LIMIT polls and flag
+    error_ptr."""
+    if ON:
+        polls = 0
+        while (tl.atomic_add(arrivals_ptr, 0, sem="acquire", scope="gpu") < target) & (
+                polls < SPIN_LIMIT):
+            polls += 1
+        if polls >= SPIN_LIMIT:
+            tl.store(error_ptr, 1)
+        tl.debug_barrier()
+
+
+@triton.jit
 def _grid_barrier(arrivals_ptr, target, error_ptr, ON: tl.constexpr):
     """Wait until `target` programs have arrived in total (every program of the grid, once a
     barrier); gives up after SPIN_LIMIT polls and flags error_ptr. ON=False: no barrier."""
-    if not ON:
-        return
-    tl.debug_barrier()  # this program's stores before its arrival (released by the atomic)
-    tl.atomic_add(arrivals_ptr, 1, sem="release", scope="gpu")
-    polls = 0
-    while (tl.atomic_add(arrivals_ptr, 0, sem="acquire", scope="gpu") < target) & (
-            polls < SPIN_LIMIT):
-        polls += 1
-    if polls >= SPIN_LIMIT:
-        tl.store(error_ptr, 1)
-    tl.debug_barrier()
+    _arrive(arrivals_ptr, ON)
+    _wait(arrivals_ptr, target, error_ptr, ON)
 
 
 @triton.jit
@@ -168,26 +180,6 @@ def _persistent_chain_kernel(
 # compile, 2026-12-06).
 SHARE_SETTINGS = ("16,4,16,4:4", "16,4,32,4:8")
 SHARE_ROWS = (16, 4, 16, 4)
-
-
-@triton.jit
-def _arrive(arrivals_ptr, ON: tl.constexpr):
-    if ON:
-        tl.debug_barrier()  # this program's stores before its arrival (released by the atomic)
-        tl.atomic_add(arrivals_ptr, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _wait(arrivals_ptr, target, error_ptr, ON: tl.constexpr):
-    """_grid_barrier's wait alone."""
-    if ON:
-        polls = 0
-        while (tl.atomic_add(arrivals_ptr, 0, sem="acquire", scope="gpu") < target) & (
-                polls < SPIN_LIMIT):
-            polls += 1
-        if polls >= SPIN_LIMIT:
-            tl.store(error_ptr, 1)
-        tl.debug_barrier()
 
 
 @triton.jit
