@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
 import socket
@@ -56,7 +57,11 @@ def _listening_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise ValueError(f"port: cannot listen on {host}:{port}: {e.strerror or e}") from None
+        # a name that does not resolve, or an address this machine does not have, is the
+        # host's fault; anything else (in use, a privileged port) the port's
+        field = ("host" if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL
+                 else "port")
+        raise ValueError(f"{field}: cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
 
 

@@ -49,6 +49,9 @@ def test_serve_refuses_a_bad_or_busy_port_before_the_engine_starts(tiny_chat_mod
     assert busy.returncode == 2
     assert f"error: port: cannot listen on 127.0.0.1:{port}" in busy.stderr
     assert "KV cache" not in busy.stderr  # refused before the engine was built
+    foreign = run_cli("serve", str(tiny_chat_model), "--device", "cpu", "--host", "192.0.2.1")
+    assert foreign.returncode == 2  # TEST-NET-1: an address this machine does not have
+    assert "error: host: cannot listen on 192.0.2.1:8000" in foreign.stderr
 
 
 @pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--tp", "-tp", "--tp-size"])
