@@ -179,7 +179,6 @@ def _persistent_chain_kernel(
 # of the first takes 240 unbounded and 168 capped, without spills (Triton 3.6, offline
 # compile, 2026-12-06).
 SHARE_SETTINGS = ("16,4,16,4:4", "16,4,32,4:8")
-SHARE_ROWS = (16, 4, 16, 4)
 
 
 @triton.jit
@@ -291,8 +290,8 @@ class ShareChain(PersistentChain):
     two dividing N."""
 
     def __init__(self, weights: torch.Tensor, x: torch.Tensor, num_layers: int,
-                 load_before_arrival: bool, barriers: bool = True, shapes=SHAPES,
-                 rows=SHARE_ROWS, warps: int = 4):
+                 load_before_arrival: bool, barriers: bool = True, shapes=SHAPES, *,
+                 rows: tuple[int, ...], warps: int = 4):
         assert all(n % r == 0 for (n, _), r in zip(shapes, rows))
         programs = max(n // r for (n, _), r in zip(shapes, rows))
         super().__init__(weights, x, num_layers, programs, False, shapes, barriers)
@@ -390,6 +389,7 @@ def main() -> None:
                     None: "no barriers (rate only)"}[before]
             report(f"shares {setting} ({run.programs} programs, {run.max_registers} registers), "
                    f"{when}", run, run.error)
+
 
 if __name__ == "__main__":
     main()

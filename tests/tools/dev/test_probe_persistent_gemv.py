@@ -1,4 +1,4 @@
-"""probe_persistent_gemv's "shares" kernel against a float32 PyTorch chain, on the interpreter.
+"""probe_persistent_gemv's "shares" kernel against a float64 PyTorch chain, on the interpreter.
 
 The interpreter runs one program after another, so a grid barrier would wait forever there:
 the chain runs barrier-free in one program (which is then in order), and a grid of programs is
