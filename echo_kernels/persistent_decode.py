@@ -766,8 +766,8 @@ def _persistent_decode_kernel(
     AWQ_STAGES: tl.constexpr,  # qweight tiles an AWQ item stages (Triton's pipeliner)
     GEMV_STAGES: tl.constexpr,  # weight tiles a bf16 GEMV phase stages (Triton's pipeliner)
     NORM_BLOCK: tl.constexpr,  # columns a step of the RMSNorms (H in one when it fits)
-    SHARES: tl.constexpr,  # dense GEMVs from shares (_load_share): 1 loaded after the wait
-    # (and the norm), 2 before it (o_proj's before the attention); rows of each:
+    SHARES: tl.constexpr,  # dense GEMVs from shares (_load_share): 1 loaded after the wait,
+    # 2 before it (o_proj's before the attention); rows of each:
     QKV_ROWS: tl.constexpr,
     O_ROWS: tl.constexpr,
     GATE_UP_ROWS: tl.constexpr,  # gate and up rows
@@ -811,15 +811,15 @@ def _persistent_decode_kernel(
             w_qkv = _load_share(_pointer(table_ptr, layer, QKV, dtype), base, phase_lo,
                                 phase_hi, QKV_N, H, False, QKV_ROWS)
         _wait_before(sync_ptr, barriers, base, phase_lo, phase_hi, BARRIERS)
+        if SHARES == 1:
+            w_qkv = _load_share(_pointer(table_ptr, layer, QKV, dtype), base, phase_lo,
+                                phase_hi, QKV_N, H, False, QKV_ROWS)
         if SHARES == 0:
             w_qkv = None
         # --- qkv: residual + delta, the input norm, the GEMV ---
         if (phase_lo <= base) & (base < phase_hi):
             _normed_input(resid_ptr, delta_ptr, layer > 0, _pointer(table_ptr, layer, IN_NORM,
                           dtype), xn_ptr, resid_ptr + H, eps, H, NORM_BLOCK, dtype)
-            if SHARES == 1:  # after the norm, whose loads would queue behind the share's
-                w_qkv = _load_share(_pointer(table_ptr, layer, QKV, dtype), base, phase_lo,
-                                    phase_hi, QKV_N, H, False, QKV_ROWS)
             _linear_phase(table_ptr, layer, QKV, w_qkv, QKV_ROWS, xn_ptr, qkv_ptr, None,
                           sync_ptr + SYNC_HEADS + KV_HEADS, awq_part_ptr, counts_ptr, one_bits,
                           QKV_N, H, False, STORE, EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP,
@@ -855,6 +855,9 @@ def _persistent_decode_kernel(
             w_gate_up = _load_share(_pointer(table_ptr, layer, GATE_UP, dtype), base + 3,
                                     phase_lo, phase_hi, 2 * INTER, H, True, GATE_UP_ROWS)
         _wait_before(sync_ptr, barriers, base + 3, phase_lo, phase_hi, BARRIERS)
+        if SHARES == 1:
+            w_gate_up = _load_share(_pointer(table_ptr, layer, GATE_UP, dtype), base + 3,
+                                    phase_lo, phase_hi, 2 * INTER, H, True, GATE_UP_ROWS)
         if SHARES == 0:
             w_gate_up = None
         if IS_MOE:
@@ -890,10 +893,6 @@ def _persistent_decode_kernel(
             if (phase_lo <= base + 3) & (base + 3 < phase_hi):
                 _normed_input(resid_ptr, delta_ptr, False, _pointer(table_ptr, layer,
                               POST_NORM, dtype), xn_ptr, None, eps, H, NORM_BLOCK, dtype)
-                if SHARES == 1:
-                    w_gate_up = _load_share(_pointer(table_ptr, layer, GATE_UP, dtype),
-                                            base + 3, phase_lo, phase_hi, 2 * INTER, H, True,
-                                            GATE_UP_ROWS)
                 _linear_phase(table_ptr, layer, GATE_UP, w_gate_up, GATE_UP_ROWS, xn_ptr,
                               act_ptr, None, None, awq_part_ptr, counts_ptr, one_bits, 2 * INTER,
                               H, True, SWIGLU, EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP,
