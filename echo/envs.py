@@ -50,13 +50,6 @@ def kv_joined_load_blocks() -> int | None:
     return int(value)
 
 
-def persistent_shares() -> bool:
-    """Whether the persistent decode step runs its GEMVs from shares in registers where they
-    fit (echo/worker/persistent_decoder.py); ECHO_PERSISTENT_SHARES=0 keeps the tile stream,
-    so the two can be timed against each other in the engine."""
-    return os.environ.get("ECHO_PERSISTENT_SHARES", "1") == "1"
-
-
 def kv_copy_mode() -> str:
     """How the KV host tier's copies move blocks (ECHO_KV_COPY_MODE: staged, the default, split
     or direct; echo/worker/kv_transfer.py), so the modes can be timed against each other in the

@@ -71,23 +71,11 @@ SPIN_LIMIT = tl.constexpr(1 << 22)
 
 
 @triton.jit
-def _arrive_before(sync_ptr, barriers, next_phase, phase_lo, phase_hi, BARRIERS: tl.constexpr):
-    """This program's arrival at the grid barrier between phase next_phase - 1 and next_phase
-    when this launch runs both (the count of barriers so far, updated). _wait_before waits for
-    every program's; between the two a program may request what the next phase reads and no
-    program writes (its weight share: _load_share)."""
-    if BARRIERS & (phase_lo < next_phase) & (next_phase < phase_hi):
-        barriers += 1
-        tl.debug_barrier()  # this program's stores before its arrival (the atomic releases them)
-        tl.atomic_add(sync_ptr + SYNC_ARRIVALS, 1, sem="release", scope="gpu")
-    return barriers
-
-
-@triton.jit
-def _wait_before(sync_ptr, barriers, next_phase, phase_lo, phase_hi, BARRIERS: tl.constexpr):
-    """Until every program has arrived at the barrier _arrive_before counted in `barriers`."""
-    if BARRIERS & (phase_lo < next_phase) & (next_phase < phase_hi):
-        _wait_for(sync_ptr + SYNC_ARRIVALS, barriers * tl.num_programs(0), sync_ptr)
+def _grid_barrier(sync_ptr, target):
+    """Wait until `target` arrivals in all (every program once a barrier since the launch)."""
+    tl.debug_barrier()  # this program's stores before its arrival (the atomic releases them)
+    tl.atomic_add(sync_ptr + SYNC_ARRIVALS, 1, sem="release", scope="gpu")
+    _wait_for(sync_ptr + SYNC_ARRIVALS, target, sync_ptr)
 
 
 @triton.jit
@@ -441,11 +429,12 @@ def _attention_item(table_ptr, layer, item, qkv_ptr, attn_ptr, part_ptr, sync_pt
 
 
 @triton.jit
-def _barrier_before(sync_ptr, barriers, next_phase, phase_lo, phase_hi, BARRIERS: tl.constexpr):
-    """The grid barrier between phase next_phase - 1 and next_phase, nothing requested between
-    the arrival and the wait."""
-    barriers = _arrive_before(sync_ptr, barriers, next_phase, phase_lo, phase_hi, BARRIERS)
-    _wait_before(sync_ptr, barriers, next_phase, phase_lo, phase_hi, BARRIERS)
+def _after_phase(sync_ptr, barriers, next_phase, phase_hi, BARRIERS: tl.constexpr):
+    """The grid barrier between a phase and the next when this launch runs the next (the
+    count of barriers so far, updated)."""
+    if BARRIERS & (next_phase < phase_hi):
+        barriers += 1
+        _grid_barrier(sync_ptr, barriers * tl.num_programs(0))
     return barriers
 
 
@@ -507,57 +496,6 @@ def _epilogue(y, rows, ok, first, end, out_ptr, resid_ptr, EPILOGUE: tl.constexp
                  mask=ok)
     else:
         tl.store(out_ptr + rows, y.to(dtype), mask=ok)
-
-
-# --- Shares: a program's whole part of a GEMV in registers, requested a phase early ---
-# Where a program's rows of every GEMV fit its registers (Qwen3-0.6B: 8-32 KB a program), it
-# requests the next GEMV's rows over the whole of K before the grid barrier in front of that
-# GEMV (between its arrival and its wait) or, for o_proj, before the attention: the weights
-# stream while the barrier waits for the stragglers, where a tile stream starts after it.
-# tools/dev/probe_persistent_gemv.py's chain of Qwen3-0.6B's 112 GEMVs (one H100, 2026-12-06):
-# 451 us this way against 616 tile by tile, 693 a launch a GEMV, 306 without barriers.
-
-
-@triton.jit
-def _share_span(N: tl.constexpr, GATED: tl.constexpr, ROWS: tl.constexpr):
-    """(first output, end, weight rows, which are real) of this program's share of a GEMV of
-    N weight rows: ROWS // (1 + GATED) outputs from pid times that (_block_rows' order)."""
-    PER: tl.constexpr = ROWS // (1 + GATED)
-    first = tl.program_id(0) * PER
-    end = tl.minimum(first + PER, N // (1 + GATED))
-    rows, ok = _block_rows(first, end, N, GATED, ROWS)
-    return first, end, rows, ok
-
-
-@triton.jit
-def _load_share(w_ptr, phase, phase_lo, phase_hi, N: tl.constexpr, K: tl.constexpr,
-                GATED: tl.constexpr, ROWS: tl.constexpr):
-    """This program's share of W[N, K] as [ROWS, K rounded up to a power of two] for the GEMV
-    of `phase`: zeros past its rows and K, and everywhere (nothing read) when this launch does
-    not run that phase."""
-    runs = (phase_lo <= phase) & (phase < phase_hi)
-    _, _, rows, ok = _share_span(N, GATED, ROWS)
-    cols = tl.arange(0, triton.next_power_of_2(K))
-    return tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
-                   mask=ok[:, None] & (cols[None, :] < K) & runs, other=0.0)
-
-
-@triton.jit
-def _share_phase(w, x_ptr, out_ptr, resid_ptr, ready_ptr, N: tl.constexpr, K: tl.constexpr,
-                 GATED: tl.constexpr, EPILOGUE: tl.constexpr, ROWS: tl.constexpr,
-                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 dtype: tl.constexpr):
-    """_gemv_phase from the share w (_load_share) in this program's registers."""
-    first, end, rows, ok = _share_span(N, GATED, ROWS)
-    if first < end:
-        cols = tl.arange(0, triton.next_power_of_2(K))
-        # another program wrote x: read it from L2 (.cg), never a stale L1 line
-        x = tl.load(x_ptr + cols[None, :], mask=cols[None, :] < K, other=0.0,
-                    cache_modifier=".cg")
-        y = tl.sum(w.to(tl.float32) * x.to(tl.float32), 1)
-        _epilogue(y, rows, ok, first, end, out_ptr, resid_ptr, EPILOGUE, ROWS, dtype)
-    if ready_ptr is not None:
-        _mark_qkv_ready(ready_ptr, first, end, HEADS, KV_HEADS, HEAD_DIM)
 
 
 # --- AWQ weights (W4A16) ---
@@ -678,8 +616,7 @@ def _awq_phase(qw_ptr, qz_ptr, sc_ptr, x_ptr, out_ptr, resid_ptr, ready_ptr, par
 
 
 @triton.jit
-def _linear_phase(table_ptr, layer, COLUMN: tl.constexpr, share, SHARE_ROWS: tl.constexpr,
-                  x_ptr, out_ptr, resid_ptr,
+def _linear_phase(table_ptr, layer, COLUMN: tl.constexpr, x_ptr, out_ptr, resid_ptr,
                   ready_ptr, awq_part_ptr, counts_ptr, one_bits, N: tl.constexpr,
                   K: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr,
                   EVEN: tl.constexpr, BALANCED: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -687,12 +624,8 @@ def _linear_phase(table_ptr, layer, COLUMN: tl.constexpr, share, SHARE_ROWS: tl.
                   AWQ_COLS: tl.constexpr, AWQ_BLOCK_K: tl.constexpr, AWQ_SPLITS: tl.constexpr,
                   AWQ_STAGES: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                   HEAD_DIM: tl.constexpr, STAGES: tl.constexpr, dtype: tl.constexpr):
-    """The GEMV phase of the layer's linear COLUMN: from this program's share when SHARE_ROWS
-    (_share_phase), else dense (_gemv_phase) or AWQ (_awq_phase)."""
-    if SHARE_ROWS > 0:
-        _share_phase(share, x_ptr, out_ptr, resid_ptr, ready_ptr, N, K, GATED, EPILOGUE,
-                     SHARE_ROWS, HEADS, KV_HEADS, HEAD_DIM, dtype)
-    elif AWQ:
+    """The GEMV phase of the layer's linear COLUMN, dense (_gemv_phase) or AWQ (_awq_phase)."""
+    if AWQ:
         _awq_phase(_pointer(table_ptr, layer, COLUMN, tl.int32),
                    _pointer(table_ptr, layer, COLUMN + LINEARS, tl.int32),
                    _pointer(table_ptr, layer, COLUMN + 2 * LINEARS, dtype), x_ptr, out_ptr,
@@ -766,12 +699,6 @@ def _persistent_decode_kernel(
     AWQ_STAGES: tl.constexpr,  # qweight tiles an AWQ item stages (Triton's pipeliner)
     GEMV_STAGES: tl.constexpr,  # weight tiles a bf16 GEMV phase stages (Triton's pipeliner)
     NORM_BLOCK: tl.constexpr,  # columns a step of the RMSNorms (H in one when it fits)
-    SHARES: tl.constexpr,  # dense GEMVs from shares (_load_share): 1 loaded after the wait,
-    # 2 before it (o_proj's before the attention); rows of each:
-    QKV_ROWS: tl.constexpr,
-    O_ROWS: tl.constexpr,
-    GATE_UP_ROWS: tl.constexpr,  # gate and up rows
-    DOWN_ROWS: tl.constexpr,
 ):
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     cache_dtype: tl.constexpr = dtype
@@ -795,39 +722,21 @@ def _persistent_decode_kernel(
     # a grid barrier: the qkv GEMV's units, in outputs
     if AWQ:
         qkv_unit = AWQ_COLS
-    elif SHARES > 0:
-        qkv_unit = QKV_ROWS
     elif BALANCED:
         qkv_unit = tl.cdiv(QKV_N, grid)
     else:
         qkv_unit = BLOCK_N
     for layer in range(num_layers):
         base = layer * LAYER_PHASES
-        # NOTE: the barrier after the layer before's last phase, here so that the qkv share
-        # is not carried from one iteration to the next: a loop-carried bf16 share compiled
-        # to a 16-bit register an element and spilled (offline sm_90 compile, 2026-12-06)
-        barriers = _arrive_before(sync_ptr, barriers, base, phase_lo, phase_hi, BARRIERS)
-        if SHARES == 2:
-            w_qkv = _load_share(_pointer(table_ptr, layer, QKV, dtype), base, phase_lo,
-                                phase_hi, QKV_N, H, False, QKV_ROWS)
-        _wait_before(sync_ptr, barriers, base, phase_lo, phase_hi, BARRIERS)
-        if SHARES == 1:
-            w_qkv = _load_share(_pointer(table_ptr, layer, QKV, dtype), base, phase_lo,
-                                phase_hi, QKV_N, H, False, QKV_ROWS)
-        if SHARES == 0:
-            w_qkv = None
         # --- qkv: residual + delta, the input norm, the GEMV ---
         if (phase_lo <= base) & (base < phase_hi):
             _normed_input(resid_ptr, delta_ptr, layer > 0, _pointer(table_ptr, layer, IN_NORM,
                           dtype), xn_ptr, resid_ptr + H, eps, H, NORM_BLOCK, dtype)
-            _linear_phase(table_ptr, layer, QKV, w_qkv, QKV_ROWS, xn_ptr, qkv_ptr, None,
+            _linear_phase(table_ptr, layer, QKV, xn_ptr, qkv_ptr, None,
                           sync_ptr + SYNC_HEADS + KV_HEADS, awq_part_ptr, counts_ptr, one_bits,
                           QKV_N, H, False, STORE, EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP,
                           AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS,
                           HEAD_DIM, GEMV_STAGES, dtype)
-        if SHARES == 2:  # o_proj's share, held through the attention
-            w_o = _load_share(_pointer(table_ptr, layer, O_PROJ, dtype), base + 2, phase_lo,
-                              phase_hi, H, O_K, False, O_ROWS)
         # --- attention ---
         if (phase_lo <= base + 1) & (base + 1 < phase_hi):
             for item in range(pid, KV_HEADS * n_splits, grid):
@@ -837,29 +746,14 @@ def _persistent_decode_kernel(
                                 per_split, qkv_unit, HEADS, KV_HEADS, HEAD_DIM, GROUP_PAD,
                                 SPLITS_PAD, BLOCK_SIZE, BLOCK_T, HAS_QK_NORM, BARRIERS, dtype,
                                 cache_dtype)
-        barriers = _barrier_before(sync_ptr, barriers, base + 2, phase_lo, phase_hi, BARRIERS)
-        if SHARES == 1:
-            w_o = _load_share(_pointer(table_ptr, layer, O_PROJ, dtype), base + 2, phase_lo,
-                              phase_hi, H, O_K, False, O_ROWS)
-        if SHARES == 0:
-            w_o = None
+            barriers = _after_phase(sync_ptr, barriers, base + 2, phase_hi, BARRIERS)
         # --- o_proj and the residual: resid[0] = o + resid[1] ---
         if (phase_lo <= base + 2) & (base + 2 < phase_hi):
-            _linear_phase(table_ptr, layer, O_PROJ, w_o, O_ROWS, attn_ptr, resid_ptr,
-                          resid_ptr + H, None, awq_part_ptr, counts_ptr, one_bits, H, O_K, False,
-                          ADD_RESIDUAL, EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS,
-                          AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS, HEAD_DIM,
-                          GEMV_STAGES, dtype)
-        barriers = _arrive_before(sync_ptr, barriers, base + 3, phase_lo, phase_hi, BARRIERS)
-        if SHARES == 2:
-            w_gate_up = _load_share(_pointer(table_ptr, layer, GATE_UP, dtype), base + 3,
-                                    phase_lo, phase_hi, 2 * INTER, H, True, GATE_UP_ROWS)
-        _wait_before(sync_ptr, barriers, base + 3, phase_lo, phase_hi, BARRIERS)
-        if SHARES == 1:
-            w_gate_up = _load_share(_pointer(table_ptr, layer, GATE_UP, dtype), base + 3,
-                                    phase_lo, phase_hi, 2 * INTER, H, True, GATE_UP_ROWS)
-        if SHARES == 0:
-            w_gate_up = None
+            _linear_phase(table_ptr, layer, O_PROJ, attn_ptr, resid_ptr, resid_ptr + H, None,
+                          awq_part_ptr, counts_ptr, one_bits, H, O_K, False, ADD_RESIDUAL, EVEN,
+                          BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS, AWQ_BLOCK_K,
+                          AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS, HEAD_DIM, GEMV_STAGES, dtype)
+            barriers = _after_phase(sync_ptr, barriers, base + 3, phase_hi, BARRIERS)
         if IS_MOE:
             # --- the router: the post-attention norm, the router's logits ---
             if (phase_lo <= base + 3) & (base + 3 < phase_hi):
@@ -868,8 +762,7 @@ def _persistent_decode_kernel(
                 _gemv_phase(_pointer(table_ptr, layer, ROUTER, dtype), xn_ptr, logits_ptr, None,
                             None, EXPERTS, H, False, STORE, EVEN, BALANCED, BLOCK_N, BLOCK_K,
                             HEADS, KV_HEADS, HEAD_DIM, GEMV_STAGES, dtype)
-            barriers = _barrier_before(sync_ptr, barriers, base + 4, phase_lo, phase_hi,
-                                       BARRIERS)
+                barriers = _after_phase(sync_ptr, barriers, base + 4, phase_hi, BARRIERS)
             # --- the chosen experts' gate_up and SwiGLU: [TOP_K, INTER] ---
             if (phase_lo <= base + 4) & (base + 4 < phase_hi):
                 route_w, route_ids = route_row(logits_ptr, EXPERTS, TOP_K, RENORMALIZE, BLOCK_E,
@@ -877,8 +770,7 @@ def _persistent_decode_kernel(
                 _gemv_stream(_pointer(table_ptr, layer, GATE_UP, dtype), xn_ptr, act_ptr, None,
                              0, 0, 0, route_w, route_ids, EXPERT_ROWS, 2 * INTER, H, True, STORE,
                              EVEN, BLOCK_N, BLOCK_K, TOP_K, BLOCK_TOPK, GEMV_STAGES, dtype)
-            barriers = _barrier_before(sync_ptr, barriers, base + 5, phase_lo, phase_hi,
-                                       BARRIERS)
+                barriers = _after_phase(sync_ptr, barriers, base + 5, phase_hi, BARRIERS)
             # --- their down projections, weighted and summed: delta ---
             if (phase_lo <= base + 5) & (base + 5 < phase_hi):
                 route_w, route_ids = route_row(logits_ptr, EXPERTS, TOP_K, RENORMALIZE, BLOCK_E,
@@ -888,37 +780,28 @@ def _persistent_decode_kernel(
                              first, end, step, route_w, route_ids, EXPERT_SUM, H, INTER, False,
                              STORE, EVEN, BLOCK_N, BLOCK_K, TOP_K, BLOCK_TOPK, GEMV_STAGES,
                              dtype)
+                barriers = _after_phase(sync_ptr, barriers, base + 6, phase_hi, BARRIERS)
         else:
             # --- gate_up: the post-attention norm, both GEMVs, SwiGLU ---
             if (phase_lo <= base + 3) & (base + 3 < phase_hi):
                 _normed_input(resid_ptr, delta_ptr, False, _pointer(table_ptr, layer,
                               POST_NORM, dtype), xn_ptr, None, eps, H, NORM_BLOCK, dtype)
-                _linear_phase(table_ptr, layer, GATE_UP, w_gate_up, GATE_UP_ROWS, xn_ptr,
-                              act_ptr, None, None, awq_part_ptr, counts_ptr, one_bits, 2 * INTER,
-                              H, True, SWIGLU, EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP,
-                              AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS,
-                              HEAD_DIM, GEMV_STAGES, dtype)
-            barriers = _arrive_before(sync_ptr, barriers, base + 4, phase_lo, phase_hi,
-                                      BARRIERS)
-            if SHARES == 2:
-                w_down = _load_share(_pointer(table_ptr, layer, DOWN, dtype), base + 4,
-                                     phase_lo, phase_hi, H, INTER, False, DOWN_ROWS)
-            _wait_before(sync_ptr, barriers, base + 4, phase_lo, phase_hi, BARRIERS)
-            if SHARES == 1:
-                w_down = _load_share(_pointer(table_ptr, layer, DOWN, dtype), base + 4,
-                                     phase_lo, phase_hi, H, INTER, False, DOWN_ROWS)
-            if SHARES == 0:
-                w_down = None
-            # --- down: delta = W_down @ act ---
-            if (phase_lo <= base + 4) & (base + 4 < phase_hi):
-                _linear_phase(table_ptr, layer, DOWN, w_down, DOWN_ROWS, act_ptr, delta_ptr,
-                              None, None, awq_part_ptr, counts_ptr, one_bits, H, INTER, False,
-                              STORE, EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS,
+                _linear_phase(table_ptr, layer, GATE_UP, xn_ptr, act_ptr, None, None,
+                              awq_part_ptr, counts_ptr, one_bits, 2 * INTER, H, True, SWIGLU,
+                              EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS,
                               AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS, HEAD_DIM,
                               GEMV_STAGES, dtype)
+                barriers = _after_phase(sync_ptr, barriers, base + 4, phase_hi, BARRIERS)
+            # --- down: delta = W_down @ act ---
+            if (phase_lo <= base + 4) & (base + 4 < phase_hi):
+                _linear_phase(table_ptr, layer, DOWN, act_ptr, delta_ptr, None, None,
+                              awq_part_ptr, counts_ptr, one_bits, H, INTER, False, STORE, EVEN,
+                              BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS, AWQ_BLOCK_K,
+                              AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS, HEAD_DIM, GEMV_STAGES,
+                              dtype)
+                barriers = _after_phase(sync_ptr, barriers, base + 5, phase_hi, BARRIERS)
     # --- the final norm of resid[0] + delta, one program ---
     last = num_layers * LAYER_PHASES
-    barriers = _barrier_before(sync_ptr, barriers, last, phase_lo, phase_hi, BARRIERS)
     if (phase_lo <= last) & (last < phase_hi) & (pid == 0):
         _normed_input(resid_ptr, delta_ptr, num_layers > 0, final_norm_ptr, out_ptr, None, eps,
                       H, NORM_BLOCK, dtype)
@@ -1008,26 +891,6 @@ class PersistentTiles:
     # qweight tiles an AWQ item has in shared memory (4 KB each at 32 x 256): 4 keeps 12 KB a
     # program in flight, ~5 MB over the grid, about what the bf16 phases' two 8 KB tiles hold
     awq_stages: int = 4
-    # dense GEMVs from shares (_load_share): each program's rows of a GEMV over the whole of K
-    # in registers, requested before the barrier in front of it; bf16 weights of a dense MLP
-    shares: bool = False
-    share_prefetch: bool = True  # False: a phase's share requested after the barrier's wait
-
-
-def share_rows(shape: DecodeShape, programs: int) -> tuple[int, int, int, int]:
-    """Each dense GEMV's weight rows a program (qkv, o_proj, gate_up's gate and up, down) when
-    the GEMVs run from shares: a power of two, enough for `programs` to cover the GEMV."""
-    gated = (False, False, True, False)
-    return tuple((1 + g) * triton.next_power_of_2(triton.cdiv(n // (1 + g), programs))
-                 for (n, _), g in zip(shape.linear_sizes, gated, strict=True))
-
-
-def share_bytes(shape: DecodeShape, programs: int, element_size: int) -> int:
-    """The largest share a program holds in registers (_load_share: K padded to a power of
-    two) over a grid of `programs`."""
-    return max(rows * triton.next_power_of_2(k) * element_size
-               for rows, (_, k) in zip(share_rows(shape, programs), shape.linear_sizes,
-                                       strict=True))
 
 
 def pointer_table(layers: list[dict[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
@@ -1078,9 +941,6 @@ class PersistentDecode:
                                  f"group size {group} and every N (gate and up) of 8")
             tiles = replace(tiles, awq_block_k=math.gcd(tiles.awq_block_k, group))
             awq_blocks = max(triton.cdiv(n, tiles.awq_cols) for n, _ in shape.linear_sizes)
-        if tiles.shares and (shape.is_moe or shape.awq_group_size):
-            raise ValueError("persistent decode: shares are for the dense GEMVs of bf16 "
-                             "weights (not AWQ or a mixture of experts)")
         self.shape, self.table, self.final_norm, self.cos_sin = shape, table, final_norm, cos_sin
         self.cache_strides, self.tiles = cache_strides, tiles
         device, dtype = final_norm.device, final_norm.dtype
@@ -1109,24 +969,10 @@ class PersistentDecode:
         self.even = (all(n % tiles.block_n == 0 and k % tiles.block_k == 0
                          for n, k in gemv_sizes)
                      and shape.intermediate_size % (tiles.block_n // 2) == 0)
-        self.share_rows = self._share_rows(self.programs)
         if self.on_gpu:
-            # the shares' registers set the occupancy, which sets the grid, which sets the
-            # shares: fewer programs hold larger shares (twice as many rows at most per try)
-            for _ in range(4):
-                programs = self._co_resident(self.programs)
-                if programs == self.programs:
-                    break
-                self.programs = programs
-                self.share_rows = self._share_rows(programs)
-            else:
-                raise RuntimeError("persistent decode: no grid whose shares let it all be "
-                                   "resident at once")
+            self.programs = self._co_resident(self.programs)
             # fewer programs than asked: fewer splits (SPLITS_PAD, compiled in, still bounds it)
             self.max_splits = max(1, min(self.max_splits, self.programs // kv_heads))
-
-    def _share_rows(self, programs: int) -> tuple[int, int, int, int]:
-        return share_rows(self.shape, programs) if self.tiles.shares else (0, 0, 0, 0)
 
     @property
     def input(self) -> torch.Tensor:
@@ -1176,9 +1022,6 @@ class PersistentDecode:
             AWQ_BLOCK_K=tiles.awq_block_k, AWQ_SPLITS=tiles.awq_splits,
             AWQ_STAGES=tiles.awq_stages, GEMV_STAGES=tiles.stages,
             NORM_BLOCK=min(triton.next_power_of_2(shape.hidden_size), 4096),
-            SHARES=(1 + tiles.share_prefetch) * tiles.shares,
-            **dict(zip(("QKV_ROWS", "O_ROWS", "GATE_UP_ROWS", "DOWN_ROWS"), self.share_rows,
-                       strict=True)),
             num_warps=tiles.num_warps)
         if self.on_gpu and tiles.max_registers is not None:
             constexprs["maxnreg"] = tiles.max_registers

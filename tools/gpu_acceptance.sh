@@ -3,14 +3,13 @@
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
 # Stages: tests (or tests-kernels, then tests-rest), kernels latency offline profile
 # profile-tail serving int8-pool kv-offload kv-offload-repeat structured awq moe persistent
-# persistent-latency persistent-models persistent-awq, and tp and profile-tp (two GPUs).
-# Rough minutes on an H200: tests 14 (two calls: tests-kernels 7, tests-rest 7, on a machine
-# just started), kernels 2, latency 3, offline 5, profile 5, profile-tail 2, serving 4,
-# int8-pool 2, kv-offload 7, kv-offload-repeat 3, structured 4, awq 8, moe 6, persistent 6,
-# persistent-latency 6, persistent-models 8 and persistent-awq 8 (a guess: not yet run), tp 6
-# (plus start-up): pick what fits the device budget. Logs and JSON go to a scratch folder that
-# is packed into $OUT/STAGE.tar.gz (the device tool returns few files), and the key lines are
-# printed. Every process started here is ended here, by PID.
+# persistent-models persistent-awq, and tp and profile-tp (two GPUs). Rough minutes on an H200:
+# tests 14 (two calls: tests-kernels 7, tests-rest 7, on a machine just started), kernels 2,
+# latency 3, offline 5, profile 5, profile-tail 2, serving 4, int8-pool 2, kv-offload 7,
+# kv-offload-repeat 3, structured 4, awq 8, moe 6, persistent 6, persistent-models 8 and
+# persistent-awq 8 (a guess: not yet run), tp 6 (plus start-up): pick what fits the device
+# budget. Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the
+# device tool returns few files), and the key lines are printed. Every process started here is ended here, by PID.
 # The probes' runs: tools/dev/gpu_probes.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -209,19 +208,8 @@ stage_commands() {
         2>&1 | tail -3
       timeout 240 $PY tools/dev/probe_persistent_decode.py --model qwen3-0.6b 2>&1 \
         | tee "$dir/probe_persistent_qwen3-0.6b.log"
-      timeout 120 $PY tools/dev/probe_persistent_decode.py --model qwen3-0.6b --phases \
-        --shares --layers 2 2>&1 | tee "$dir/phases_shares_qwen3-0.6b.log" ;;
-    persistent-latency)  # #27: Qwen3-0.6B and stories110M batch 1, eight steps a launch:
-      # the usual kernels, the persistent step from shares (where they fit, the default) and
-      # from the tile stream
-      for model in qwen3-0.6b stories110m; do
-        persistent_latency "$dir" $model "--num-scheduler-steps 8" \
-          "--num-scheduler-steps 8 --persistent-decode"
-        mkdir -p "$dir/tiles"
-        echo "ECHO_PERSISTENT_SHARES=0:"
-        ECHO_PERSISTENT_SHARES=0 persistent_latency "$dir/tiles" $model \
-          "--num-scheduler-steps 8 --persistent-decode"
-      done ;;
+      persistent_latency "$dir" qwen3-0.6b "" "--persistent-decode" "--num-scheduler-steps 8" \
+        "--num-scheduler-steps 8 --persistent-decode" ;;
     persistent-models)  # #27, #28: the other models, eight steps a launch, with it and without
       for model in stories110m llama-3.1-8b qwen3-30b-a3b; do
         persistent_latency "$dir" $model "--num-scheduler-steps 8" \

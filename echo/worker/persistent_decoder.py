@@ -10,27 +10,13 @@ the model's (a cuBLAS GEMV that reaches the copy bandwidth on its own).
 
 import torch
 
-from echo import envs
 from echo.attention.backend import KVCache
 from echo.layers.attention import ForwardContext
 from echo.models.arch import ModelArch
 from echo.models.llama import LlamaForCausalLM, LlamaMLP
 from echo.models.qwen3 import Qwen3ForCausalLM
 from echo.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSparseBlock
-from echo_kernels.device import sm_count
-from echo_kernels.persistent_decode import (
-    DecodeShape,
-    PersistentDecode,
-    PersistentTiles,
-    pointer_table,
-    share_bytes,
-)
-
-# shares (PersistentTiles.shares) at three programs an SM of 4 warps where a program's largest
-# share is at most this: 64 registers a thread of the 168 the kernel is capped at (Qwen3-0.6B's
-# gate_up share on 132 SMs: 16 rows of 1,024 bf16)
-SHARE_BYTES = 32 * 1024
-SHARE_TILES = PersistentTiles(shares=True, programs_per_sm=3)
+from echo_kernels.persistent_decode import DecodeShape, PersistentDecode, pointer_table
 
 
 def unsupported_reason(model: torch.nn.Module, kv_caches: list[KVCache],
@@ -61,16 +47,6 @@ def unsupported_reason(model: torch.nn.Module, kv_caches: list[KVCache],
     if any(cache.k_scale is not None for cache in kv_caches):
         return "an int8 KV cache"
     return None
-
-
-def decode_tiles(shape: DecodeShape, sms: int, element_size: int) -> PersistentTiles:
-    """Shares where the model's dense GEMVs fit them (and ECHO_PERSISTENT_SHARES is not 0),
-    else the tile stream's defaults."""
-    if (envs.persistent_shares() and not shape.is_moe and not shape.awq_group_size
-            and share_bytes(shape, sms * SHARE_TILES.programs_per_sm, element_size)
-            <= SHARE_BYTES):
-        return SHARE_TILES
-    return PersistentTiles()
 
 
 def decode_shape(arch: ModelArch, block_size: int, num_layers: int | None = None,
@@ -128,12 +104,9 @@ class PersistentDecoder:
         if any(c.k.stride() != k.stride() or c.v.stride() != k.stride() for c in kv_caches):
             raise ValueError("persistent decode: every layer's cache must share one layout")
         self.embed = inner.embed_tokens
-        norm = inner.norm.weight
-        tiles = decode_tiles(self.shape, sm_count(norm.device, without_gpu=3),
-                             norm.element_size())
         self.kernel = PersistentDecode(
-            self.shape, pointer_table(layers, k.device), norm, attn.rope.cos_sin_cache,
-            (k.stride(0), k.stride(1), k.stride(2)), max_blocks, tiles)
+            self.shape, pointer_table(layers, k.device), inner.norm.weight,
+            attn.rope.cos_sin_cache, (k.stride(0), k.stride(1), k.stride(2)), max_blocks)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  ctx: ForwardContext) -> torch.Tensor:

@@ -216,35 +216,6 @@ def test_llama_shapes_ragged_tiles(balanced):
     check(decoder, decode, tol=1e-5)
 
 
-@pytest.mark.parametrize("programs", [5, 9])
-def test_shares_float32(programs):
-    """Every dense GEMV from the programs' shares in registers: sizes no power of two divides
-    (masked K columns, programs past a GEMV's rows), a GQA group of 3, gated shares of
-    several gate/up pairs; two steps, so the shares the first leaves behind do not leak."""
-    shape = qwen3_like(hidden_size=48, intermediate_size=40, num_heads=6, num_kv_heads=2,
-                       num_layers=3)
-    decoder = RandomDecoder(shape, 13, torch.float32, seed=10)
-    decode = decoder.kernel(PersistentTiles(block_t=4, split_tokens=4, shares=True),
-                            programs=programs)
-    # each GEMV's outputs shared out in powers of two: qkv 160, o_proj 48, SwiGLU 40, down 48
-    want = {5: (32, 16, 16, 16), 9: (32, 8, 2 * 8, 8)}[programs]
-    assert decode.share_rows == want
-    check(decoder, decode, tol=1e-5)
-    decoder.context, decoder.position = 14, 14
-    bs = decoder.shape.block_size
-    decoder.slot = int(decoder.block_table[14 // bs]) * bs + 14 % bs
-    decoder.embedding = decoder.embedding.flip(0)
-    check(decoder, decode, tol=1e-5)
-
-
-def test_shares_refuse_awq_and_experts():
-    for shape in (qwen3_like(awq_group_size=32, intermediate_size=128),
-                  qwen3_like(num_experts=4, top_k=2)):
-        decoder = RandomDecoder(shape, 3, torch.float32)
-        with pytest.raises(ValueError, match="shares"):
-            decoder.kernel(PersistentTiles(shares=True), programs=4)
-
-
 def test_repeated_steps_reuse_the_buffers():
     """A second step over the first's cache: the split counts and scratch left by the first
     do not leak into it."""
@@ -313,18 +284,6 @@ def test_one_launch_on_the_gpu(context):
     assert decode.programs >= decode.max_splits * shape.num_kv_heads
     check(decoder, decode, tol=3e-2)
     assert math.isfinite(decode.out.float().sum().item())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("context", [1, 300])
-def test_one_launch_from_shares_on_the_gpu(context):
-    """Qwen3-0.6B's per-layer shapes over 4 layers, the GEMVs from shares requested before
-    the barriers (a share held through the attention, the next layer's through the barrier)."""
-    shape = DecodeShape(hidden_size=1024, intermediate_size=3072, num_heads=16, num_kv_heads=8,
-                        head_dim=128, num_layers=4, block_size=16, eps=1e-6, qk_norm=True)
-    decoder = RandomDecoder(shape, context, torch.bfloat16, seed=11)
-    decode = decoder.kernel(PersistentTiles(shares=True))
-    check(decoder, decode, tol=3e-2)
 
 
 @pytest.mark.gpu

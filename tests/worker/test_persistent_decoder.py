@@ -7,8 +7,8 @@ import torch
 
 from echo.core.sched_output import CachedRequestData, SchedulerOutput
 from echo.layers.attention import ForwardContext
-from echo.worker.persistent_decoder import PersistentDecoder, decode_tiles, unsupported_reason
-from echo_kernels.persistent_decode import SYNC_ERROR, DecodeShape
+from echo.worker.persistent_decoder import PersistentDecoder, unsupported_reason
+from echo_kernels.persistent_decode import SYNC_ERROR
 from tests.helpers import echo_greedy_tokens, hf_greedy_tokens, load_hf
 from tests.models.test_awq_models import write_awq_model
 from tests.models.test_logits_vs_transformers import (
@@ -51,32 +51,6 @@ def test_decode_step_matches_transformers(fixture, prompt, request):
     assert unsupported_reason(runner.model, runner.kv_caches, 1) is None
     logits = decode_last_token(runner, prompt)
     torch.testing.assert_close(logits, hf_logits(hf, prompt)[-1], atol=1e-4, rtol=1e-4)
-
-
-def test_decode_step_through_the_tile_stream_matches_transformers(tiny_qwen3_untied,
-                                                                    monkeypatch):
-    """The tiny models' GEMVs fit shares, so the cases above run from them; this one streams
-    tiles instead (what models too large for shares do)."""
-    monkeypatch.setenv("ECHO_PERSISTENT_SHARES", "0")
-    runner, hf = make_runner(tiny_qwen3_untied), load_hf(tiny_qwen3_untied)
-    logits = decode_last_token(runner, PROMPTS[2])
-    torch.testing.assert_close(logits, hf_logits(hf, PROMPTS[2])[-1], atol=1e-4, rtol=1e-4)
-
-
-def test_shares_where_they_fit(monkeypatch):
-    qwen3_0_6b = DecodeShape(hidden_size=1024, intermediate_size=3072, num_heads=16,
-                             num_kv_heads=8, head_dim=128, num_layers=28, block_size=16,
-                             eps=1e-6, qk_norm=True)
-    # 396 programs on 132 SMs: qkv 4,096 rows -> 16 a program, 16 x 1,024 bf16 = 32 KB
-    assert decode_tiles(qwen3_0_6b, 132, 2).shares
-    assert not decode_tiles(qwen3_0_6b, 132, 4).shares  # float32: 64 KB
-    assert not decode_tiles(qwen3_0_6b, 60, 2).shares  # fewer SMs: 32 qkv rows a program
-    llama_8b = DecodeShape(hidden_size=4096, intermediate_size=14336, num_heads=32,
-                           num_kv_heads=8, head_dim=128, num_layers=32, block_size=16,
-                           eps=1e-5, qk_norm=False)
-    assert not decode_tiles(llama_8b, 132, 2).shares
-    monkeypatch.setenv("ECHO_PERSISTENT_SHARES", "0")
-    assert not decode_tiles(qwen3_0_6b, 132, 2).shares
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -140,18 +114,16 @@ def test_a_barrier_that_gave_up_is_reported(tiny_qwen3):
     runner = make_runner(tiny_qwen3)
     decoder = PersistentDecoder(runner.model, runner.kv_caches, BLOCK, 8)
     decoder.raise_if_failed()  # a fresh flag
-    decoder.kernel.sync[SYNC_ERROR.value] = 1  # what _wait_for sets when it gives up
+    decoder.kernel.sync[SYNC_ERROR.value] = 1  # what _grid_barrier sets when it gives up
     with pytest.raises(RuntimeError, match="not all resident at once"):
         decoder.raise_if_failed()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("steps,shares", [(1, "1"), (8, "1"), (1, "0")])
-def test_gpu_graphs_give_transformers_greedy_tokens(tiny_qwen3, steps, shares, monkeypatch):
+@pytest.mark.parametrize("steps", [1, 8])
+def test_gpu_graphs_give_transformers_greedy_tokens(tiny_qwen3, steps):
     """The batch-1 decode graph captures the persistent launch (one step per launch, or
-    eight with the sampling graphs over it), its GEMVs from shares or a tile stream; float32,
-    so the tokens compare exactly."""
-    monkeypatch.setenv("ECHO_PERSISTENT_SHARES", shares)
+    eight with the sampling graphs over it); float32, so the tokens compare exactly."""
     prompt = PROMPTS[2]
     expected = hf_greedy_tokens(load_hf(tiny_qwen3), prompt, 32)
     assert echo_greedy_tokens(tiny_qwen3, [prompt], 32, device="cuda", dtype="float32",

@@ -1,7 +1,7 @@
 """Which tiles make the persistent decode step fastest, and how far is it from its read time?
 
     python tools/dev/probe_persistent_decode.py [--model qwen3-0.6b] [--context 256] [--sweep]
-        [--awq-group 128] [--phases [--shares] --layers 2]
+        [--awq-group 128] [--phases --layers 2]
 
 #27's kernel (echo_kernels/persistent_decode.py) at a preset's real shapes with random bf16
 weights, one sequence whose `context` keys are in a paged cache: each tile setting's step
@@ -38,11 +38,7 @@ from echo_kernels.persistent_decode import (  # noqa: E402
 BLOCK_SIZE = 16
 DEFAULT_SETTINGS = [dict(), dict(stages=2), dict(balanced_rows=False), dict(block_n=4),
                     dict(block_n=4, balanced_rows=False), dict(block_k=256),
-                    dict(programs_per_sm=1), dict(programs_per_sm=3),
-                    # the GEMVs from shares in registers (what the engine picks where they fit)
-                    dict(shares=True, programs_per_sm=3),
-                    dict(shares=True, programs_per_sm=3, share_prefetch=False),
-                    dict(shares=True, programs_per_sm=2, num_warps=8, max_registers=128)]
+                    dict(programs_per_sm=1), dict(programs_per_sm=3)]
 AWQ_SETTINGS = [dict(), dict(awq_stages=2), dict(awq_stages=8), dict(awq_block_k=16),
                 dict(awq_cols=128), dict(awq_cols=512), dict(awq_splits=16), dict(awq_splits=64),
                 dict(programs_per_sm=3)]
@@ -127,10 +123,10 @@ def awq_tensors(name: str, n: int, k: int, group: int) -> dict[str, torch.Tensor
             f"{name}_scales": scales.to(torch.bfloat16)}
 
 
-def phase_times(step: Step, tiles: PersistentTiles) -> None:
+def phase_times(step: Step) -> None:
     """µs of launches of phases [0, k) for every k (the kernel's own phase_lo/phase_hi, the
     sync counts zeroed in front of each launch, since a partial step leaves them set)."""
-    decode = step.decode(tiles)
+    decode = step.decode(PersistentTiles())
     phases = step.shape.num_layers * step.shape.layer_phases + 1
     before = 0.0
     for hi in range(1, phases + 1):
@@ -155,18 +151,11 @@ def main() -> None:
                         help="AWQ linear layers of this group size (their settings)")
     parser.add_argument("--phases", action="store_true",
                         help="each phase's time: launches of the first k phases")
-    parser.add_argument("--shares", action="store_true",
-                        help="--phases with the GEMVs from shares (3 programs an SM)")
     args = parser.parse_args()
     shape = replace(shape_of(args.model, args.layers), awq_group_size=args.awq_group)
     step = Step(shape, args.context)
     if args.phases:
-        for tiles in ([PersistentTiles(shares=True, programs_per_sm=3),
-                       PersistentTiles(shares=True, programs_per_sm=3, share_prefetch=False),
-                       PersistentTiles(programs_per_sm=3)]
-                      if args.shares else [PersistentTiles()]):
-            print(tiles)
-            phase_times(step, tiles)
+        phase_times(step)
         return
     copy_tbs = measure_ceilings()["copy_TBps"]
     floor_us = step.weight_bytes / copy_tbs / 1e6
