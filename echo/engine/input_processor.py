@@ -56,20 +56,23 @@ class InputProcessor:
                              "pass prompts as token ids")
         return self.tokenizer
 
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: Prompt, field: str = "prompt") -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt; errors name `field` (the dict's key where the ids
+        came in vLLM's {"prompt_token_ids": [...]})."""
         if isinstance(prompt, str):
-            ids = self.need_tokenizer("prompt").encode(prompt)
+            ids = self.need_tokenizer(field).encode(prompt)
             return prompt, list(ids)
-        if isinstance(prompt, dict):  # {"prompt_token_ids": [...]} as vLLM accepts
-            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
-            return self.tokenize(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return self.tokenize(prompt["prompt_token_ids"], "prompt_token_ids")
+            return self.tokenize(prompt.get("prompt"), field)
         try:
             ids = list(prompt)
         except TypeError:
-            raise ValueError("prompt: expected a string, a list of token ids or "
+            raise ValueError(f"{field}: expected a string, a list of token ids or "
                              f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
                              ) from None
-        self.check_token_ids(ids, "prompt_token_ids")
+        self.check_token_ids(ids, field)
         return None, ids
 
     def check_token_ids(self, ids: list, field: str) -> None:

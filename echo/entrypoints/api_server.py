@@ -305,11 +305,19 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
         return await serve(request, "chat.completion", body, [ids], body.limit(), logprobs,
                            chat=True, tools=tools)
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "echo",
+                "max_model_len": max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "echo",
-                 "max_model_len": max_model_len} for name in served_model_names]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(name) for name in served_model_names]}
+
+    # OpenAI's retrieve (client.models.retrieve): a name may hold slashes ("org/model")
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        check_model(name)
+        return model_card(name)
 
     @app.get("/health")
     async def health():

@@ -170,6 +170,8 @@ def test_api_key_body_limit_models_health_metrics(tiny_chat_model):
     async def test(http, client):
         no_key = await http.get("/v1/models")
         models = await http.get("/v1/models", headers={"Authorization": "Bearer k"})
+        one = await http.get(f"/v1/models/{NAME}", headers={"Authorization": "Bearer k"})
+        other = await http.get("/v1/models/org/other", headers={"Authorization": "Bearer k"})
         big = await http.post("/v1/completions", content=b"x" * 5000,
                               headers={"Authorization": "Bearer k",
                                        "Content-Type": "application/json"})
@@ -178,12 +180,16 @@ def test_api_key_body_limit_models_health_metrics(tiny_chat_model):
                              headers={"Authorization": "Bearer k"})
         health = await http.get("/health")
         metrics = await http.get("/metrics")
-        return no_key, models, big, ok, health, metrics
+        return no_key, models, big, ok, health, metrics, one, other
 
-    no_key, models, big, ok, health, metrics = with_server(tiny_chat_model, test, api_key="k",
-                                                           max_request_bytes=4096)
+    no_key, models, big, ok, health, metrics, one, other = with_server(
+        tiny_chat_model, test, api_key="k", max_request_bytes=4096)
     assert no_key.status_code == 401
     assert models.json()["data"][0]["id"] == NAME
+    # OpenAI's retrieve: the same card, or a 404 naming the model
+    assert one.json() == models.json()["data"][0]
+    assert other.status_code == 404 and other.json()["error"]["param"] == "model"
+    assert "org/other" in other.json()["error"]["message"]
     assert big.status_code == 413
     assert ok.status_code == 200 and health.status_code == 200
     text = metrics.text

@@ -107,10 +107,14 @@ def test_bad_input_fails_before_queuing_and_llm_keeps_working(tiny_llama):
                          ("top_p", 1.5), ("top_k", -2)]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**{field: value})
-    with pytest.raises(ValueError, match="prompt_token_ids"):
+    # errors name what the caller passed: the prompt, or the key of vLLM's TokensPrompt
+    with pytest.raises(ValueError, match=r"prompt: every id must be an int in \[0, 128\)"):
         llm.generate([[1, 2, 10_000]], good, use_tqdm=False)
-    for prompt in (None, 3.5, {"prompt_token_ids": None}):
-        with pytest.raises(ValueError, match="prompt: expected a string"):
+    with pytest.raises(ValueError, match="prompt_token_ids: every id"):
+        llm.generate([{"prompt_token_ids": [1, -1]}], good, use_tqdm=False)
+    for prompt, field in ((None, "prompt"), (3.5, "prompt"),
+                          ({"prompt_token_ids": None}, "prompt_token_ids")):
+        with pytest.raises(ValueError, match=f"{field}: expected a string"):
             llm.generate([prompt], good, use_tqdm=False)
     for prompts in (None, 5):
         with pytest.raises(ValueError, match="prompts: expected a prompt"):
