@@ -399,6 +399,8 @@ class EngineConfig:
             import torch
 
             visible = torch.cuda.device_count()
+            _check(visible > 0, "device", "cuda needs a CUDA GPU, but none is visible "
+                   "(device='cpu' runs on the CPU)")
             _check(tp <= visible, "tensor_parallel_size",
                    f"{tp} ranks need {tp} GPUs, but {visible} CUDA device(s) are visible")
             dp = self.parallel.data_parallel_size

@@ -178,3 +178,7 @@ def test_tp_larger_than_the_visible_gpus_is_refused_on_cuda_only(tmp_path, monke
     assert EngineConfig.create(folder, device="cuda", tp=1).parallel.tensor_parallel_size == 1
     # on CPU the ranks are processes sharing the host: no GPU count applies
     assert EngineConfig.create(folder, device="cpu", tp=2).parallel.tensor_parallel_size == 2
+    # no GPU at all: the device asked for is what is wrong, not the rank count
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match="device: cuda needs a CUDA GPU, but none is visible"):
+        EngineConfig.create(folder, device="cuda")
