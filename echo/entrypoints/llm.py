@@ -92,7 +92,10 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
-            params = list(sampling_params)
+            params = list(sampling_params) if isinstance(sampling_params, Sequence) else None
+            if params is None or not all(isinstance(p, SamplingParams) for p in params):
+                raise ValueError("sampling_params: expected a SamplingParams or a list of "
+                                 f"them, got {type(sampling_params).__name__}")
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for "
                                  f"{len(prompts)} prompts")
@@ -117,6 +120,9 @@ class LLM:
         """One conversation (a list of {'role', 'content'}) or a list of them.
         chat_template_kwargs: extra variables for the template (e.g. enable_thinking);
         continue_final_message: leave the last (assistant) message open for the model."""
+        if not isinstance(messages, list):
+            raise ValueError("messages: expected a list of {'role': ..., 'content': ...} or a "
+                             f"list of such lists, got {type(messages).__name__}")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         ids = [self.input_processor.chat_to_ids(
             c, add_generation_prompt, continue_final_message=continue_final_message,

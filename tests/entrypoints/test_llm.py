@@ -119,6 +119,11 @@ def test_bad_input_fails_before_queuing_and_llm_keeps_working(tiny_llama):
     for prompts in (None, 5):
         with pytest.raises(ValueError, match="prompts: expected a prompt"):
             llm.generate(prompts, good, use_tqdm=False)
+    for params in ({"max_tokens": 2}, 5, "greedy", [good, {"max_tokens": 2}]):
+        with pytest.raises(ValueError, match="sampling_params: expected a SamplingParams"):
+            llm.generate([PROMPTS[0], PROMPTS[1]], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="messages: expected a list"):
+        llm.chat({"role": "user", "content": "hi"}, good, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate([PROMPTS[0]], good, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
