@@ -183,6 +183,9 @@ class AsyncClient:
         served first; other than 0 only with scheduling_policy="priority" (else ValueError)."""
         self._check_alive()
         self.config.scheduler.check_priority(priority)
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise ValueError("sampling_params: expected a SamplingParams, got "
+                             f"{type(sampling_params).__name__}")
         params = sampling_params or SamplingParams()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = self.input_processor.chat_to_ids(prompt)

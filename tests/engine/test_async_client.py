@@ -78,6 +78,8 @@ def test_refused_requests_raise_and_others_continue(tiny_llama):
                 await collect(client, [5] * 300, SamplingParams(max_tokens=2))
             with pytest.raises(ValueError, match="KV|block"):
                 await collect(client, [5] * 150, SamplingParams(max_tokens=2))
+            with pytest.raises(ValueError, match="sampling_params: expected a SamplingParams"):
+                await collect(client, PROMPTS[0], {"max_tokens": 2})
             return await collect(client, PROMPTS[0], SamplingParams(max_tokens=2,
                                                                     ignore_eos=True))
 
