@@ -134,6 +134,11 @@ def test_old_and_new_rope_forms_agree():
     new = arch_from_hf_config({**base, "rope_parameters": {"rope_type": "llama3",
                                                            "rope_theta": 5e5, **scaling}})
     assert old == new and old.rope_theta == 5e5
+    # what echo cannot apply is refused, naming it, rather than run with plain RoPE
+    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+        arch_from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="rope_scaling must be an object, got 'linear'"):
+        arch_from_hf_config({**base, "rope_scaling": "linear"})
 
 
 def _tp_model(folder, **overrides):

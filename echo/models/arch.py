@@ -74,6 +74,9 @@ def _as_tuple(ids) -> tuple[int, ...]:
 def _rope(cfg: dict) -> tuple[float, RopeScaling | None]:
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
+    for name, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise ValueError(f"config.json: {name} must be an object, got {value!r}")
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     merged = {**scaling, **params}
     rope_type = merged.get("rope_type", merged.get("type", "default"))
