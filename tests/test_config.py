@@ -141,6 +141,23 @@ def test_old_and_new_rope_forms_agree():
         arch_from_hf_config({**base, "rope_scaling": "linear"})
 
 
+@pytest.mark.parametrize("field,value,message", [
+    ("num_hidden_layers", 0, "num_hidden_layers must be a whole number >= 1, got 0"),
+    ("num_attention_heads", 0, "num_attention_heads must be a whole number >= 1, got 0"),
+    ("hidden_size", "eight", "hidden_size must be a whole number >= 1, got 'eight'"),
+    ("vocab_size", 2.5, "vocab_size must be a whole number >= 1, got 2.5"),
+    ("num_key_value_heads", 3, r"num_attention_heads \(2\) must be a multiple of "
+                               r"num_key_value_heads \(3\)"),
+    ("rms_norm_eps", -1e-6, "rms_norm_eps must be > 0"),
+])
+def test_config_json_sizes_that_cannot_be_a_model_are_named(field, value, message):
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+    assert arch_from_hf_config(base).head_dim == 4  # hidden_size / num_attention_heads
+    with pytest.raises(ValueError, match=f"config.json: {message}"):
+        arch_from_hf_config({**base, field: value})
+
+
 def _tp_model(folder, **overrides):
     """A model folder with just config.json: the config never reads weights."""
     cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,

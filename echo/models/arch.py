@@ -71,6 +71,17 @@ def _as_tuple(ids) -> tuple[int, ...]:
     return tuple(ids) if isinstance(ids, list) else (int(ids),)
 
 
+def _positive_int(value, name: str, source: str) -> int:
+    """A config.json size: a whole number >= 1 (written as a number or its text)."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = 0
+    if number < 1 or (isinstance(value, float) and value != number):
+        raise ValueError(f"{source}: {name} must be a whole number >= 1, got {value!r}")
+    return number
+
+
 def _rope(cfg: dict) -> tuple[float, RopeScaling | None]:
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
@@ -102,22 +113,33 @@ def arch_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArch:
             f"echo runs {sorted(SUPPORTED_ARCHITECTURES)}"
         )
     try:
-        num_heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
+        def size(name: str, default: int | None = None) -> int:
+            return _positive_int(cfg[name] if default is None else cfg.get(name) or default,
+                                 name, source)
+
+        num_heads = size("num_attention_heads")
+        hidden = size("hidden_size")
+        num_kv_heads = size("num_key_value_heads", num_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{source}: num_attention_heads ({num_heads}) must be a multiple "
+                             f"of num_key_value_heads ({num_kv_heads})")
+        eps = float(cfg.get("rms_norm_eps", 1e-6))
+        if not eps > 0:
+            raise ValueError(f"{source}: rms_norm_eps must be > 0, got {eps}")
         theta, scaling = _rope(cfg)
         return ModelArch(
             family=family,
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=size("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            intermediate_size=size("intermediate_size"),
+            num_layers=size("num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=num_kv_heads,
+            head_dim=size("head_dim", max(hidden // num_heads, 1)),
+            rms_norm_eps=eps,
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=size("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
             bos_token_id=cfg.get("bos_token_id"),
