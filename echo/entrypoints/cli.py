@@ -72,6 +72,25 @@ def port_number(text: str) -> int:
     return port
 
 
+def api_key_arg(text: str) -> str:
+    """argparse type of --api-key: an empty key (an unset shell variable, say) would leave the
+    server open to everyone, so it is refused."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty (leave the flag out to serve "
+                                         "without a key)")
+    return text
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_server_args(srv: argparse.ArgumentParser) -> None:
     """vLLM's `serve` flags, where echo does the same thing."""
     srv.add_argument("model_tag", nargs="?", metavar="MODEL",
@@ -81,8 +100,9 @@ def add_server_args(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--served-model-name", nargs="+", action="extend",
                      help="name(s) clients use for the model; the first is reported "
                           "(default: the model argument)")
-    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
-                     "(default: $ECHO_API_KEY)")
+    srv.add_argument("--api-key", type=api_key_arg,
+                     help="require 'Authorization: Bearer KEY' on /v1 routes "
+                          "(default: $ECHO_API_KEY)")
     srv.add_argument("--chat-template",
                      help="a Jinja chat template, or a file holding one, instead of the model's")
     srv.add_argument("--generation-config", default="auto",
@@ -108,7 +128,7 @@ def add_server_args(srv: argparse.ArgumentParser) -> None:
                      help="the path prefix a proxy serves this server under")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may finish after SIGTERM")
-    srv.add_argument("--max-request-bytes", type=int, default=16 * 2**20)
+    srv.add_argument("--max-request-bytes", type=positive_int, default=16 * 2**20)
     chat = srv.add_argument_group("tools and reasoning (chat completions)")
     chat.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="let the model decide when to call tools (tool_choice auto); needs "

@@ -52,6 +52,13 @@ def test_serve_refuses_a_bad_or_busy_port_before_the_engine_starts(tiny_chat_mod
     foreign = run_cli("serve", str(tiny_chat_model), "--device", "cpu", "--host", "192.0.2.1")
     assert foreign.returncode == 2  # TEST-NET-1: an address this machine does not have
     assert "error: host: cannot listen on 192.0.2.1:8000" in foreign.stderr
+    # an empty key (an unset shell variable) would serve everyone: refused, as a zero limit
+    empty_key = run_cli("serve", str(tiny_chat_model), "--device", "cpu", "--api-key", "")
+    assert empty_key.returncode == 2 and "--api-key: must not be empty" in empty_key.stderr
+    no_bytes = run_cli("serve", str(tiny_chat_model), "--device", "cpu",
+                       "--max-request-bytes", "0")
+    assert no_bytes.returncode == 2
+    assert "--max-request-bytes: must be >= 1, got 0" in no_bytes.stderr
 
 
 @pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--tp", "-tp", "--tp-size"])
