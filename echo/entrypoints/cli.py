@@ -82,6 +82,7 @@ def api_key_arg(text: str) -> str:
 
 
 def positive_int(text: str) -> int:
+    """argparse type of a count or size: a whole number >= 1."""
     try:
         value = int(text)
     except ValueError:
