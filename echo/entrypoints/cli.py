@@ -61,15 +61,26 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _whole_number(text: str, low: int, high: int | None = None) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if high is None and value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+    if high is not None and not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
+    return value
+
+
 def port_number(text: str) -> int:
     """argparse type of --port: a TCP port (0: any free one)."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
-    return port
+    return _whole_number(text, 0, 65535)
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a count or size: a whole number >= 1."""
+    return _whole_number(text, 1)
 
 
 def api_key_arg(text: str) -> str:
@@ -79,17 +90,6 @@ def api_key_arg(text: str) -> str:
         raise argparse.ArgumentTypeError("must not be empty (leave the flag out to serve "
                                          "without a key)")
     return text
-
-
-def positive_int(text: str) -> int:
-    """argparse type of a count or size: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_server_args(srv: argparse.ArgumentParser) -> None:
