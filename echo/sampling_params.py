@@ -216,6 +216,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, array_like=True):
                 or self.repetition_penalty != 1)
 
 
+def check_sampling_params(value) -> SamplingParams:
+    """value, if it is a SamplingParams: the Python APIs' check of what they were given (a dict
+    of its fields, say, would otherwise fail deep inside as an AttributeError)."""
+    if not isinstance(value, SamplingParams):
+        raise ValueError(f"sampling_params: expected a SamplingParams, got {type(value).__name__}")
+    return value
+
+
 def _is_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 

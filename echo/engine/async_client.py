@@ -34,7 +34,7 @@ from echo.engine.replicas import Replica, create_replicas
 from echo.engine.router import NoReplicaError, Router
 from echo.outputs import RequestOutput
 from echo.profiling import step_range
-from echo.sampling_params import SamplingParams
+from echo.sampling_params import SamplingParams, check_sampling_params
 
 log = logging.getLogger(__name__)
 
@@ -183,10 +183,8 @@ class AsyncClient:
         served first; other than 0 only with scheduling_policy="priority" (else ValueError)."""
         self._check_alive()
         self.config.scheduler.check_priority(priority)
-        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
-            raise ValueError("sampling_params: expected a SamplingParams, got "
-                             f"{type(sampling_params).__name__}")
-        params = sampling_params or SamplingParams()
+        params = (SamplingParams() if sampling_params is None
+                  else check_sampling_params(sampling_params))
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = self.input_processor.chat_to_ids(prompt)
         text, ids = self.input_processor.tokenize(prompt)

@@ -18,7 +18,7 @@ from echo.engine.output_processor import OutputProcessor
 from echo.engine.sync_client import SyncCoreClient
 from echo.outputs import RequestOutput
 from echo.profiling import step_range
-from echo.sampling_params import SamplingParams
+from echo.sampling_params import SamplingParams, check_sampling_params
 
 
 class LLM:
@@ -89,16 +89,13 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params) if isinstance(sampling_params, Sequence) else None
-            if params is None or not all(isinstance(p, SamplingParams) for p in params):
-                raise ValueError("sampling_params: expected a SamplingParams or a list of "
-                                 f"them, got {type(sampling_params).__name__}")
+        if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
+            params = [check_sampling_params(p) for p in sampling_params]
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for "
                                  f"{len(prompts)} prompts")
+        else:
+            params = [check_sampling_params(sampling_params)] * len(prompts)
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority: {len(priorities)} given for {len(prompts)} prompts")
