@@ -41,6 +41,7 @@ def _small_m_linear_kernel(
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks on the weight
     PREFETCH: tl.constexpr,  # load the next weight tile before using this one
+    WHOLE_K: tl.constexpr,  # PREFETCH with BLOCK_K >= K: one tile, all of it before the wait
     USE_PDL: tl.constexpr,  # echo_kernels.pdl: the first weight tile loads before the wait
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -48,6 +49,17 @@ def _small_m_linear_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
+    if WHOLE_K:
+        # one tile holds the program's whole share: it loads before the wait (while the short
+        # kernel before still runs), and no second tile is held as the loop below holds one
+        w = weight_tile(w_ptrs, cols, offs_k, 0, N, K, EVEN)
+        wait_for_inputs(USE_PDL)
+        x = tl.load(x_ptrs, mask=(rows[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+        y = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+        out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        tl.store(out, y.to(out_ptr.dtype.element_ty),
+                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+        return
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
     # NOTE: Triton's software pipeliner stages loads that feed tl.dot; these feed CUDA-core
     # math, so PREFETCH double-buffers them in registers by hand to keep two tiles in flight
@@ -92,5 +104,6 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = 
     _small_m_linear_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, PREFETCH=prefetch,
+        WHOLE_K=prefetch and block_k >= k,
         **pdl_options(x.device), num_warps=num_warps, num_stages=num_stages)
     return out

@@ -36,6 +36,12 @@ GEMV_CANDIDATES = ((8, 512, False, 4), (8, 512, True, 4), (4, 512, False, 4), (4
 AWQ_GEMV_CANDIDATES = ((1024, 8, 8, 3), (512, 16, 8, 3), (1024, 16, 8, 3), (512, 8, 16, 3),
                        (1024, 8, 16, 3), (512, 16, 16, 3), (512, 8, 4, 3), (512, 8, 8, 5))
 MIN_GAIN = 1.03  # a candidate must be at least 3% faster: noise must not flip a choice
+# A tile over the whole of K with prefetch loads a program's entire share of the weight before
+# the PDL wait, while the short kernel before it (a norm, the split merge, SwiGLU) still runs:
+# at small models' layers (4-12 MB) the load is most of a GEMV's time. Elements a share holds
+# at most, by warps: 8K and 16K bf16 weights are 32 registers a thread, beside the float32
+# accumulator's 64.
+PRELOAD_SHARES = ((8192, 4), (16384, 8))
 
 # a linear layer's operands after x: (weight,), or (qweight, qzeros, scales, group_size)
 Operands = tuple
@@ -70,6 +76,18 @@ class ShapeChoice:
                 f"{pick}")
 
 
+def preload_tiles(k: int) -> tuple[tuple, ...]:
+    """GEMV candidates whose one tile covers K (PRELOAD_SHARES), for layers of K inputs."""
+    block_k = 1 << (k - 1).bit_length()
+    return tuple((elements // block_k, block_k, True, warps)
+                 for elements, warps in PRELOAD_SHARES if elements // block_k >= 2)
+
+
+def gemv_candidates(k: int) -> tuple[tuple, ...]:
+    """The GEMV tiles timed for a layer of K inputs."""
+    return GEMV_CANDIDATES + tuple(t for t in preload_tiles(k) if t not in GEMV_CANDIDATES)
+
+
 def gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int) -> Matmul:
     from echo_kernels.linear import small_m_linear
 
@@ -91,7 +109,7 @@ def awq_default(x, qweight, qzeros, scales, group_size) -> torch.Tensor:
 
 
 def tune_one_row_linears(model: nn.Module, timer: Timer,
-                         candidates: Sequence[tuple] = GEMV_CANDIDATES,
+                         candidates: Callable[[int], Sequence[tuple]] = gemv_candidates,
                          make_kernel: Callable[..., Matmul] = gemv,
                          awq_candidates: Sequence[tuple] = AWQ_GEMV_CANDIDATES,
                          make_awq_kernel: Callable[..., Matmul] = awq_gemv
@@ -107,10 +125,11 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
         operands = [_operands(layer) for layer in layers]
         like = operands[0][0] if group is None else operands[0][2]  # weight or scales
         x = torch.randn(1, k, dtype=like.dtype, device=like.device)
-        baseline, tiles, make = ((F.linear, candidates, make_kernel) if group is None else
-                                 (awq_default, awq_candidates, make_awq_kernel))
-        if group is not None:  # awq_gemv's block_k must divide the group
-            tiles = [tile for tile in tiles if group % tile[1] == 0]
+        if group is None:
+            baseline, tiles, make = F.linear, candidates(k), make_kernel
+        else:  # awq_gemv's block_k must divide the group
+            baseline, make = awq_default, make_awq_kernel
+            tiles = [tile for tile in awq_candidates if group % tile[1] == 0]
         baseline_us = timer(baseline, x, operands)
         best_us, best_tile = baseline_us / MIN_GAIN, None
         for tile in tiles:
@@ -141,14 +160,28 @@ def _operands(layer: LinearBase) -> Operands:
 
 def cuda_graph_timer(fn: Matmul, x: torch.Tensor, operands: list[Operands],
                      replays: int = 10) -> float:
-    """Median time per call of fn(x, *each layer's operands), replayed from one CUDA graph
-    (launch overhead out, as in the engine's decode graphs)."""
-    fn(x, *operands[0])  # compile before capture
+    """Median time per call of fn(x', *each layer's operands), replayed from one CUDA graph
+    (launch overhead out, as in the engine's decode graphs), where x' = rms_norm(x) comes from
+    a short kernel launched just before, whose own time is taken off: in a decode step every
+    one-row linear layer follows one (a norm, the split merge, SwiGLU), and a tile that loads
+    its weight before the PDL wait gains only behind it."""
+    from echo_kernels.norm import rms_norm
+
+    ones = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    fn(rms_norm(x, ones, 1e-6), *operands[0])  # compile before capture
+    with_fn = _graph_us([lambda ops=ops: fn(rms_norm(x, ones, 1e-6), *ops) for ops in operands],
+                        replays)
+    lead_alone = _graph_us([lambda: rms_norm(x, ones, 1e-6)] * len(operands), replays)
+    return (with_fn - lead_alone) / len(operands)
+
+
+def _graph_us(calls: list[Callable[[], object]], replays: int) -> float:
+    """Median µs of one replay of a CUDA graph of the calls in order."""
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for layer_operands in operands:
-            fn(x, *layer_operands)
+        for call in calls:
+            call()
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -156,5 +189,5 @@ def cuda_graph_timer(fn: Matmul, x: torch.Tensor, operands: list[Operands],
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(operands))
+        times.append(start.elapsed_time(end) * 1e3)
     return sorted(times)[len(times) // 2]

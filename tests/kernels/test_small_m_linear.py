@@ -7,8 +7,12 @@ import torch.nn.functional as F
 from echo_kernels.linear import small_m_linear
 
 
+# the last three: one tile over the whole of K (with prefetch, all loaded before the wait),
+# ragged K, ragged N, even
 @pytest.mark.parametrize("m,n,k,blocks", [(1, 96, 300, (32, 64)), (3, 130, 512, (16, 64)),
-                                          (4, 64, 128, (16, 64)), (2, 48, 64, (None, None))])
+                                          (4, 64, 128, (16, 64)), (2, 48, 64, (None, None)),
+                                          (1, 96, 300, (8, 512)), (3, 130, 512, (4, 512)),
+                                          (2, 64, 256, (8, 256))])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_matches_linear(device, m, n, k, blocks, dtype, prefetch):
@@ -25,6 +29,24 @@ def test_matches_linear(device, m, n, k, blocks, dtype, prefetch):
 def test_rejects_too_many_rows(device):
     with pytest.raises(ValueError, match="1..4 rows"):
         small_m_linear(torch.zeros(5, 64, device=device), torch.zeros(8, 64, device=device))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (1024, 3072), (2304, 768),
+                                 (5120, 2048), (2048, 4096)])
+def test_gpu_whole_k_tiles_at_small_model_shapes(n, k):
+    # Qwen3-0.6B's qkv, o_proj and down, stories110M's qkv, Qwen3-30B-A3B's qkv and o_proj,
+    # through every tile the tuning offers that loads a program's whole share before the wait
+    from echo.worker.linear_tuning import preload_tiles
+
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    tiles = preload_tiles(k)
+    assert tiles
+    for block_n, block_k, prefetch, warps in tiles:
+        out = small_m_linear(x, w, block_n, block_k, warps, prefetch=prefetch)
+        torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), atol=2e-2,
+                                   rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -54,7 +54,8 @@ def test_faster_tiles_replace_cublas_only_beyond_the_margin():
              ((8, 16), "cublas"): 10.0, ((8, 16), tiles[0]): 10.0 / 1.02,
              ((8, 16), tiles[1]): 11.0}
     timer, seen = fake_timer(times)
-    choices = {c.shape: c for c in tune_one_row_linears(net, timer, tiles, kernel_for)}
+    choices = {c.shape: c for c in tune_one_row_linears(net, timer, lambda k: tiles,
+                                                            kernel_for)}
     assert MIN_GAIN > 1.02
     assert set(choices) == {(16, 8), (8, 16)}  # the biased layer was not timed
     assert choices[(16, 8)].tile == tiles[1] and choices[(16, 8)].best_us == 8.0
@@ -105,7 +106,7 @@ def test_awq_layers_take_a_faster_gemv_tile_by_shape():
              ((32, 1), tiles[1]): 12.0, ((16, 8), "cublas"): 10.0}
     timer, seen = fake_timer(times)
     # a tile whose 32 rows a step do not divide the group of 16 is never timed (KeyError)
-    choices = tune_one_row_linears(net, timer, [], kernel_for, [*tiles, (512, 32, 8, 3)],
+    choices = tune_one_row_linears(net, timer, lambda k: (), kernel_for, [*tiles, (512, 32, 8, 3)],
                                    awq_kernel_for)
     by_shape = {(c.shape, c.awq_group): c for c in choices}
     assert set(by_shape) == {((16, 32), 16), ((8, 32), 16), ((16, 8), None)}
