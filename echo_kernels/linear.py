@@ -26,10 +26,27 @@ def weight_tile(w_ptrs, cols, offs_k, k0, N, K, UNMASKED: tl.constexpr):
 
 
 @triton.jit
+def _store_outputs(y, out_ptr, rows, outs, M, N_OUT, stride_om, SWIGLU: tl.constexpr):
+    """y [M_PAD, BLOCK_N] float32 sums into out[rows, outs]. SWIGLU: y's columns are the gate
+    rows, then the up rows of the same outputs; silu(gate) * up is stored, rounded as the
+    separate launches round (gate and up stored in the output dtype, silu's result too)."""
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    if SWIGLU:
+        M_PAD: tl.constexpr = y.shape[0]
+        HALF: tl.constexpr = y.shape[1] // 2
+        gate, up = tl.split(tl.permute(tl.reshape(y.to(dtype), [M_PAD, 2, HALF]), (0, 2, 1)))
+        g = gate.to(tl.float32)
+        silu = (g / (1.0 + tl.math.exp2(-g * 1.4426950408889634))).to(dtype)
+        y = silu.to(tl.float32) * up.to(tl.float32)
+    out = out_ptr + rows[:, None] * stride_om + outs[None, :]
+    tl.store(out, y.to(dtype), mask=(rows[:, None] < M) & (outs[None, :] < N_OUT))
+
+
+@triton.jit
 def _small_m_linear_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
-    out_ptr,  # [M, N]
+    out_ptr,  # [M, N], or [M, N / 2] (SWIGLU)
     M,
     N,
     K,
@@ -37,14 +54,26 @@ def _small_m_linear_kernel(
     stride_wn,
     stride_om,
     M_PAD: tl.constexpr,  # M rounded up to a power of two
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # weight rows a program (SWIGLU: half gate, half up)
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks on the weight
     PREFETCH: tl.constexpr,  # load the next weight tile before using this one
     WHOLE_K: tl.constexpr,  # PREFETCH with BLOCK_K >= K: one tile, all of it before the wait
+    SWIGLU: tl.constexpr,  # w is [gate; up] (N = 2d): store silu(x @ gate^T) * (x @ up^T)
     USE_PDL: tl.constexpr,  # echo_kernels.pdl: the first weight tile loads before the wait
 ):
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SWIGLU:
+        # the program's outputs j and the weight rows j (gate) and N / 2 + j (up) they need
+        HALF: tl.constexpr = BLOCK_N // 2
+        offs = tl.arange(0, BLOCK_N)
+        j = tl.program_id(0) * HALF + offs % HALF
+        cols = tl.where(offs < HALF, j, N // 2 + j)
+        outs = tl.program_id(0) * HALF + tl.arange(0, HALF)
+        n_out = N // 2
+    else:
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        outs = cols
+        n_out = N
     rows = tl.arange(0, M_PAD)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
@@ -56,9 +85,7 @@ def _small_m_linear_kernel(
         wait_for_inputs(USE_PDL)
         x = tl.load(x_ptrs, mask=(rows[:, None] < M) & (offs_k[None, :] < K), other=0.0)
         y = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
-        out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-        tl.store(out, y.to(out_ptr.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+        _store_outputs(y, out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
         return
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
     # NOTE: Triton's software pipeliner stages loads that feed tl.dot; these feed CUDA-core
@@ -77,15 +104,16 @@ def _small_m_linear_kernel(
         x = tl.load(x_ptrs + k0, mask=(rows[:, None] < M) & (k0 + offs_k[None, :] < K),
                     other=0.0)
         acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-    y = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
-    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+    _store_outputs(tl.sum(acc, axis=2), out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
                    block_k: int | None = None, num_warps: int = 4,
-                   num_stages: int = 3, prefetch: bool = False) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS), weight [N, K] -> [M, N] in x's dtype, fp32 accumulation."""
+                   num_stages: int = 3, prefetch: bool = False,
+                   swiglu: bool = False) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS), weight [N, K] -> [M, N] in x's dtype, fp32 accumulation.
+    swiglu: weight is SwiGLU's [gate; up] and the result silu(x @ gate^T) * (x @ up^T),
+    [M, N / 2], each program computing block_n / 2 outputs from their gate and up rows."""
     m, k = x.shape
     n = weight.shape[0]
     if not 1 <= m <= MAX_ROWS:
@@ -99,11 +127,15 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = 
     # M_PAD * BLOCK_N * BLOCK_K floats, so K per tile shrinks as M grows.
     block_n = block_n or 8
     block_k = block_k or max(128, 512 // m_pad)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    even = n % block_n == 0 and k % block_k == 0
-    _small_m_linear_kernel[(triton.cdiv(n, block_n),)](
+    if swiglu and (n % 2 or block_n < 2):
+        raise ValueError(f"small_m_linear(swiglu=True): {n} weight rows are not gate and up "
+                         f"halves, or block_n {block_n} holds no pair")
+    outputs = n // 2 if swiglu else n
+    out = torch.empty(m, outputs, dtype=x.dtype, device=x.device)
+    even = outputs % (block_n // (1 + swiglu)) == 0 and k % block_k == 0
+    _small_m_linear_kernel[(triton.cdiv(outputs, block_n // (1 + swiglu)),)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, PREFETCH=prefetch,
-        WHOLE_K=prefetch and block_k >= k,
+        WHOLE_K=prefetch and block_k >= k, SWIGLU=swiglu,
         **pdl_options(x.device), num_warps=num_warps, num_stages=num_stages)
     return out

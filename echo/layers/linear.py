@@ -21,6 +21,7 @@ from torch import nn
 
 from echo.distributed.communication import all_reduce
 from echo.distributed.parallel_state import SINGLE, TPGroup
+from echo.layers.activation import silu_and_mul
 from echo.layers.checkpoint_tensor import whole
 from echo.layers.quantization import AWQ_PACK, AwqConfig
 
@@ -166,6 +167,24 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id] // tp.size
         shard = _output_part(param, loaded, tp.rank * size, size)
         _copy_checked(_output_part(param, param.data, offset, size), shard)
+
+
+class GateUpParallelLinear(MergedColumnParallelLinear):
+    """SwiGLU's gate and up projections, whose outputs only silu(gate) * up reads (swiglu)."""
+
+    def __init__(self, input_size: int, intermediate_size: int, bias: bool = False,
+                 tp: TPGroup = SINGLE, quant: AwqConfig | None = None):
+        super().__init__(input_size, [intermediate_size] * 2, bias, tp, quant)
+        # row count -> fn(x, weight) giving silu(gate) * up in one launch, where start-up
+        # tuning found it faster than the matmul and SwiGLU's own launch
+        self.swiglu_kernels: dict[int, Callable] = {}
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x @ gate^T) * (x @ up^T)."""
+        kernel = self.swiglu_kernels.get(x.shape[0]) if self.swiglu_kernels else None
+        if kernel is not None:
+            return kernel(x, self.weight)
+        return silu_and_mul(self(x))
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -9,11 +9,10 @@ from torch import nn
 
 from echo.attention.backend import RopeInputs
 from echo.distributed.parallel_state import SINGLE, TPGroup
-from echo.layers.activation import SiluAndMul
 from echo.layers.attention import Attention, ForwardContext
 from echo.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from echo.layers.layernorm import RMSNorm
-from echo.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from echo.layers.linear import GateUpParallelLinear, QKVParallelLinear, RowParallelLinear
 from echo.layers.quantization import AwqConfig
 from echo.layers.rotary import RotaryEmbedding
 from echo.models.arch import ModelArch
@@ -70,16 +69,15 @@ class LlamaMLP(nn.Module):
     def __init__(self, arch: ModelArch, tp: TPGroup, prefix: str = "mlp"):
         super().__init__()
         size = arch.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            arch.hidden_size, [size, size], arch.mlp_bias, tp,
+        self.gate_up_proj = GateUpParallelLinear(
+            arch.hidden_size, size, arch.mlp_bias, tp,
             quantization_of(arch, f"{prefix}.gate_proj"))
         self.down_proj = RowParallelLinear(size, arch.hidden_size, arch.mlp_bias, tp,
                                            reduce_results=not norm_reduces(arch, tp),
                                            quant=quantization_of(arch, f"{prefix}.down_proj"))
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.swiglu(x))
 
 
 class LlamaDecoderLayer(nn.Module):

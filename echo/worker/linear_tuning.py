@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from echo.layers.linear import LinearBase
+from echo.layers.activation import silu_and_mul
+from echo.layers.linear import GateUpParallelLinear, LinearBase
 
 # (block_n, block_k, prefetch, num_warps): the fastest tiles of bench_kernels.py's sweeps on an
 # H200, for Llama-3.1-8B and Qwen3-8B (TP=1 and 2) shapes. Warps other than 4 won on the small
@@ -58,16 +59,21 @@ class ShapeChoice:
     best_us: float
     tile: tuple | None  # a candidate; None: the baseline stays
     awq_group: int | None = None  # the group size of AWQ layers
+    gated: bool = False  # gate/up layers, timed with SwiGLU after them
+    swiglu: bool = False  # the tile computes SwiGLU itself (swiglu_kernels)
 
     def describe(self) -> str:
         n, k = self.shape
         name, baseline, pick = f"{n}x{k}", "cuBLAS", "cuBLAS"
+        if self.gated:
+            name, baseline, pick = f"{n}x{k} + SwiGLU", "cuBLAS + SwiGLU", "cuBLAS + SwiGLU"
         if self.awq_group is not None:
             name, baseline, pick = f"AWQ {n}x{k} group {self.awq_group}", "awq_gemv", "default"
         if self.tile and self.awq_group is None:
             block_n, block_k, prefetch, num_warps = self.tile
             pick = (f"small_m_linear {block_n}x{block_k}{' prefetch' if prefetch else ''} "
-                    f"{num_warps} warps {self.best_us:.1f} us")
+                    f"{num_warps} warps{', SwiGLU inside' if self.swiglu else ''} "
+                    f"{self.best_us:.1f} us")
         elif self.tile:
             block_n, block_k, per_sm, stages = self.tile
             pick = (f"awq_gemv {block_k}x{block_n} {per_sm} programs an SM {stages} stages "
@@ -88,11 +94,12 @@ def gemv_candidates(k: int) -> tuple[tuple, ...]:
     return GEMV_CANDIDATES + tuple(t for t in preload_tiles(k) if t not in GEMV_CANDIDATES)
 
 
-def gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int) -> Matmul:
+def gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int,
+         swiglu: bool = False) -> Matmul:
     from echo_kernels.linear import small_m_linear
 
     return functools.partial(small_m_linear, block_n=block_n, block_k=block_k,
-                             num_warps=num_warps, prefetch=prefetch)
+                             num_warps=num_warps, prefetch=prefetch, swiglu=swiglu)
 
 
 def awq_gemv(block_n: int, block_k: int, programs_per_sm: int, num_stages: int) -> Matmul:
@@ -115,13 +122,16 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
                          make_awq_kernel: Callable[..., Matmul] = awq_gemv
                          ) -> list[ShapeChoice]:
     """Set `small_m_kernels[1]` on every bias-free linear layer whose shape a candidate wins
-    by MIN_GAIN over the baseline (cuBLAS; awq_linear's default for AWQ layers)."""
-    by_shape: dict[tuple[int, int, int | None], list[LinearBase]] = defaultdict(list)
+    by MIN_GAIN over the baseline (cuBLAS; awq_linear's default for AWQ layers). Dense gate/up
+    layers are timed with SwiGLU after them, against the same tiles with SwiGLU inside
+    (`make_kernel(*tile, swiglu=True)`), which go to their `swiglu_kernels[1]` when they win."""
+    by_shape: dict[tuple[int, int, int | None, bool], list[LinearBase]] = defaultdict(list)
     for module in model.modules():
         if isinstance(module, LinearBase) and module.bias is None:
-            by_shape[_shape(module)].append(module)
+            gated = isinstance(module, GateUpParallelLinear) and module.quant is None
+            by_shape[(*_shape(module), gated)].append(module)
     choices = []
-    for (n, k, group), layers in by_shape.items():
+    for (n, k, group, gated), layers in by_shape.items():
         operands = [_operands(layer) for layer in layers]
         like = operands[0][0] if group is None else operands[0][2]  # weight or scales
         x = torch.randn(1, k, dtype=like.dtype, device=like.device)
@@ -130,19 +140,37 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
         else:  # awq_gemv's block_k must divide the group
             baseline, make = awq_default, make_awq_kernel
             tiles = [tile for tile in awq_candidates if group % tile[1] == 0]
-        baseline_us = timer(baseline, x, operands)
-        best_us, best_tile = baseline_us / MIN_GAIN, None
-        for tile in tiles:
-            us = timer(make(*tile), x, operands)
+        # (tile or None for the baseline, SwiGLU inside the kernel, the call to time)
+        runs = [(None, False, baseline), *((tile, False, make(*tile)) for tile in tiles)]
+        if gated:
+            runs = [(tile, False, _then_swiglu(fn)) for tile, _, fn in runs]
+            runs += [(tile, True, make(*tile, swiglu=True)) for tile in tiles]
+        baseline_us = timer(runs[0][2], x, operands)
+        best_us, best = baseline_us / MIN_GAIN, None
+        for tile, swiglu, fn in runs[1:]:
+            us = timer(fn, x, operands)
             if us < best_us:
-                best_us, best_tile = us, tile
-        if best_tile is not None:
-            kernel = make(*best_tile)
+                best_us, best = us, (tile, swiglu)
+        if best is not None:
+            tile, swiglu = best
             for layer in layers:
-                layer.small_m_kernels[1] = kernel
+                if swiglu:
+                    layer.swiglu_kernels[1] = make(*tile, swiglu=True)
+                else:
+                    layer.small_m_kernels[1] = make(*tile)
         choices.append(ShapeChoice((n, k), len(layers), baseline_us,
-                                   best_us if best_tile else baseline_us, best_tile, group))
+                                   best_us if best else baseline_us, best and best[0], group,
+                                   gated, bool(best and best[1])))
     return choices
+
+
+def _then_swiglu(matmul: Matmul) -> Matmul:
+    """matmul, then SwiGLU's own launch (a partial: its first argument is the matmul)."""
+    return functools.partial(_matmul_then_swiglu, matmul)
+
+
+def _matmul_then_swiglu(matmul: Matmul, x: torch.Tensor, *operands) -> torch.Tensor:
+    return silu_and_mul(matmul(x, *operands))
 
 
 def _shape(layer: LinearBase) -> tuple[int, int, int | None]:

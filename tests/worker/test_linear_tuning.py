@@ -2,12 +2,20 @@
 default) only where it is timed faster by the margin, and a tuned layer then uses it for one-row
 inputs only."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from echo.distributed.parallel_state import SINGLE
-from echo.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from echo.layers.activation import silu_and_mul
+from echo.layers.linear import (
+    ColumnParallelLinear,
+    GateUpParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from echo.layers.quantization import AwqConfig
 from echo.worker.linear_tuning import MIN_GAIN, tune_one_row_linears
 from echo_kernels.reference import awq_linear_ref
@@ -25,23 +33,29 @@ class Net(torch.nn.Module):
             p.data.normal_()
 
 
-def kernel_for(*tile):
+def kernel_for(*tile, swiglu=False):
     def kernel(x, w):  # a stand-in GEMV: recognizable output, same shape
+        if swiglu:  # silu(gate) * up, plus the mark
+            return silu_and_mul(F.linear(x, w)) + 2000.0
         return F.linear(x, w) + 1000.0
 
-    kernel.tile = tile
+    kernel.tile = (*tile, "swiglu") if swiglu else tile
     return kernel
 
 
 def fake_timer(times):
-    """Times by (shape, tile or 'cublas'); records which weights each call streamed."""
+    """Times by (shape, tile or 'cublas', with "then swiglu" for a matmul timed with SwiGLU's
+    launch after it); records which weights each call streamed."""
     seen = []
 
     def timer(fn, x, operands):
         weight = operands[0][0]  # the weight [N, K], or AWQ's qweight [K, N / 8]
         seen.append((tuple(weight.shape), len(operands)))
         assert x.shape == (1, weight.shape[1] if len(operands[0]) == 1 else weight.shape[0])
-        return times[(tuple(weight.shape), getattr(fn, "tile", "cublas"))]
+        then_swiglu = isinstance(fn, functools.partial)  # _then_swiglu(matmul)
+        matmul = fn.args[0] if then_swiglu else fn
+        key = getattr(matmul, "tile", "cublas")
+        return times[(tuple(weight.shape), (key, "then swiglu") if then_swiglu else key)]
 
     return timer, seen
 
@@ -72,6 +86,46 @@ def test_faster_tiles_replace_cublas_only_beyond_the_margin():
     x = torch.randn(1, 16)
     assert torch.allclose(net.b(x), F.linear(x, net.b.weight))
     assert net.c.small_m_kernels == {}
+
+
+class GatedNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g1 = GateUpParallelLinear(8, 6)  # [gate; up] of shape (12, 8), twice
+        self.g2 = GateUpParallelLinear(8, 6)
+        self.plain = ColumnParallelLinear(8, 12)  # the same shape, no SwiGLU after it
+        for p in self.parameters():
+            p.data.normal_()
+
+
+@pytest.mark.parametrize("fused_wins", [True, False])
+def test_gate_up_layers_weigh_swiglu_inside_the_gemv(fused_wins):
+    net = GatedNet()
+    tile = (8, 512, True, 4)
+    shape = (12, 8)
+    times = {(shape, "cublas"): 10.0, (shape, tile): 8.0,  # the plain layer's
+             (shape, ("cublas", "then swiglu")): 12.0, (shape, (tile, "then swiglu")): 9.0,
+             (shape, (*tile, "swiglu")): 7.0 if fused_wins else 9.5}
+    timer, _ = fake_timer(times)
+    choices = tune_one_row_linears(net, timer, lambda k: [tile], kernel_for)
+    gated = next(c for c in choices if c.gated)
+    plain = next(c for c in choices if not c.gated)
+    assert plain.tile == tile and plain.best_us == 8.0 and gated.baseline_us == 12.0
+    assert gated.tile == tile and gated.swiglu == fused_wins
+    assert gated.best_us == (7.0 if fused_wins else 9.0)
+    assert ("SwiGLU inside 7.0 us" in gated.describe()) == fused_wins
+    one, two = torch.randn(1, 8), torch.randn(2, 8)
+    for layer in (net.g1, net.g2):
+        plain_swiglu = silu_and_mul(F.linear(one, layer.weight))
+        if fused_wins:  # one row through the SwiGLU kernel, the matmul itself left alone
+            assert torch.allclose(layer.swiglu(one), plain_swiglu + 2000.0)
+            assert layer.small_m_kernels == {}
+        else:  # the tile for the matmul, SwiGLU's own launch after it
+            assert torch.allclose(layer.swiglu(one), silu_and_mul(F.linear(one, layer.weight)
+                                                                  + 1000.0))
+            assert layer.swiglu_kernels == {}
+        two_expected = silu_and_mul(F.linear(two, layer.weight))
+        assert torch.allclose(layer.swiglu(two), two_expected)  # two rows: untouched
 
 
 class AwqNet(torch.nn.Module):
