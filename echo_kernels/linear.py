@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from echo_kernels.norm import apply_rms
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 MAX_ROWS = 4  # beyond this the accumulator outgrows the registers: cuBLAS is the better choice
@@ -43,6 +44,22 @@ def _store_outputs(y, out_ptr, rows, outs, M, N_OUT, stride_om, SWIGLU: tl.const
 
 
 @triton.jit
+def _normed_rows(x, rows, offs_k, x_ok, K, stride_xm, resid_ptr, sum_ptr, norm_w, eps,
+                 HAS_RESIDUAL: tl.constexpr):
+    """RMSNorm(x + residual) of the rows x [M_PAD, BLOCK_K], rounded as fused_add_rms_norm
+    rounds it (norm.py); program 0 stores the sum."""
+    if HAS_RESIDUAL:
+        r = tl.load(resid_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=x_ok,
+                    other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        if tl.program_id(0) == 0:
+            tl.store(sum_ptr + rows[:, None] * stride_xm + offs_k[None, :], x, mask=x_ok)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / K + eps)
+    return apply_rms(xf, rstd, norm_w[None, :], x.dtype)
+
+
+@triton.jit
 def _small_m_linear_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
@@ -61,6 +78,14 @@ def _small_m_linear_kernel(
     WHOLE_K: tl.constexpr,  # PREFETCH with BLOCK_K >= K: one tile, all of it before the wait
     SWIGLU: tl.constexpr,  # w is [gate; up] (N = 2d): store silu(x @ gate^T) * (x @ up^T)
     USE_PDL: tl.constexpr,  # echo_kernels.pdl: the first weight tile loads before the wait
+    # RMSNorm(x + residual) in place of x (WHOLE_K only): every program normalises the rows
+    # for itself, program 0 stores the sum x + residual (HAS_RESIDUAL; else x is the sum)
+    NORM: tl.constexpr = False,
+    HAS_RESIDUAL: tl.constexpr = False,
+    resid_ptr=None,  # [M, K], stride stride_xm
+    norm_w_ptr=None,  # [K]
+    sum_ptr=None,  # [M, K], stride stride_xm
+    eps=0.0,
 ):
     if SWIGLU:
         # the program's outputs j and the weight rows j (gate) and N / 2 + j (up) they need
@@ -82,8 +107,14 @@ def _small_m_linear_kernel(
         # one tile holds the program's whole share: it loads before the wait (while the short
         # kernel before still runs), and no second tile is held as the loop below holds one
         w = weight_tile(w_ptrs, cols, offs_k, 0, N, K, EVEN)
+        x_ok = (rows[:, None] < M) & (offs_k[None, :] < K)
+        if NORM:  # a weight too: loaded before the wait
+            norm_w = tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0)
         wait_for_inputs(USE_PDL)
-        x = tl.load(x_ptrs, mask=(rows[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+        x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        if NORM:
+            x = _normed_rows(x, rows, offs_k, x_ok, K, stride_xm, resid_ptr, sum_ptr, norm_w,
+                             eps, HAS_RESIDUAL)
         y = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
         _store_outputs(y, out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
         return
@@ -139,3 +170,36 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = 
         WHOLE_K=prefetch and block_k >= k, SWIGLU=swiglu,
         **pdl_options(x.device), num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+def small_m_normed_linear(x: torch.Tensor, residual: torch.Tensor | None,
+                          norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                          block_n: int, num_warps: int = 4,
+                          swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """small_m_linear(RMSNorm(x + residual)) with the norm inside, one tile over the whole of
+    K a program: (its output, the sum x + residual, a new tensor; x itself when residual is
+    None). The norm and the sum round as fused_add_rms_norm's do."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"small_m_normed_linear takes 1..{MAX_ROWS} rows, got {m}")
+    if (weight.shape[1] != k or norm_weight.shape != (k,) or not x.is_contiguous()
+            or weight.stride(1) != 1 or (residual is not None and residual.shape != x.shape)):
+        raise ValueError(f"x {tuple(x.shape)}, residual, norm weight {tuple(norm_weight.shape)}"
+                         f" and weight {tuple(weight.shape)} must share a contiguous K")
+    if swiglu and (n % 2 or block_n < 2):
+        raise ValueError(f"small_m_normed_linear(swiglu=True): {n} weight rows are not gate "
+                         f"and up halves, or block_n {block_n} holds no pair")
+    block_k = triton.next_power_of_2(k)
+    outputs = n // 2 if swiglu else n
+    out = torch.empty(m, outputs, dtype=x.dtype, device=x.device)
+    total = x if residual is None else torch.empty_like(x)
+    resid = x if residual is None else residual.contiguous()
+    even = outputs % (block_n // (1 + swiglu)) == 0 and k == block_k
+    _small_m_linear_kernel[(triton.cdiv(outputs, block_n // (1 + swiglu)),)](
+        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even,
+        PREFETCH=True, WHOLE_K=True, SWIGLU=swiglu, **pdl_options(x.device),
+        NORM=True, HAS_RESIDUAL=residual is not None, resid_ptr=resid, norm_w_ptr=norm_weight,
+        sum_ptr=total, eps=eps, num_warps=num_warps)
+    return out, total

@@ -23,6 +23,7 @@ from echo.distributed.communication import all_reduce
 from echo.distributed.parallel_state import SINGLE, TPGroup
 from echo.layers.activation import silu_and_mul
 from echo.layers.checkpoint_tensor import whole
+from echo.layers.layernorm import RMSNorm
 from echo.layers.quantization import AWQ_PACK, AwqConfig
 
 
@@ -54,6 +55,24 @@ class LinearBase(nn.Module):
         # fn(x, weight) in place of cuBLAS, or fn(x, qweight, qzeros, scales, group_size) in
         # place of awq_linear
         self.small_m_kernels: dict[int, Callable] = {}
+        # row count -> fn(x, residual, norm weight, eps, weight) -> (self(RMSNorm(x +
+        # residual)), x + residual) in one launch (normed)
+        self.normed_kernels: dict[int, Callable] = {}
+
+    def normed(self, norm: RMSNorm, x: torch.Tensor,
+               residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual); x alone where residual is None. The norm
+        runs inside this layer's kernel where start-up tuning found that faster."""
+        kernel = self._normed_kernel(norm, x)
+        if kernel is not None:
+            return kernel(x, residual, norm.weight, norm.eps, self.weight)
+        x, residual = _norm(norm, x, residual)
+        return self(x), residual
+
+    def _normed_kernel(self, norm: RMSNorm, x: torch.Tensor) -> Callable | None:
+        if not self.normed_kernels or norm.reduce_tp is not None:
+            return None
+        return self.normed_kernels.get(x.shape[0])
 
     def _param(self, shape, dtype, output_dim: int, input_dim: int, output_pack: int = 1,
                input_block: int = 1) -> nn.Parameter:
@@ -105,6 +124,14 @@ class LinearBase(nn.Module):
                 return self.matmul(x) + self.bias
             return F.linear(x, self.weight, self.bias)
         return self.matmul(x)
+
+
+def _norm(norm: RMSNorm, x: torch.Tensor,
+          residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual), or (norm(x), x) where residual is None."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
 
 
 def _output_part(param: nn.Parameter, tensor, start: int, size: int):
@@ -185,6 +212,16 @@ class GateUpParallelLinear(MergedColumnParallelLinear):
         if kernel is not None:
             return kernel(x, self.weight)
         return silu_and_mul(self(x))
+
+    def normed_swiglu(self, norm: RMSNorm, x: torch.Tensor,
+                      residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(swiglu(norm(x + residual)), x + residual), as normed; normed_kernels give SwiGLU's
+        output here."""
+        kernel = self._normed_kernel(norm, x)
+        if kernel is not None:
+            return kernel(x, residual, norm.weight, norm.eps, self.weight)
+        x, residual = _norm(norm, x, residual)
+        return self.swiglu(x), residual
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -48,9 +48,9 @@ class LlamaAttention(nn.Module):
         self.rope = rope
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
 
-    def split_qkv(self, hidden: torch.Tensor):
+    def split_qkv(self, qkv: torch.Tensor):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         return (q.reshape(-1, self.num_heads, self.head_dim),
                 k.reshape(-1, self.num_kv_heads, self.head_dim),
                 v.reshape(-1, self.num_kv_heads, self.head_dim))
@@ -60,7 +60,12 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self.split_qkv(hidden)
+        return self.attend(positions, self.qkv_proj(hidden), ctx)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
+               ctx: ForwardContext) -> torch.Tensor:
+        """Attention and o_proj from qkv_proj's output."""
+        q, k, v = self.split_qkv(qkv)
         # the backend rotates q/k, fused with the KV-cache write on GPU
         return self.o_proj(self.attn(q, k, v, ctx, self.rope_inputs(positions)))
 
@@ -78,6 +83,12 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.swiglu(x))
+
+    def normed(self, norm: RMSNorm, x: torch.Tensor,
+               residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual): the norm inside gate_up where tuned."""
+        act, residual = self.gate_up_proj.normed_swiglu(norm, x, residual)
+        return self.down_proj(act), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -98,14 +109,11 @@ class LlamaDecoderLayer(nn.Module):
         return LlamaMLP(arch, tp, f"model.layers.{layer_idx}.mlp")
 
     def forward(self, positions, hidden, residual, ctx: ForwardContext):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # each norm runs inside the linear layer after it where start-up tuning found that
+        # faster at one row (LinearBase.normed)
+        qkv, residual = self.self_attn.qkv_proj.normed(self.input_layernorm, hidden, residual)
+        hidden = self.self_attn.attend(positions, qkv, ctx)
+        return self.mlp.normed(self.post_attention_layernorm, hidden, residual)
 
 
 class LlamaModel(nn.Module):

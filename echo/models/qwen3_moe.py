@@ -9,6 +9,7 @@ from torch import nn
 
 from echo.distributed.parallel_state import TPGroup
 from echo.layers.fused_moe import EXPERT_PROJECTIONS, FusedMoE
+from echo.layers.layernorm import RMSNorm
 from echo.layers.linear import ReplicatedLinear
 from echo.models.arch import ModelArch
 from echo.models.llama import norm_reduces
@@ -30,6 +31,13 @@ class Qwen3MoeSparseBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))
+
+    def normed(self, norm: RMSNorm, x: torch.Tensor,
+               residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual), as LlamaMLP.normed (the router and the
+        experts both read the normed input, so the norm stays a launch of its own)."""
+        x, residual = norm(x, residual)
+        return self(x), residual
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from echo.layers.activation import silu_and_mul
-from echo.layers.linear import GateUpParallelLinear, LinearBase
+from echo.layers.linear import GateUpParallelLinear, LinearBase, QKVParallelLinear
 
 # (block_n, block_k, prefetch, num_warps): the fastest tiles of bench_kernels.py's sweeps on an
 # H200, for Llama-3.1-8B and Qwen3-8B (TP=1 and 2) shapes. Warps other than 4 won on the small
@@ -61,18 +61,23 @@ class ShapeChoice:
     awq_group: int | None = None  # the group size of AWQ layers
     gated: bool = False  # gate/up layers, timed with SwiGLU after them
     swiglu: bool = False  # the tile computes SwiGLU itself (swiglu_kernels)
+    normed: bool = False  # layers timed with the RMSNorm before them
+    norm_inside: bool = False  # the tile computes that norm itself (normed_kernels)
 
     def describe(self) -> str:
         n, k = self.shape
         name, baseline, pick = f"{n}x{k}", "cuBLAS", "cuBLAS"
         if self.gated:
             name, baseline, pick = f"{n}x{k} + SwiGLU", "cuBLAS + SwiGLU", "cuBLAS + SwiGLU"
+        if self.normed:
+            name, baseline, pick = f"norm + {name}", f"norm + {baseline}", f"norm + {pick}"
         if self.awq_group is not None:
             name, baseline, pick = f"AWQ {n}x{k} group {self.awq_group}", "awq_gemv", "default"
         if self.tile and self.awq_group is None:
             block_n, block_k, prefetch, num_warps = self.tile
             pick = (f"small_m_linear {block_n}x{block_k}{' prefetch' if prefetch else ''} "
-                    f"{num_warps} warps{', SwiGLU inside' if self.swiglu else ''} "
+                    f"{num_warps} warps{', norm inside' if self.norm_inside else ''}"
+                    f"{', SwiGLU inside' if self.swiglu else ''} "
                     f"{self.best_us:.1f} us")
         elif self.tile:
             block_n, block_k, per_sm, stages = self.tile
@@ -115,23 +120,49 @@ def awq_default(x, qweight, qzeros, scales, group_size) -> torch.Tensor:
     return awq_linear(x, qweight, qzeros, scales, group_size)
 
 
+def normed_gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int,
+                swiglu: bool = False) -> Callable:
+    """small_m_normed_linear with a preload tile's rows and warps (its tile covers K)."""
+    from echo_kernels.linear import small_m_normed_linear
+
+    return functools.partial(small_m_normed_linear, block_n=block_n, num_warps=num_warps,
+                             swiglu=swiglu)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One way to compute a layer at one row, as the tuning times it."""
+
+    fn: Matmul  # fn(x, *operands)
+    tile: tuple | None = None  # None: the baseline
+    swiglu: bool = False  # SwiGLU inside the kernel
+    normed: bool = False  # the norm before the layer inside the kernel
+
+
 def tune_one_row_linears(model: nn.Module, timer: Timer,
                          candidates: Callable[[int], Sequence[tuple]] = gemv_candidates,
                          make_kernel: Callable[..., Matmul] = gemv,
                          awq_candidates: Sequence[tuple] = AWQ_GEMV_CANDIDATES,
-                         make_awq_kernel: Callable[..., Matmul] = awq_gemv
+                         make_awq_kernel: Callable[..., Matmul] = awq_gemv,
+                         make_normed_kernel: Callable[..., Callable] = normed_gemv,
                          ) -> list[ShapeChoice]:
     """Set `small_m_kernels[1]` on every bias-free linear layer whose shape a candidate wins
     by MIN_GAIN over the baseline (cuBLAS; awq_linear's default for AWQ layers). Dense gate/up
     layers are timed with SwiGLU after them, against the same tiles with SwiGLU inside
-    (`make_kernel(*tile, swiglu=True)`), which go to their `swiglu_kernels[1]` when they win."""
-    by_shape: dict[tuple[int, int, int | None, bool], list[LinearBase]] = defaultdict(list)
+    (`make_kernel(*tile, swiglu=True)`, to `swiglu_kernels[1]`). Dense qkv and gate/up layers
+    of one rank are timed with the RMSNorm before them (LinearBase.normed), against the
+    tiles over the whole of K with the norm inside (`make_normed_kernel(*tile, swiglu=gated)`, to
+    `normed_kernels[1]`)."""
+    by_shape: dict[tuple, list[LinearBase]] = defaultdict(list)
     for module in model.modules():
         if isinstance(module, LinearBase) and module.bias is None:
-            gated = isinstance(module, GateUpParallelLinear) and module.quant is None
-            by_shape[(*_shape(module), gated)].append(module)
+            dense = module.quant is None
+            gated = isinstance(module, GateUpParallelLinear) and dense
+            normed = (dense and module.tp.size == 1
+                      and isinstance(module, GateUpParallelLinear | QKVParallelLinear))
+            by_shape[(*_shape(module), gated, normed)].append(module)
     choices = []
-    for (n, k, group, gated), layers in by_shape.items():
+    for (n, k, group, gated, normed), layers in by_shape.items():
         operands = [_operands(layer) for layer in layers]
         like = operands[0][0] if group is None else operands[0][2]  # weight or scales
         x = torch.randn(1, k, dtype=like.dtype, device=like.device)
@@ -140,28 +171,43 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
         else:  # awq_gemv's block_k must divide the group
             baseline, make = awq_default, make_awq_kernel
             tiles = [tile for tile in awq_candidates if group % tile[1] == 0]
-        # (tile or None for the baseline, SwiGLU inside the kernel, the call to time)
-        runs = [(None, False, baseline), *((tile, False, make(*tile)) for tile in tiles)]
+        runs = [_Run(baseline), *(_Run(make(*tile), tile) for tile in tiles)]
         if gated:
-            runs = [(tile, False, _then_swiglu(fn)) for tile, _, fn in runs]
-            runs += [(tile, True, make(*tile, swiglu=True)) for tile in tiles]
-        baseline_us = timer(runs[0][2], x, operands)
+            runs = [_Run(_then_swiglu(run.fn), run.tile) for run in runs]
+            runs += [_Run(make(*tile, swiglu=True), tile, swiglu=True) for tile in tiles]
+        if normed:
+            norm = (torch.randn_like(x), torch.ones(k, dtype=x.dtype, device=x.device), 1e-6)
+            runs = [_Run(_after_norm(norm, run.fn), run.tile, run.swiglu) for run in runs]
+            runs += [_Run(functools.partial(_normed_call, norm,
+                                            make_normed_kernel(*tile, swiglu=gated)),
+                          tile, gated, normed=True) for tile in tiles if _whole_k(tile, k)]
+        baseline_us = timer(runs[0].fn, x, operands)
         best_us, best = baseline_us / MIN_GAIN, None
-        for tile, swiglu, fn in runs[1:]:
-            us = timer(fn, x, operands)
+        for run in runs[1:]:
+            us = timer(run.fn, x, operands)
             if us < best_us:
-                best_us, best = us, (tile, swiglu)
-        if best is not None:
-            tile, swiglu = best
-            for layer in layers:
-                if swiglu:
-                    layer.swiglu_kernels[1] = make(*tile, swiglu=True)
-                else:
-                    layer.small_m_kernels[1] = make(*tile)
+                best_us, best = us, run
+        for layer in layers:
+            if best is None:
+                continue
+            if best.normed:
+                layer.normed_kernels[1] = make_normed_kernel(*best.tile, swiglu=gated)
+            elif best.swiglu:
+                layer.swiglu_kernels[1] = make(*best.tile, swiglu=True)
+            else:
+                layer.small_m_kernels[1] = make(*best.tile)
         choices.append(ShapeChoice((n, k), len(layers), baseline_us,
-                                   best_us if best else baseline_us, best and best[0], group,
-                                   gated, bool(best and best[1])))
+                                   best_us if best else baseline_us, best and best.tile, group,
+                                   gated, bool(best and best.swiglu), normed,
+                                   bool(best and best.normed)))
     return choices
+
+
+def _whole_k(tile: tuple, k: int) -> bool:
+    """Whether a GEMV tile loads its program's whole share before the PDL wait (the norm
+    inside needs all of a row at once)."""
+    _, block_k, prefetch, _ = tile
+    return prefetch and block_k >= k
 
 
 def _then_swiglu(matmul: Matmul) -> Matmul:
@@ -171,6 +217,26 @@ def _then_swiglu(matmul: Matmul) -> Matmul:
 
 def _matmul_then_swiglu(matmul: Matmul, x: torch.Tensor, *operands) -> torch.Tensor:
     return silu_and_mul(matmul(x, *operands))
+
+
+def _after_norm(norm: tuple, matmul: Matmul) -> Matmul:
+    """The add + RMSNorm launch (norm: its residual, weight and eps), then matmul (a partial:
+    its second argument is the matmul)."""
+    return functools.partial(_norm_then_matmul, norm, matmul)
+
+
+def _norm_then_matmul(norm: tuple, matmul: Matmul, x: torch.Tensor, *operands):
+    residual, weight, eps = norm
+    if x.is_cuda:
+        from echo_kernels import fused_add_rms_norm
+
+        x, _ = fused_add_rms_norm(x, residual, weight, eps)
+    return matmul(x, *operands)
+
+
+def _normed_call(norm: tuple, kernel: Callable, x: torch.Tensor, weight: torch.Tensor):
+    residual, norm_weight, eps = norm
+    return kernel(x, residual, norm_weight, eps, weight)[0]
 
 
 def _shape(layer: LinearBase) -> tuple[int, int, int | None]:

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from echo_kernels.linear import small_m_linear
+from echo_kernels.linear import small_m_linear, small_m_normed_linear
+from echo_kernels.reference import rms_norm_ref
 
 
 # the last three: one tile over the whole of K (with prefetch, all loaded before the wait),
@@ -50,6 +51,32 @@ def test_swiglu_rejects_an_odd_weight(device):
                        swiglu=True)
 
 
+@pytest.mark.parametrize("m,n,k,block_n,swiglu", [
+    (1, 64, 256, 8, False),  # even
+    (3, 40, 96, 4, False),  # ragged N, K padded to 128
+    (2, 48, 128, 8, True),  # gate and up, SwiGLU inside
+])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_normed_matches_the_norm_then_the_linear(device, m, n, k, block_n, swiglu,
+                                                 with_residual, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device=device).to(dtype)
+    residual = torch.randn(m, k, device=device).to(dtype) if with_residual else None
+    norm_w = (1 + torch.randn(k, device=device) / 4).to(dtype)
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    out, total = small_m_normed_linear(x, residual, norm_w, 1e-6, w, block_n, swiglu=swiglu)
+    want_total = x if residual is None else (x.float() + residual.float()).to(dtype)
+    torch.testing.assert_close(total, want_total, atol=0, rtol=0)
+    normed = rms_norm_ref(want_total, norm_w, 1e-6)
+    y = F.linear(normed.float(), w.float()).to(dtype)
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
+    assert out.shape == y.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), y.float(), atol=2e-3, rtol=2e-3)
+
+
 def test_rejects_too_many_rows(device):
     with pytest.raises(ValueError, match="1..4 rows"):
         small_m_linear(torch.zeros(5, 64, device=device), torch.zeros(8, 64, device=device))
@@ -87,6 +114,30 @@ def test_gpu_swiglu_at_gate_up_shapes(n, k):
     for block_n, block_k, prefetch, warps in gemv_candidates(k):
         out = small_m_linear(x, w, block_n, block_k, warps, prefetch=prefetch, swiglu=True)
         torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,swiglu", [(4096, 1024, False), (6144, 1024, True),
+                                        (6144, 4096, False), (28672, 4096, True)])
+def test_gpu_normed_at_model_shapes(n, k, swiglu):
+    # Qwen3-0.6B's and Llama-3.1-8B's qkv and gate/up with the norm before them inside, through
+    # every tile over the whole of K the tuning offers, against the two launches
+    from echo.worker.linear_tuning import preload_tiles
+    from echo_kernels import fused_add_rms_norm, silu_and_mul
+
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    norm_w = 1 + torch.randn(k, device="cuda", dtype=torch.bfloat16) / 4
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    normed, total = fused_add_rms_norm(x.clone(), residual.clone(), norm_w, 1e-6)
+    expected = F.linear(normed.float(), w.float()).to(torch.bfloat16)
+    if swiglu:
+        expected = silu_and_mul(expected)
+    for block_n, _, _, warps in preload_tiles(k):
+        out, got_total = small_m_normed_linear(x, residual, norm_w, 1e-6, w, block_n, warps,
+                                               swiglu=swiglu)
+        torch.testing.assert_close(got_total, total, atol=0, rtol=0)
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -10,15 +10,17 @@ import torch.nn.functional as F
 
 from echo.distributed.parallel_state import SINGLE
 from echo.layers.activation import silu_and_mul
+from echo.layers.layernorm import RMSNorm
 from echo.layers.linear import (
     ColumnParallelLinear,
     GateUpParallelLinear,
+    QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
 from echo.layers.quantization import AwqConfig
 from echo.worker.linear_tuning import MIN_GAIN, tune_one_row_linears
-from echo_kernels.reference import awq_linear_ref
+from echo_kernels.reference import awq_linear_ref, rms_norm_ref
 from tests.kernels.test_awq import awq_tensors
 
 
@@ -43,21 +45,38 @@ def kernel_for(*tile, swiglu=False):
     return kernel
 
 
+# what the tuning wraps around a kernel it times (linear_tuning's partials)
+AFTER_NORM, THEN_SWIGLU, NORM_INSIDE = "_norm_then_matmul", "_matmul_then_swiglu", "_normed_call"
+
+
 def fake_timer(times):
-    """Times by (shape, tile or 'cublas', with "then swiglu" for a matmul timed with SwiGLU's
-    launch after it); records which weights each call streamed."""
+    """Times by (shape, tile or 'cublas') or, for a kernel timed with launches around it or
+    the norm inside, (shape, (tile or 'cublas', the wrappers' names outermost first));
+    records which weights each call streamed."""
     seen = []
 
     def timer(fn, x, operands):
         weight = operands[0][0]  # the weight [N, K], or AWQ's qweight [K, N / 8]
         seen.append((tuple(weight.shape), len(operands)))
         assert x.shape == (1, weight.shape[1] if len(operands[0]) == 1 else weight.shape[0])
-        then_swiglu = isinstance(fn, functools.partial)  # _then_swiglu(matmul)
-        matmul = fn.args[0] if then_swiglu else fn
-        key = getattr(matmul, "tile", "cublas")
-        return times[(tuple(weight.shape), (key, "then swiglu") if then_swiglu else key)]
+        around = []
+        while isinstance(fn, functools.partial):
+            around.append(fn.func.__name__)
+            fn = fn.args[-1]  # the wrapped kernel is each partial's last argument
+        key = getattr(fn, "tile", "cublas")
+        return times[(tuple(weight.shape), (key, tuple(around)) if around else key)]
 
     return timer, seen
+
+
+def normed_kernel_for(*tile, swiglu=False):
+    def kernel(x, residual, norm_weight, eps, w):  # norm(x + residual), then the layer
+        total = x if residual is None else x + residual
+        y = F.linear(rms_norm_ref(total, norm_weight, eps), w)
+        return (silu_and_mul(y) if swiglu else y) + 3000.0, total
+
+    kernel.tile = tile
+    return kernel
 
 
 def test_faster_tiles_replace_cublas_only_beyond_the_margin():
@@ -93,39 +112,67 @@ class GatedNet(torch.nn.Module):
         super().__init__()
         self.g1 = GateUpParallelLinear(8, 6)  # [gate; up] of shape (12, 8), twice
         self.g2 = GateUpParallelLinear(8, 6)
-        self.plain = ColumnParallelLinear(8, 12)  # the same shape, no SwiGLU after it
+        self.qkv = QKVParallelLinear(8, 4, 2, 1)  # (16, 8): after a norm, no SwiGLU
+        self.plain = ColumnParallelLinear(8, 12)  # gate/up's shape, neither
         for p in self.parameters():
             p.data.normal_()
 
 
-@pytest.mark.parametrize("fused_wins", [True, False])
-def test_gate_up_layers_weigh_swiglu_inside_the_gemv(fused_wins):
+@pytest.mark.parametrize("winner", ["swiglu inside", "then swiglu", "norm inside"])
+def test_gate_up_and_qkv_weigh_the_norm_and_swiglu_inside_the_gemv(winner):
     net = GatedNet()
-    tile = (8, 512, True, 4)
-    shape = (12, 8)
-    times = {(shape, "cublas"): 10.0, (shape, tile): 8.0,  # the plain layer's
-             (shape, ("cublas", "then swiglu")): 12.0, (shape, (tile, "then swiglu")): 9.0,
-             (shape, (*tile, "swiglu")): 7.0 if fused_wins else 9.5}
+    tile, preload = (8, 4, True, 4), (2, 8, True, 4)  # preload: a tile over all of K (8)
+    gated, qkv = (12, 8), (16, 8)
+    fast = {"swiglu inside": 7.0, "then swiglu": 7.5, "norm inside": 6.0}
+    slow = 9.5
+    times = {(gated, "cublas"): 10.0, (gated, tile): 8.0, (gated, preload): 9.0,  # plain
+             (qkv, ("cublas", (AFTER_NORM,))): 11.0, (qkv, (tile, (AFTER_NORM,))): 10.5,
+             (qkv, (preload, (AFTER_NORM,))): 10.5, (qkv, (preload, (NORM_INSIDE,))): 5.0}
+    for t in (tile, preload):
+        times[(gated, (t, (AFTER_NORM, THEN_SWIGLU)))] = slow
+        times[(gated, ((*t, "swiglu"), (AFTER_NORM,)))] = slow
+    times[(gated, ("cublas", (AFTER_NORM, THEN_SWIGLU)))] = 12.0
+    times[(gated, (tile, (AFTER_NORM, THEN_SWIGLU)))] = fast["then swiglu"]
+    times[(gated, ((*tile, "swiglu"), (AFTER_NORM,)))] = fast["swiglu inside"]
+    times[(gated, (preload, (NORM_INSIDE,)))] = fast["norm inside"] if winner == "norm inside" \
+        else slow
+    if winner == "then swiglu":
+        times[(gated, ((*tile, "swiglu"), (AFTER_NORM,)))] = slow
     timer, _ = fake_timer(times)
-    choices = tune_one_row_linears(net, timer, lambda k: [tile], kernel_for)
-    gated = next(c for c in choices if c.gated)
-    plain = next(c for c in choices if not c.gated)
-    assert plain.tile == tile and plain.best_us == 8.0 and gated.baseline_us == 12.0
-    assert gated.tile == tile and gated.swiglu == fused_wins
-    assert gated.best_us == (7.0 if fused_wins else 9.0)
-    assert ("SwiGLU inside 7.0 us" in gated.describe()) == fused_wins
-    one, two = torch.randn(1, 8), torch.randn(2, 8)
+    choices = tune_one_row_linears(net, timer, lambda k: [tile, preload], kernel_for,
+                                   make_normed_kernel=normed_kernel_for)
+    by_shape = {(c.shape, c.gated, c.normed): c for c in choices}
+    plain, gate_up = by_shape[(gated, False, False)], by_shape[(gated, True, True)]
+    assert plain.tile == tile and plain.best_us == 8.0
+    assert gate_up.baseline_us == 12.0 and gate_up.best_us == fast[winner]
+    assert gate_up.tile == (preload if winner == "norm inside" else tile)
+    assert (gate_up.swiglu, gate_up.norm_inside) == {
+        "swiglu inside": (True, False), "then swiglu": (False, False),
+        "norm inside": (True, True)}[winner]  # gate/up normed: SwiGLU inside too
+    assert by_shape[(qkv, False, True)].norm_inside  # qkv: the norm inside wins at 5.0
+    assert "norm inside" in by_shape[(qkv, False, True)].describe()
+
+    norm = RMSNorm(8)
+    norm.weight.data.normal_()
+    one, two, residual = torch.randn(1, 8), torch.randn(2, 8), torch.randn(1, 8)
     for layer in (net.g1, net.g2):
-        plain_swiglu = silu_and_mul(F.linear(one, layer.weight))
-        if fused_wins:  # one row through the SwiGLU kernel, the matmul itself left alone
-            assert torch.allclose(layer.swiglu(one), plain_swiglu + 2000.0)
-            assert layer.small_m_kernels == {}
-        else:  # the tile for the matmul, SwiGLU's own launch after it
-            assert torch.allclose(layer.swiglu(one), silu_and_mul(F.linear(one, layer.weight)
-                                                                  + 1000.0))
-            assert layer.swiglu_kernels == {}
-        two_expected = silu_and_mul(F.linear(two, layer.weight))
-        assert torch.allclose(layer.swiglu(two), two_expected)  # two rows: untouched
+        unfused = silu_and_mul(F.linear(rms_norm_ref(one + residual, norm.weight, 1e-6),
+                                        layer.weight))
+        act, total = layer.normed_swiglu(norm, one, residual)
+        torch.testing.assert_close(total, one + residual)
+        mark = {"swiglu inside": 2000.0, "norm inside": 3000.0}.get(winner)
+        if winner == "then swiglu":  # the tile for the matmul, SwiGLU's own launch after it
+            plain_in = rms_norm_ref(one + residual, norm.weight, 1e-6)
+            unfused = silu_and_mul(F.linear(plain_in, layer.weight) + 1000.0)
+            mark = 0.0
+        torch.testing.assert_close(act, unfused + mark)
+        assert layer.swiglu(two).shape == (2, 6)  # two rows: untouched
+        torch.testing.assert_close(layer.swiglu(two), silu_and_mul(F.linear(two, layer.weight)))
+    # the first layer's norm has no residual: the sum is x itself
+    out, total = net.qkv.normed(norm, one, None)
+    assert total is one
+    torch.testing.assert_close(out, F.linear(rms_norm_ref(one, norm.weight, 1e-6),
+                                             net.qkv.weight) + 3000.0)
 
 
 class AwqNet(torch.nn.Module):
