@@ -47,8 +47,9 @@ PRELOAD_SHARES = ((8192, 4), (16384, 8))
 # a linear layer's operands after x: (weight,), or (qweight, qzeros, scales, group_size)
 Operands = tuple
 Matmul = Callable[..., torch.Tensor]  # fn(x, *operands)
-# times one call of `fn(x, *operands)` per layer's operands, in microseconds per call
-Timer = Callable[[Matmul, torch.Tensor, list[Operands]], float]
+# times one call of `fn(x, *operands)` per layer's operands, in microseconds per call, behind
+# a GEMV (after_gemv=True: the layers are timed with the norm before them) or a short kernel
+Timer = Callable[..., float]  # timer(fn, x, operands, after_gemv=False)
 
 
 @dataclass(frozen=True)
@@ -181,10 +182,10 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
             runs += [_Run(functools.partial(_normed_call, norm,
                                             make_normed_kernel(*tile, swiglu=gated)),
                           tile, gated, normed=True) for tile in tiles if _whole_k(tile, k)]
-        baseline_us = timer(runs[0].fn, x, operands)
+        baseline_us = timer(runs[0].fn, x, operands, after_gemv=normed)
         best_us, best = baseline_us / MIN_GAIN, None
         for run in runs[1:]:
-            us = timer(run.fn, x, operands)
+            us = timer(run.fn, x, operands, after_gemv=normed)
             if us < best_us:
                 best_us, best = us, run
         for layer in layers:
@@ -253,19 +254,31 @@ def _operands(layer: LinearBase) -> Operands:
 
 
 def cuda_graph_timer(fn: Matmul, x: torch.Tensor, operands: list[Operands],
-                     replays: int = 10) -> float:
+                     replays: int = 10, after_gemv: bool = False) -> float:
     """Median time per call of fn(x', *each layer's operands), replayed from one CUDA graph
-    (launch overhead out, as in the engine's decode graphs), where x' = rms_norm(x) comes from
-    a short kernel launched just before, whose own time is taken off: in a decode step every
-    one-row linear layer follows one (a norm, the split merge, SwiGLU), and a tile that loads
-    its weight before the PDL wait gains only behind it."""
-    from echo_kernels.norm import rms_norm
+    (launch overhead out, as in the engine's decode graphs), where x' comes from the kernel
+    that comes before the layer in a decode step, whose own time is taken off: a short one
+    (an RMSNorm: before most one-row layers runs a norm, the split merge or SwiGLU), or with
+    after_gemv a GEMV (the layer before a norm). A tile that loads its weight before the PDL
+    wait gains only behind a short kernel, while a GEMV holds the SMs."""
+    if after_gemv:
+        from echo_kernels.linear import small_m_linear
 
-    ones = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-    fn(rms_norm(x, ones, 1e-6), *operands[0])  # compile before capture
-    with_fn = _graph_us([lambda ops=ops: fn(rms_norm(x, ones, 1e-6), *ops) for ops in operands],
-                        replays)
-    lead_alone = _graph_us([lambda: rms_norm(x, ones, 1e-6)] * len(operands), replays)
+        square = torch.randn(x.shape[-1], x.shape[-1], dtype=x.dtype, device=x.device)
+
+        def lead():
+            return small_m_linear(x, square)
+    else:
+        from echo_kernels.norm import rms_norm
+
+        ones = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+
+        def lead():
+            return rms_norm(x, ones, 1e-6)
+
+    fn(lead(), *operands[0])  # compile before capture
+    with_fn = _graph_us([lambda ops=ops: fn(lead(), *ops) for ops in operands], replays)
+    lead_alone = _graph_us([lead] * len(operands), replays)
     return (with_fn - lead_alone) / len(operands)
 
 
