@@ -279,7 +279,8 @@ def cuda_graph_timer(fn: Matmul, x: torch.Tensor, operands: list[Operands],
     fn(lead(), *operands[0])  # compile before capture
     with_fn = _graph_us([lambda ops=ops: fn(lead(), *ops) for ops in operands], replays)
     lead_alone = _graph_us([lead] * len(operands), replays)
-    return (with_fn - lead_alone) / len(operands)
+    # a tiny layer may hide wholly behind the lead: its share is nothing, not less
+    return max(with_fn - lead_alone, 0.0) / len(operands)
 
 
 def _graph_us(calls: list[Callable[[], object]], replays: int) -> float:
