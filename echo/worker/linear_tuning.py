@@ -7,7 +7,12 @@ runner measures instead of guessing: for each distinct (N, K) it times F.linear 
 tiles over all the layers of that shape (the weights a decode step really streams, past the L2)
 and gives those layers the GEMV only where it is faster by a margin. AWQ layers get the same
 treatment with awq_gemv's default tiles in cuBLAS's place and a few other tiles as the
-candidates, per (N, K, group size). On by default on CUDA (ECHO_TUNE_SMALL_M=0 turns it off):
+candidates, per (N, K, group size). Where a layer's neighbours can move into its kernel, the
+tiles that do so are timed too: SwiGLU after gate/up, and the RMSNorm before qkv and gate/up
+(one rank), each against the separate launches. Every time is taken behind the kernel that
+precedes such a layer in a decode step (cuda_graph_timer's lead), since a GEMV that loads its
+weight before the PDL wait gains only behind a short one. On by default on CUDA
+(ECHO_TUNE_SMALL_M=0 turns it off):
 with PDL it made batch-1 Llama-3.1-8B and Qwen3-8B steps faster on an H200 (docs/benchmarks.md,
 History 6340cc9). The choice is per machine, so logits may differ in the last bits between
 machines, as they do between cuBLAS versions.
@@ -48,8 +53,9 @@ PRELOAD_SHARES = ((8192, 4), (16384, 8))
 Operands = tuple
 Matmul = Callable[..., torch.Tensor]  # fn(x, *operands)
 # times one call of `fn(x, *operands)` per layer's operands, in microseconds per call, behind
-# a GEMV (after_gemv=True: the layers are timed with the norm before them) or a short kernel
-Timer = Callable[..., float]  # timer(fn, x, operands, after_gemv=False)
+# the kernel that comes before such a layer in a decode step (cuda_graph_timer's lead: "gemv"
+# for layers timed with the norm before them, else "norm", a short kernel)
+Timer = Callable[..., float]  # timer(fn, x, operands, lead="norm")
 
 
 @dataclass(frozen=True)
@@ -182,10 +188,11 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
             runs += [_Run(functools.partial(_normed_call, norm,
                                             make_normed_kernel(*tile, swiglu=gated)),
                           tile, gated, normed=True) for tile in tiles if _whole_k(tile, k)]
-        baseline_us = timer(runs[0].fn, x, operands, after_gemv=normed)
+        lead = "gemv" if normed else "norm"
+        baseline_us = timer(runs[0].fn, x, operands, lead=lead)
         best_us, best = baseline_us / MIN_GAIN, None
         for run in runs[1:]:
-            us = timer(run.fn, x, operands, after_gemv=normed)
+            us = timer(run.fn, x, operands, lead=lead)
             if us < best_us:
                 best_us, best = us, run
         for layer in layers:
@@ -254,33 +261,39 @@ def _operands(layer: LinearBase) -> Operands:
 
 
 def cuda_graph_timer(fn: Matmul, x: torch.Tensor, operands: list[Operands],
-                     replays: int = 10, after_gemv: bool = False) -> float:
+                     replays: int = 10, lead: str = "norm") -> float:
     """Median time per call of fn(x', *each layer's operands), replayed from one CUDA graph
-    (launch overhead out, as in the engine's decode graphs), where x' comes from the kernel
-    that comes before the layer in a decode step, whose own time is taken off: a short one
-    (an RMSNorm: before most one-row layers runs a norm, the split merge or SwiGLU), or with
-    after_gemv a GEMV (the layer before a norm). A tile that loads its weight before the PDL
-    wait gains only behind a short kernel, while a GEMV holds the SMs."""
-    if after_gemv:
+    (launch overhead out, as in the engine's decode graphs), where x' comes from a `lead`
+    kernel launched just before, whose own time is taken off: "norm", a short one (an
+    RMSNorm: before most one-row layers of a decode step runs a norm, the split merge or
+    SwiGLU); "gemv" (the layer before a norm); "none": x itself, nothing before. A tile that
+    loads its weight before the PDL wait gains only behind a short kernel, while a GEMV holds
+    the SMs."""
+    if lead == "gemv":
         from echo_kernels.linear import small_m_linear
 
         square = torch.randn(x.shape[-1], x.shape[-1], dtype=x.dtype, device=x.device)
 
-        def lead():
+        def before():
             return small_m_linear(x, square)
-    else:
+    elif lead == "norm":
         from echo_kernels.norm import rms_norm
 
         ones = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
 
-        def lead():
+        def before():
             return rms_norm(x, ones, 1e-6)
+    elif lead == "none":
+        def before():
+            return x
+    else:
+        raise ValueError(f"cuda_graph_timer: lead {lead!r} is not gemv, norm or none")
 
-    fn(lead(), *operands[0])  # compile before capture
-    with_fn = _graph_us([lambda ops=ops: fn(lead(), *ops) for ops in operands], replays)
-    lead_alone = _graph_us([lead] * len(operands), replays)
+    fn(before(), *operands[0])  # compile before capture
+    with_fn = _graph_us([lambda ops=ops: fn(before(), *ops) for ops in operands], replays)
+    before_alone = 0.0 if lead == "none" else _graph_us([before] * len(operands), replays)
     # a tiny layer may hide wholly behind the lead: its share is nothing, not less
-    return max(with_fn - lead_alone, 0.0) / len(operands)
+    return max(with_fn - before_alone, 0.0) / len(operands)
 
 
 def _graph_us(calls: list[Callable[[], object]], replays: int) -> float:

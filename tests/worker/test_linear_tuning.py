@@ -55,7 +55,7 @@ def fake_timer(times):
     records which weights each call streamed."""
     seen = []
 
-    def timer(fn, x, operands, after_gemv=False):
+    def timer(fn, x, operands, lead="norm"):
         weight = operands[0][0]  # the weight [N, K], or AWQ's qweight [K, N / 8]
         seen.append((tuple(weight.shape), len(operands)))
         assert x.shape == (1, weight.shape[1] if len(operands[0]) == 1 else weight.shape[0])
@@ -65,7 +65,7 @@ def fake_timer(times):
             fn = fn.args[-1]  # the wrapped kernel is each partial's last argument
         key = getattr(fn, "tile", "cublas")
         # behind a GEMV exactly where the layer is timed with the norm before it
-        assert after_gemv == (AFTER_NORM in around or NORM_INSIDE in around)
+        assert (lead == "gemv") == (AFTER_NORM in around or NORM_INSIDE in around)
         return times[(tuple(weight.shape), (key, tuple(around)) if around else key)]
 
     return timer, seen

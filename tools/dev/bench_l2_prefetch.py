@@ -147,10 +147,11 @@ def main() -> None:
         x = torch.randn(1, k, dtype=torch.bfloat16, device=device)
         operands = [(w,) for w in weights]  # cuda_graph_timer calls fn(x, w) for each
         gemms = {"small_m_linear": small_m_linear, "cuBLAS": F.linear}
-        row = {f"{g} alone": cuda_graph_timer(fn, x, operands) for g, fn in gemms.items()}
+        row = {f"{g} alone": cuda_graph_timer(fn, x, operands, lead="none")
+               for g, fn in gemms.items()}
         for spin in args.spin_us:
             row[f"short {spin:g} us alone"] = cuda_graph_timer(
-                lambda x, w, s=spin: short_kernel(w, 0, s, ROWS_FIRST), x, operands)
+                lambda x, w, s=spin: short_kernel(w, 0, s, ROWS_FIRST), x, operands, lead="none")
             for g, fn in gemms.items():
                 for mode_name, mode in MODES.items():
                     for mib in (0, 4, 8, 16):
@@ -163,7 +164,7 @@ def main() -> None:
 
                         label = f"{g} after {spin:g} us, {mib} MiB" + \
                             (f" ({mode_name})" if mib else "")
-                        row[label] = cuda_graph_timer(pair, x, operands)
+                        row[label] = cuda_graph_timer(pair, x, operands, lead="none")
         results[name] = row
         print(f"{name} {n}x{k} ({nbytes / MIB:.0f} MiB, {copies} copies), µs per call:")
         for label, us in row.items():
