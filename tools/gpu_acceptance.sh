@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU measurements behind the open acceptance points, staged so each fits one device call:
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
-# Stages: tests (or tests-kernels, then tests-rest), kernels latency offline profile
+# Stages: tests (or tests-kernels, then tests-rest), kernels latency batch1 offline profile
 # profile-tail serving int8-pool kv-offload kv-offload-repeat structured awq moe persistent
 # persistent-models persistent-awq, and tp and profile-tp (two GPUs). Rough minutes on an H200:
 # tests 14 (two calls: tests-kernels 7, tests-rest 7, on a machine just started), kernels 2,
-# latency 3, offline 5, profile 5, profile-tail 2, serving 4, int8-pool 2, kv-offload 7,
-# kv-offload-repeat 3, structured 4, awq 8, moe 6, persistent 6, persistent-models 8 and
-# persistent-awq 8 (a guess: not yet run), tp 6 (plus start-up): pick what fits the device
-# budget. Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the
+# latency 3, batch1 5 (a guess: not yet run), offline 5, profile 5, profile-tail 2, serving 4,
+# int8-pool 2, kv-offload 7, kv-offload-repeat 3, structured 4, awq 8, moe 6, persistent 6,
+# persistent-models 8 and persistent-awq 8 (a guess: not yet run), tp 6 (plus start-up): pick
+# what fits the device budget. Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the
 # device tool returns few files), and the key lines are printed. Every process started here is ended here, by PID.
 # The probes' runs: tools/dev/gpu_probes.sh.
 set -uo pipefail
@@ -210,6 +210,17 @@ stage_commands() {
         | tee "$dir/probe_persistent_qwen3-0.6b.log"
       persistent_latency "$dir" qwen3-0.6b "" "--persistent-decode" "--num-scheduler-steps 8" \
         "--num-scheduler-steps 8 --persistent-decode" ;;
+    batch1)  # the batch-1 figures of record in one call, the defaults: #27's small models
+      # and its Llama-3.1-8B guard, #28's Qwen3-30B-A3B, #30's AWQ against bf16 (with the
+      # one-row tuning's choices, which its log lines print)
+      for run in "qwen3-0.6b 8" "stories110m 8" "llama-3.1-8b 1" "qwen3-30b-a3b 8" \
+          "llama-3.1-8b-awq 1"; do
+        set -- $run
+        echo "$1, $2 steps a launch"
+        timeout 300 $PY tools/bench_latency.py --model "$1" --max-model-len 2048 --iters 2 \
+          --num-scheduler-steps "$2" --json "$dir/latency_$1.json" > "$dir/latency_$1.log" 2>&1
+        grep -E "one-row linear|decode" "$dir/latency_$1.log" | tail -6
+      done ;;
     persistent-models)  # #27, #28: the other models, eight steps a launch, with it and without
       for model in stories110m llama-3.1-8b qwen3-30b-a3b; do
         persistent_latency "$dir" $model "--num-scheduler-steps 8" \
