@@ -35,6 +35,10 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
+    # whether an RMSNorm's output is this layer's whole input in a decoder layer (its caller
+    # goes through `normed`), so start-up tuning also times the norm inside its kernel
+    follows_norm = False
+
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup,
                  quant: AwqConfig | None = None):
         super().__init__()
@@ -63,13 +67,15 @@ class LinearBase(nn.Module):
                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(x + residual)), x + residual); x alone where residual is None. The norm
         runs inside this layer's kernel where start-up tuning found that faster."""
-        kernel = self._normed_kernel(norm, x)
+        kernel = self.normed_kernel(norm, x)
         if kernel is not None:
             return kernel(x, residual, norm.weight, norm.eps, self.weight)
         x, residual = _norm(norm, x, residual)
         return self(x), residual
 
-    def _normed_kernel(self, norm: RMSNorm, x: torch.Tensor) -> Callable | None:
+    def normed_kernel(self, norm: RMSNorm, x: torch.Tensor) -> Callable | None:
+        """The tuned kernel with `norm` inside for x's row count, if any (never when the norm
+        also all-reduces)."""
         if not self.normed_kernels or norm.reduce_tp is not None:
             return None
         return self.normed_kernels.get(x.shape[0])
@@ -199,6 +205,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class GateUpParallelLinear(MergedColumnParallelLinear):
     """SwiGLU's gate and up projections, whose outputs only silu(gate) * up reads (swiglu)."""
 
+    follows_norm = True
+
     def __init__(self, input_size: int, intermediate_size: int, bias: bool = False,
                  tp: TPGroup = SINGLE, quant: AwqConfig | None = None):
         super().__init__(input_size, [intermediate_size] * 2, bias, tp, quant)
@@ -217,7 +225,7 @@ class GateUpParallelLinear(MergedColumnParallelLinear):
                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(swiglu(norm(x + residual)), x + residual), as normed; normed_kernels give SwiGLU's
         output here."""
-        kernel = self._normed_kernel(norm, x)
+        kernel = self.normed_kernel(norm, x)
         if kernel is not None:
             return kernel(x, residual, norm.weight, norm.eps, self.weight)
         x, residual = _norm(norm, x, residual)
@@ -226,6 +234,8 @@ class GateUpParallelLinear(MergedColumnParallelLinear):
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matmul; KV heads are replicated when tp > num_kv_heads."""
+
+    follows_norm = True
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, tp: TPGroup = SINGLE, quant: AwqConfig | None = None):

@@ -25,6 +25,7 @@ class Qwen3MoeSparseBlock(nn.Module):
         super().__init__()
         # the router is small and every rank routes every token: replicated, not split
         self.gate = ReplicatedLinear(arch.hidden_size, arch.num_experts, False, tp)
+        self.gate.follows_norm = True  # normed: the norm may run inside the router
         self.experts = FusedMoE(arch.num_experts, arch.num_experts_per_tok, arch.hidden_size,
                                 arch.moe_intermediate_size, arch.norm_topk_prob, tp,
                                 reduce_results=not norm_reduces(arch, tp))
@@ -34,10 +35,16 @@ class Qwen3MoeSparseBlock(nn.Module):
 
     def normed(self, norm: RMSNorm, x: torch.Tensor,
                residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual), as LlamaMLP.normed (the router and the
-        experts both read the normed input, so the norm stays a launch of its own)."""
-        x, residual = norm(x, residual)
-        return self(x), residual
+        """(self(norm(x + residual)), x + residual), as LlamaMLP.normed: where tuned, the norm
+        runs inside the router's kernel, which also stores the normed rows for the experts."""
+        kernel = self.gate.normed_kernel(norm, x)
+        if kernel is None:
+            x, residual = norm(x, residual)
+            return self(x), residual
+        normed = torch.empty_like(x)
+        logits, residual = kernel(x, residual, norm.weight, norm.eps, self.gate.weight,
+                                  normed_out=normed)
+        return self.experts(normed, logits), residual
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):

@@ -8,14 +8,14 @@ tiles over all the layers of that shape (the weights a decode step really stream
 and gives those layers the GEMV only where it is faster by a margin. AWQ layers get the same
 treatment with awq_gemv's default tiles in cuBLAS's place and a few other tiles as the
 candidates, per (N, K, group size). Where a layer's neighbours can move into its kernel, the
-tiles that do so are timed too: SwiGLU after gate/up, and the RMSNorm before qkv and gate/up
-(one rank), each against the separate launches. Every time is taken behind the kernel that
-precedes such a layer in a decode step (cuda_graph_timer's lead), since a GEMV that loads its
-weight before the PDL wait gains only behind a short one. On by default on CUDA
-(ECHO_TUNE_SMALL_M=0 turns it off):
-with PDL it made batch-1 Llama-3.1-8B and Qwen3-8B steps faster on an H200 (docs/benchmarks.md,
-History 6340cc9). The choice is per machine, so logits may differ in the last bits between
-machines, as they do between cuBLAS versions.
+tiles that do so are timed too: SwiGLU after gate/up, and the RMSNorm before qkv, gate/up and
+a mixture of experts' router (one rank), each against the separate launches. Every time is
+taken behind the kernel that precedes such a layer in a decode step (cuda_graph_timer's lead),
+since a GEMV that loads its weight before the PDL wait gains only behind a short one. On by
+default on CUDA (ECHO_TUNE_SMALL_M=0 turns it off): with PDL it made batch-1 Llama-3.1-8B and
+Qwen3-8B steps faster on an H200 (docs/benchmarks.md, History 6340cc9). The choice is per
+machine, so logits may differ in the last bits between machines, as they do between cuBLAS
+versions.
 """
 
 import functools
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from echo.layers.activation import silu_and_mul
-from echo.layers.linear import GateUpParallelLinear, LinearBase, QKVParallelLinear
+from echo.layers.linear import GateUpParallelLinear, LinearBase
 
 # (block_n, block_k, prefetch, num_warps): the fastest tiles of bench_kernels.py's sweeps on an
 # H200, for Llama-3.1-8B and Qwen3-8B (TP=1 and 2) shapes. Warps other than 4 won on the small
@@ -156,8 +156,9 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
     """Set `small_m_kernels[1]` on every bias-free linear layer whose shape a candidate wins
     by MIN_GAIN over the baseline (cuBLAS; awq_linear's default for AWQ layers). Dense gate/up
     layers are timed with SwiGLU after them, against the same tiles with SwiGLU inside
-    (`make_kernel(*tile, swiglu=True)`, to `swiglu_kernels[1]`). Dense qkv and gate/up layers
-    of one rank are timed with the RMSNorm before them (LinearBase.normed), against the
+    (`make_kernel(*tile, swiglu=True)`, to `swiglu_kernels[1]`). Dense layers of one rank that
+    follow a norm (qkv, gate/up, a router: `follows_norm`) are timed with the RMSNorm before
+    them (LinearBase.normed), against the
     tiles over the whole of K with the norm inside (`make_normed_kernel(*tile, swiglu=gated)`, to
     `normed_kernels[1]`)."""
     by_shape: dict[tuple, list[LinearBase]] = defaultdict(list)
@@ -165,8 +166,7 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
         if isinstance(module, LinearBase) and module.bias is None:
             dense = module.quant is None
             gated = isinstance(module, GateUpParallelLinear) and dense
-            normed = (dense and module.tp.size == 1
-                      and isinstance(module, GateUpParallelLinear | QKVParallelLinear))
+            normed = dense and module.tp.size == 1 and module.follows_norm
             by_shape[(*_shape(module), gated, normed)].append(module)
     choices = []
     for (n, k, group, gated, normed), layers in by_shape.items():

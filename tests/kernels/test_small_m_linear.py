@@ -65,10 +65,13 @@ def test_normed_matches_the_norm_then_the_linear(device, m, n, k, block_n, swigl
     residual = torch.randn(m, k, device=device).to(dtype) if with_residual else None
     norm_w = (1 + torch.randn(k, device=device) / 4).to(dtype)
     w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
-    out, total = small_m_normed_linear(x, residual, norm_w, 1e-6, w, block_n, swiglu=swiglu)
+    normed_out = torch.empty_like(x)  # the normed rows too, as a router stores them
+    out, total = small_m_normed_linear(x, residual, norm_w, 1e-6, w, block_n, swiglu=swiglu,
+                                       normed_out=normed_out)
     want_total = x if residual is None else (x.float() + residual.float()).to(dtype)
     torch.testing.assert_close(total, want_total, atol=0, rtol=0)
     normed = rms_norm_ref(want_total, norm_w, 1e-6)
+    torch.testing.assert_close(normed_out, normed, atol=1e-3, rtol=1e-3)
     y = F.linear(normed.float(), w.float()).to(dtype)
     if swiglu:
         gate, up = y.chunk(2, dim=-1)
@@ -118,10 +121,12 @@ def test_gpu_swiglu_at_gate_up_shapes(n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k,swiglu", [(4096, 1024, False), (6144, 1024, True),
-                                        (6144, 4096, False), (28672, 4096, True)])
+                                        (6144, 4096, False), (28672, 4096, True),
+                                        (128, 2048, False)])
 def test_gpu_normed_at_model_shapes(n, k, swiglu):
-    # Qwen3-0.6B's and Llama-3.1-8B's qkv and gate/up with the norm before them inside, through
-    # every tile over the whole of K the tuning offers, against the two launches
+    # Qwen3-0.6B's and Llama-3.1-8B's qkv and gate/up, Qwen3-30B-A3B's router (which stores
+    # the normed row for the experts too), with the norm before them inside, through every
+    # tile over the whole of K the tuning offers, against the two launches
     from echo.worker.linear_tuning import preload_tiles
     from echo_kernels import fused_add_rms_norm, silu_and_mul
 
@@ -134,9 +139,11 @@ def test_gpu_normed_at_model_shapes(n, k, swiglu):
     if swiglu:
         expected = silu_and_mul(expected)
     for block_n, _, _, warps in preload_tiles(k):
+        normed_out = torch.empty_like(x)
         out, got_total = small_m_normed_linear(x, residual, norm_w, 1e-6, w, block_n, warps,
-                                               swiglu=swiglu)
+                                               swiglu=swiglu, normed_out=normed_out)
         torch.testing.assert_close(got_total, total, atol=0, rtol=0)
+        torch.testing.assert_close(normed_out, normed, atol=0, rtol=0)
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
