@@ -197,7 +197,7 @@ def create_app(client: AsyncClient, served_model_names: list[str], api_key: str 
             # generation config's max_new_tokens) stops at max_model_len instead, as in vLLM
             client.input_processor.validate(
                 ids, params, max_tokens_must_fit=max_tokens is not None,
-                structured_field=constraint[0] if constraint else None)
+                structured_field=body.grammar_field(constraint[0]) if constraint else None)
         except ValueError as e:
             raise bad_request(e) from None
         return ids, params

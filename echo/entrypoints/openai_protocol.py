@@ -201,6 +201,10 @@ class _SamplingFields(Utf8Only):
     def _tool_constraint(self) -> list[tuple[str, StructuredOutputsParams]]:
         return []  # chat completions': a required or named tool_choice
 
+    def grammar_field(self, field: str) -> str:
+        """The field named when the grammar of the constraint from `field` does not compile."""
+        return field
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
         """The request's SamplingParams; a field it leaves out takes the model's generation
@@ -378,6 +382,10 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
     def _tool_constraint(self) -> list[tuple[str, StructuredOutputsParams]]:
         constraint = self.tool_plan().constraint()
         return [("tool_choice", constraint)] if constraint is not None else []
+
+    def grammar_field(self, field: str) -> str:
+        # a required or named tool_choice compiles the tools' parameter schemas
+        return self.tool_plan().constraint_field() if field == "tool_choice" else field
 
     def unsupported(self) -> str | None:
         for i, message in enumerate(self.messages):  # text-only models: no image or audio parts

@@ -55,6 +55,14 @@ class ToolPlan:
                              f"({', '.join(names) or 'none given'})")
         return ToolPlan("named", tuple(tools), name)
 
+    def constraint_field(self) -> str:
+        """The request field a grammar error in constraint() comes from: the named function's
+        parameters, or the tools (required: an array of any of them)."""
+        if self.mode == "named":
+            index = next(i for i, t in enumerate(self.tools) if t["function"]["name"] == self.name)
+            return f"tools[{index}].function.parameters"
+        return "tools"
+
     def constraint(self) -> StructuredOutputsParams | None:
         """The grammar that enforces a required or named choice."""
         if self.mode == "required":

@@ -18,6 +18,7 @@ from tests.entrypoints.test_serve_process import start_server
 MAX_NUM_SEQS = 8
 LIMIT_S = 10.0
 CHAT = [{"role": "user", "content": "Hi"}]
+DEEP = json.loads('{"type": "array", "items": ' * 100 + '{}' + "}" * 100)  # a schema too deep
 
 
 def chat(**fields) -> dict:
@@ -99,8 +100,7 @@ CORPUS = WRONG_TYPES + [
         "type": "json_schema", "json_schema": {"name": "x", "schema": {
             "type": "object", "properties": {f"p{i}": {"type": "string"}
                                              for i in range(40_000)}}}})),
-    ("a schema nested 100 deep", "/v1/chat/completions", chat(
-        guided_json=json.loads('{"type": "array", "items": ' * 100 + '{}' + "}" * 100))),
+    ("a schema nested 100 deep", "/v1/chat/completions", chat(guided_json=DEEP)),
     ("10^5 choices", "/v1/completions", completion(guided_choice=["x"] * 10**5)),
     ("a regex that does not parse", "/v1/completions", completion(guided_regex="(" * 1000)),
     ("two constraints at once", "/v1/completions",
@@ -196,6 +196,10 @@ def test_hostile_corpus_gets_4xx_or_200_quickly_with_bounded_memory(smollm2_serv
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
+def tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
 def test_limits_name_their_field(smollm2_server):
     _, base = smollm2_server
     cases = [
@@ -209,6 +213,11 @@ def test_limits_name_their_field(smollm2_server):
         (completion(use_beam_search=True), "use_beam_search"),
         (chat(use_beam_search=True), "use_beam_search"),
         (completion(prompt_embeds="AAAA"), "prompt_embeds"),
+        # a forced tool call compiles the tools' parameter schemas: an error names the tool
+        (chat(tools=[tool("f", {}), tool("g", DEEP)],
+              tool_choice={"type": "function", "function": {"name": "g"}}),
+         "tools[1].function.parameters"),
+        (chat(tools=[tool("f", {}), tool("g", DEEP)], tool_choice="required"), "tools"),
     ]
     with httpx.Client(base_url=base, timeout=LIMIT_S) as http:
         for body, field in cases:
