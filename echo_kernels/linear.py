@@ -86,6 +86,7 @@ def _small_m_linear_kernel(
     norm_w_ptr=None,  # [K]
     sum_ptr=None,  # [M, K], stride stride_xm
     eps=0.0,
+    normed_ptr=None,  # [M, K], stride stride_xm: the normed rows, stored by program 0 if given
 ):
     if SWIGLU:
         # the program's outputs j and the weight rows j (gate) and N / 2 + j (up) they need
@@ -115,6 +116,10 @@ def _small_m_linear_kernel(
         if NORM:
             x = _normed_rows(x, rows, offs_k, x_ok, K, stride_xm, resid_ptr, sum_ptr, norm_w,
                              eps, HAS_RESIDUAL)
+            if normed_ptr is not None:
+                if tl.program_id(0) == 0:
+                    tl.store(normed_ptr + rows[:, None] * stride_xm + offs_k[None, :], x,
+                             mask=x_ok)
         y = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
         _store_outputs(y, out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
         return
@@ -174,17 +179,21 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = 
 
 def small_m_normed_linear(x: torch.Tensor, residual: torch.Tensor | None,
                           norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                          block_n: int, num_warps: int = 4,
-                          swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                          block_n: int, num_warps: int = 4, swiglu: bool = False,
+                          normed_out: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """small_m_linear(RMSNorm(x + residual)) with the norm inside, one tile over the whole of
     K a program: (its output, the sum x + residual, a new tensor; x itself when residual is
-    None). The norm and the sum round as fused_add_rms_norm's do."""
+    None). The norm and the sum round as fused_add_rms_norm's do. normed_out (like x): where
+    the normed rows go too, for other layers that read them."""
     m, k = x.shape
     n = weight.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"small_m_normed_linear takes 1..{MAX_ROWS} rows, got {m}")
     if (weight.shape[1] != k or norm_weight.shape != (k,) or not x.is_contiguous()
-            or weight.stride(1) != 1 or (residual is not None and residual.shape != x.shape)):
+            or weight.stride(1) != 1 or (residual is not None and residual.shape != x.shape)
+            or (normed_out is not None and (normed_out.shape != x.shape
+                                            or not normed_out.is_contiguous()))):
         raise ValueError(f"x {tuple(x.shape)}, residual, norm weight {tuple(norm_weight.shape)}"
                          f" and weight {tuple(weight.shape)} must share a contiguous K")
     if swiglu and (n % 2 or block_n < 2):
@@ -201,5 +210,5 @@ def small_m_normed_linear(x: torch.Tensor, residual: torch.Tensor | None,
         M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even,
         PREFETCH=True, WHOLE_K=True, SWIGLU=swiglu, **pdl_options(x.device),
         NORM=True, HAS_RESIDUAL=residual is not None, resid_ptr=resid, norm_w_ptr=norm_weight,
-        sum_ptr=total, eps=eps, num_warps=num_warps)
+        sum_ptr=total, eps=eps, normed_ptr=normed_out, num_warps=num_warps)
     return out, total
