@@ -88,6 +88,7 @@ def _small_m_linear_kernel(
     eps=0.0,
     normed_ptr=None,  # [M, K], stride stride_xm: the normed rows, stored by program 0 if given
 ):
+    tl.static_assert(WHOLE_K or not NORM, "the norm inside needs a tile over the whole of K")
     if SWIGLU:
         # the program's outputs j and the weight rows j (gate) and N / 2 + j (up) they need
         HALF: tl.constexpr = BLOCK_N // 2
