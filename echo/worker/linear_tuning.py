@@ -158,9 +158,8 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
     layers are timed with SwiGLU after them, against the same tiles with SwiGLU inside
     (`make_kernel(*tile, swiglu=True)`, to `swiglu_kernels[1]`). Dense layers of one rank that
     follow a norm (qkv, gate/up, a router: `follows_norm`) are timed with the RMSNorm before
-    them (LinearBase.normed), against the
-    tiles over the whole of K with the norm inside (`make_normed_kernel(*tile, swiglu=gated)`, to
-    `normed_kernels[1]`)."""
+    them (LinearBase.normed), against the tiles over the whole of K with the norm inside
+    (`make_normed_kernel(*tile, swiglu=gated)`, to `normed_kernels[1]`)."""
     by_shape: dict[tuple, list[LinearBase]] = defaultdict(list)
     for module in model.modules():
         if isinstance(module, LinearBase) and module.bias is None:
@@ -195,10 +194,8 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
             us = timer(run.fn, x, operands, lead=lead)
             if us < best_us:
                 best_us, best = us, run
-        for layer in layers:
-            if best is None:
-                continue
-            if best.normed:
+        for layer in layers if best is not None else []:
+            if best.normed:  # where the layer's caller goes through LinearBase.normed
                 layer.normed_kernels[1] = make_normed_kernel(*best.tile, swiglu=gated)
             elif best.swiglu:
                 layer.swiglu_kernels[1] = make(*best.tile, swiglu=True)
@@ -234,11 +231,10 @@ def _after_norm(norm: tuple, matmul: Matmul) -> Matmul:
 
 
 def _norm_then_matmul(norm: tuple, matmul: Matmul, x: torch.Tensor, *operands):
-    residual, weight, eps = norm
-    if x.is_cuda:
-        from echo_kernels import fused_add_rms_norm
+    from echo_kernels import fused_add_rms_norm
 
-        x, _ = fused_add_rms_norm(x, residual, weight, eps)
+    residual, weight, eps = norm
+    x, _ = fused_add_rms_norm(x, residual, weight, eps)
     return matmul(x, *operands)
 
 
