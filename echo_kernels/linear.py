@@ -152,30 +152,15 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = 
     swiglu: weight is SwiGLU's [gate; up] and the result silu(x @ gate^T) * (x @ up^T),
     [M, N / 2], each program computing block_n / 2 outputs from their gate and up rows."""
     m, k = x.shape
-    n = weight.shape[0]
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"small_m_linear takes 1..{MAX_ROWS} rows, got {m}")
     if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must share a "
                          "contiguous K")
-    m_pad = triton.next_power_of_2(m)
     # NOTE: swept on an H200 at M=1 (bench_kernels.py --only linear --sweep): 8 x 512 tiles
     # were best at Llama-3.1-8B's qkv/o_proj/down shapes. The accumulator holds
     # M_PAD * BLOCK_N * BLOCK_K floats, so K per tile shrinks as M grows.
-    block_n = block_n or 8
-    block_k = block_k or max(128, 512 // m_pad)
-    if swiglu and (n % 2 or block_n < 2):
-        raise ValueError(f"small_m_linear(swiglu=True): {n} weight rows are not gate and up "
-                         f"halves, or block_n {block_n} holds no pair")
-    outputs = n // 2 if swiglu else n
-    out = torch.empty(m, outputs, dtype=x.dtype, device=x.device)
-    even = outputs % (block_n // (1 + swiglu)) == 0 and k % block_k == 0
-    _small_m_linear_kernel[(triton.cdiv(outputs, block_n // (1 + swiglu)),)](
-        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, PREFETCH=prefetch,
-        WHOLE_K=prefetch and block_k >= k, SWIGLU=swiglu,
-        **pdl_options(x.device), num_warps=num_warps, num_stages=num_stages)
-    return out
+    block_k = block_k or max(128, 512 // triton.next_power_of_2(m))
+    return _launch("small_m_linear", x, weight, block_n or 8, block_k, prefetch, swiglu,
+                   num_warps, num_stages=num_stages)
 
 
 def small_m_normed_linear(x: torch.Tensor, residual: torch.Tensor | None,
@@ -187,29 +172,39 @@ def small_m_normed_linear(x: torch.Tensor, residual: torch.Tensor | None,
     K a program: (its output, the sum x + residual, a new tensor; x itself when residual is
     None). The norm and the sum round as fused_add_rms_norm's do. normed_out (like x): where
     the normed rows go too, for other layers that read them."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"small_m_normed_linear takes 1..{MAX_ROWS} rows, got {m}")
+    k = x.shape[1]
     if (weight.shape[1] != k or norm_weight.shape != (k,) or not x.is_contiguous()
             or weight.stride(1) != 1 or (residual is not None and residual.shape != x.shape)
             or (normed_out is not None and (normed_out.shape != x.shape
                                             or not normed_out.is_contiguous()))):
         raise ValueError(f"x {tuple(x.shape)}, residual, norm weight {tuple(norm_weight.shape)}"
                          f" and weight {tuple(weight.shape)} must share a contiguous K")
-    if swiglu and (n % 2 or block_n < 2):
-        raise ValueError(f"small_m_normed_linear(swiglu=True): {n} weight rows are not gate "
-                         f"and up halves, or block_n {block_n} holds no pair")
-    block_k = triton.next_power_of_2(k)
-    outputs = n // 2 if swiglu else n
-    out = torch.empty(m, outputs, dtype=x.dtype, device=x.device)
     total = x if residual is None else torch.empty_like(x)
-    resid = x if residual is None else residual.contiguous()
-    even = outputs % (block_n // (1 + swiglu)) == 0 and k == block_k
-    _small_m_linear_kernel[(triton.cdiv(outputs, block_n // (1 + swiglu)),)](
-        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even,
-        PREFETCH=True, WHOLE_K=True, SWIGLU=swiglu, **pdl_options(x.device),
-        NORM=True, HAS_RESIDUAL=residual is not None, resid_ptr=resid, norm_w_ptr=norm_weight,
-        sum_ptr=total, eps=eps, normed_ptr=normed_out, num_warps=num_warps)
+    out = _launch("small_m_normed_linear", x, weight, block_n, triton.next_power_of_2(k), True,
+                  swiglu, num_warps, NORM=True, HAS_RESIDUAL=residual is not None,
+                  resid_ptr=x if residual is None else residual.contiguous(),
+                  norm_w_ptr=norm_weight, sum_ptr=total, eps=eps, normed_ptr=normed_out)
     return out, total
+
+
+def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int,
+            prefetch: bool, swiglu: bool, num_warps: int, num_stages: int = 3,
+            **norm) -> torch.Tensor:
+    """The kernel's launch for both entry points (shapes already checked but the rows and
+    SwiGLU's halves): its output [M, N], or [M, N / 2] with swiglu."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"{name} takes 1..{MAX_ROWS} rows, got {m}")
+    if swiglu and (n % 2 or block_n < 2):
+        raise ValueError(f"{name}(swiglu=True): {n} weight rows are not gate and up halves, "
+                         f"or block_n {block_n} holds no pair")
+    outputs, per_program = (n // 2, block_n // 2) if swiglu else (n, block_n)
+    out = torch.empty(m, outputs, dtype=x.dtype, device=x.device)
+    _small_m_linear_kernel[(triton.cdiv(outputs, per_program),)](
+        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN=outputs % per_program == 0 and k % block_k == 0, PREFETCH=prefetch,
+        WHOLE_K=prefetch and block_k >= k, SWIGLU=swiglu, **pdl_options(x.device), **norm,
+        num_warps=num_warps, num_stages=num_stages)
+    return out

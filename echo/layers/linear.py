@@ -63,15 +63,16 @@ class LinearBase(nn.Module):
         # residual)), x + residual) in one launch (normed)
         self.normed_kernels: dict[int, Callable] = {}
 
-    def normed(self, norm: RMSNorm, x: torch.Tensor,
-               residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual); x alone where residual is None. The norm
-        runs inside this layer's kernel where start-up tuning found that faster."""
+    def normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+               then: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(then(norm(x + residual)), x + residual), then being this layer (self) unless
+        given; x alone where residual is None. The norm runs inside this layer's kernel where
+        start-up tuning found that faster (that kernel computes `then` itself)."""
         kernel = self.normed_kernel(norm, x)
         if kernel is not None:
             return kernel(x, residual, norm.weight, norm.eps, self.weight)
         x, residual = _norm(norm, x, residual)
-        return self(x), residual
+        return (then or self)(x), residual
 
     def normed_kernel(self, norm: RMSNorm, x: torch.Tensor) -> Callable | None:
         """The tuned kernel with `norm` inside for x's row count, if any (never when the norm
@@ -223,13 +224,9 @@ class GateUpParallelLinear(MergedColumnParallelLinear):
 
     def normed_swiglu(self, norm: RMSNorm, x: torch.Tensor,
                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(swiglu(norm(x + residual)), x + residual), as normed; normed_kernels give SwiGLU's
-        output here."""
-        kernel = self.normed_kernel(norm, x)
-        if kernel is not None:
-            return kernel(x, residual, norm.weight, norm.eps, self.weight)
-        x, residual = _norm(norm, x, residual)
-        return self.swiglu(x), residual
+        """(swiglu(norm(x + residual)), x + residual), as normed (whose kernels here give
+        SwiGLU's output)."""
+        return self.normed(norm, x, residual, self.swiglu)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
