@@ -8,6 +8,15 @@ from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 
 @triton.jit
+def silu_times(gate, up):
+    """silu(gate) * up in float32, gate and up in the output dtype: silu's result is rounded to
+    that dtype before the product, as F.silu(gate) * up rounds it (also the fused kernels')."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.math.exp2(-g * 1.4426950408889634))).to(gate.dtype)
+    return act.to(tl.float32) * up.to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr,  # [num_rows, 2 * d]: gate, then up
     out_ptr,  # [num_rows, d]
@@ -23,10 +32,7 @@ def _silu_and_mul_kernel(
     mask = cols < d
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    # rounded to the input dtype between the two ops, as F.silu(gate) * up would be
-    act = (g / (1.0 + tl.math.exp2(-g * 1.4426950408889634))).to(gate.dtype)
-    out = act.to(tl.float32) * up.to(tl.float32)
+    out = silu_times(gate, up)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

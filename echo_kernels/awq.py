@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from echo_kernels.activation import silu_and_mul, silu_times
 from echo_kernels.device import sm_count
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 
@@ -367,13 +368,24 @@ def _awq_gemm_kernel(
 
 
 @triton.jit
+def _split_sum(partial_ptr, src, ok, splits, num_splits, stride_split, dtype: tl.constexpr):
+    """The sum over splits of the partials at offsets src [BLOCK] (where ok), in dtype."""
+    mask = (splits[:, None] < num_splits) & ok[None, :]
+    parts = tl.load(partial_ptr + splits[:, None].to(tl.int64) * stride_split + src[None, :],
+                    mask=mask, other=0.0)
+    return tl.sum(parts, axis=0).to(dtype)
+
+
+@triton.jit
 def _split_sum_kernel(
-    partial_ptr,  # [num_splits, numel] float32
-    out_ptr,  # [numel], contiguous
-    numel,
+    partial_ptr,  # [num_splits, M, N] float32
+    out_ptr,  # [M, N], or [M, N / 2] (SWIGLU), contiguous
+    numel,  # outputs: M * N, or M * N / 2
     num_splits,
+    half,  # N / 2 (SWIGLU)
     SPLITS: tl.constexpr,  # num_splits rounded up to a power of two
     BLOCK: tl.constexpr,
+    SWIGLU: tl.constexpr,  # N columns of gate, then up: store silu(gate) * up
     USE_PDL: tl.constexpr,
 ):
     # NOTE: every split's partials load at once, one memory latency: a loop over the splits
@@ -382,11 +394,18 @@ def _split_sum_kernel(
     wait_for_inputs(USE_PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     splits = tl.arange(0, SPLITS)
-    mask = (splits[:, None] < num_splits) & (offs[None, :] < numel)
-    parts = tl.load(partial_ptr + splits[:, None].to(tl.int64) * numel + offs[None, :],
-                    mask=mask, other=0.0)
-    tl.store(out_ptr + offs, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty),
-             mask=offs < numel)
+    ok = offs < numel
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    if SWIGLU:
+        # output (row, j) is silu(gate j) * up j, gate and up rounded as stored outputs are
+        gate = offs // half * (2 * half) + offs % half
+        stride = 2 * numel
+        out = silu_times(_split_sum(partial_ptr, gate, ok, splits, num_splits, stride, dtype),
+                         _split_sum(partial_ptr, gate + half, ok, splits, num_splits, stride,
+                                    dtype))
+    else:
+        out = _split_sum(partial_ptr, offs, ok, splits, num_splits, numel, dtype)
+    tl.store(out_ptr + offs, out.to(dtype), mask=ok)
 
 
 @triton.jit(do_not_specialize=["n_packed"])
@@ -460,18 +479,26 @@ def _num_splits(split_k: int | None, programs: int, k_tiles: int, per_sm: int,
     return triton.cdiv(k_tiles, tiles), tiles
 
 
-def _launch_split(launch, num_splits: int, m: int, n: int, out: torch.Tensor, pdl: dict) -> None:
+def _launch_split(launch, num_splits: int, m: int, n: int, out: torch.Tensor, pdl: dict,
+                  swiglu: bool = False) -> torch.Tensor:
     """Runs launch(target, stride between splits) straight into out, or into float32 partials
-    that a second launch sums into out."""
+    that a second launch sums into out; swiglu: out is [m, n / 2], silu(gate) * up of the
+    product's halves (in that second launch, or after the one launch). Returns out."""
     if num_splits == 1:
-        launch(out, 0)
-        return
+        if not swiglu:
+            launch(out, 0)
+            return out
+        both = torch.empty(m, n, dtype=out.dtype, device=out.device)
+        launch(both, 0)
+        return silu_and_mul(both)
     partial = torch.empty(num_splits, m, n, dtype=torch.float32, device=out.device)
     launch(partial, m * n)
     splits = triton.next_power_of_2(num_splits)
     block = max(32, _SUM_ELEMENTS // splits)
-    _split_sum_kernel[(triton.cdiv(m * n, block),)](
-        partial, out, m * n, num_splits, SPLITS=splits, BLOCK=block, **pdl, num_warps=4)
+    _split_sum_kernel[(triton.cdiv(out.numel(), block),)](
+        partial, out, out.numel(), num_splits, n // 2, SPLITS=splits, BLOCK=block,
+        SWIGLU=swiglu, **pdl, num_warps=4)
+    return out
 
 
 def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
@@ -479,8 +506,10 @@ def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
              block_k: int | None = None, split_k: int | None = None,
              num_warps: int = _GEMV_WARPS, num_stages: int = _GEMV_STAGES,
              programs_per_sm: int = _GEMV_PROGRAMS_PER_SM,
-             pair_rows: bool | None = None) -> torch.Tensor:
-    """x [M, K] (M <= GEMV_MAX_ROWS) @ AWQ weight [K, N] -> [M, N] in x's dtype.
+             pair_rows: bool | None = None, swiglu: bool = False) -> torch.Tensor:
+    """x [M, K] (M <= GEMV_MAX_ROWS) @ AWQ weight [K, N] -> [M, N] in x's dtype; swiglu: the
+    weight is SwiGLU's [gate, up] and the result silu(x @ gate) * (x @ up), [M, N / 2], computed
+    where the splits' partial sums are added (no launch of its own).
 
     CUDA-core math in float32 (see _awq_gemv_kernel); a program takes one row, or two with
     pair_rows (None: when M > 1), and each program reads the weight again (from L2 when they
@@ -502,7 +531,7 @@ def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     programs = triton.cdiv(n, block_n) * row_programs
     num_splits, tiles = _num_splits(split_k, programs, k // block_k, programs_per_sm,
                                     x.device, at_least=k // _GEMV_SPLIT_ROWS)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
     pdl = pdl_options(x.device)
 
     def launch(target: torch.Tensor, stride_split: int) -> None:
@@ -513,8 +542,7 @@ def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
             EXACT=x.dtype == torch.float32, **pdl,
             num_warps=num_warps, num_stages=num_stages)
 
-    _launch_split(launch, num_splits, m, n, out, pdl)
-    return out
+    return _launch_split(launch, num_splits, m, n, out, pdl, swiglu)
 
 
 def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
@@ -571,15 +599,18 @@ def awq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
 
 
 def awq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
-               scales: torch.Tensor, group_size: int) -> torch.Tensor:
+               scales: torch.Tensor, group_size: int, swiglu: bool = False) -> torch.Tensor:
     """x [M, K] @ the AWQ weight [K, N] -> [M, N] in x's dtype: awq_gemv up to
     LINEAR_GEMV_ROWS rows, awq_gemm up to LINEAR_GEMM_ROWS, and from there the weight
     dequantized whole (awq_dequantize) and multiplied by cuBLAS. Groups under 16 rows, which
     tl.dot cannot step through, skip awq_gemm: the GEMV up to GEMV_MAX_ROWS, then the dense
-    weight."""
+    weight. swiglu: silu(gate) * up of the product's halves, [M, N / 2] (inside awq_gemv's
+    split sum; after the others)."""
     tensor_cores = group_size >= 16
     if 1 <= x.shape[0] <= (LINEAR_GEMV_ROWS if tensor_cores else GEMV_MAX_ROWS):
-        return awq_gemv(x, qweight, qzeros, scales, group_size)
+        return awq_gemv(x, qweight, qzeros, scales, group_size, swiglu=swiglu)
     if x.shape[0] <= LINEAR_GEMM_ROWS and tensor_cores:
-        return awq_gemm(x, qweight, qzeros, scales, group_size)
-    return x @ awq_dequantize(qweight, qzeros, scales, group_size, x.dtype)
+        y = awq_gemm(x, qweight, qzeros, scales, group_size)
+    else:
+        y = x @ awq_dequantize(qweight, qzeros, scales, group_size, x.dtype)
+    return silu_and_mul(y) if swiglu else y

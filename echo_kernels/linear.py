@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from echo_kernels.activation import silu_times
 from echo_kernels.norm import apply_rms
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 
@@ -36,9 +37,7 @@ def _store_outputs(y, out_ptr, rows, outs, M, N_OUT, stride_om, SWIGLU: tl.const
         M_PAD: tl.constexpr = y.shape[0]
         HALF: tl.constexpr = y.shape[1] // 2
         gate, up = tl.split(tl.permute(tl.reshape(y.to(dtype), [M_PAD, 2, HALF]), (0, 2, 1)))
-        g = gate.to(tl.float32)
-        silu = (g / (1.0 + tl.math.exp2(-g * 1.4426950408889634))).to(dtype)
-        y = silu.to(tl.float32) * up.to(tl.float32)
+        y = silu_times(gate, up)
     out = out_ptr + rows[:, None] * stride_om + outs[None, :]
     tl.store(out, y.to(dtype), mask=(rows[:, None] < M) & (outs[None, :] < N_OUT))
 

@@ -113,17 +113,19 @@ class LinearBase(nn.Module):
             return self._awq_matmul(x, kernel)
         return F.linear(x, self.weight) if kernel is None else kernel(x, self.weight)
 
-    def _awq_matmul(self, x: torch.Tensor, kernel: Callable | None) -> torch.Tensor:
+    def _awq_matmul(self, x: torch.Tensor, kernel: Callable | None,
+                    swiglu: bool = False) -> torch.Tensor:
+        """The AWQ product through kernel (a tuned awq_gemv) or awq_linear; swiglu: SwiGLU of
+        its halves, inside the kernel (off the GPU after the reference)."""
         args = (self.qweight, self.qzeros, self.scales, self.quant.group_size)
-        if kernel is not None:
-            return kernel(x.contiguous(), *args)
-        if x.is_cuda:
-            from echo_kernels import awq_linear
+        if kernel is None and not x.is_cuda:
+            from echo_kernels.reference import awq_linear_ref
 
-            return awq_linear(x.contiguous(), *args)
-        from echo_kernels.reference import awq_linear_ref
-
-        return awq_linear_ref(x, *args)
+            y = awq_linear_ref(x, *args)
+            return silu_and_mul(y) if swiglu else y
+        if kernel is None:
+            from echo_kernels import awq_linear as kernel
+        return kernel(x.contiguous(), *args, swiglu=swiglu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None:
@@ -217,6 +219,9 @@ class GateUpParallelLinear(MergedColumnParallelLinear):
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ gate^T) * (x @ up^T)."""
+        if self.quant is not None and self.bias is None:  # inside the AWQ kernels
+            kernel = self.small_m_kernels.get(x.shape[0]) if self.small_m_kernels else None
+            return self._awq_matmul(x, kernel, swiglu=True)
         kernel = self.swiglu_kernels.get(x.shape[0]) if self.swiglu_kernels else None
         if kernel is not None:
             return kernel(x, self.weight)

@@ -8,6 +8,7 @@ The format, from AutoAWQ's WQLinear_GEMM.from_linear: qweight[:, j] |= q[:, 8j +
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from echo_kernels import awq_gemm, awq_gemv, awq_linear
 from echo_kernels.awq import LINEAR_GEMM_ROWS, LINEAR_GEMV_ROWS, awq_dequantize
@@ -233,6 +234,33 @@ def test_split_k_deterministic(device):
     assert torch.equal(first, awq_gemv(x, qweight, qzeros, scales, 32, split_k=4))
 
 
+def swiglu_ref(x, qweight, qzeros, scales, group_size):
+    """silu(gate) * up of the reference product's halves, gate and up rounded to x's dtype
+    first (as two launches round them), silu's result too, the product in float32."""
+    gate, up = awq_linear_ref(x, qweight, qzeros, scales, group_size).chunk(2, dim=-1)
+    return (F.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("split_k", [None, 1, 3])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_swiglu(device, m, split_k):
+    # SwiGLU where the splits are added (split_k 3, and the default's splits), or after the one
+    # launch (split_k 1); N = 96: gate and up of 48 outputs each, the 64-column blocks
+    # straddling the halves
+    qweight, qzeros, scales = awq_tensors(192, 96, 64, device, seed=8)
+    x = torch.randn(m, 192, device=device).to(torch.float16)
+    out = awq_gemv(x, qweight, qzeros, scales, 64, block_n=64, split_k=split_k, swiglu=True)
+    want = swiglu_ref(x, qweight, qzeros, scales, 64)
+    assert out.shape == (m, 48) and out.dtype == x.dtype
+    # gate and up each carry fp16's rounding into the product: a few ulps
+    torch.testing.assert_close(out.float(), want.float(), atol=5e-3, rtol=5e-3)
+    for rows in (LINEAR_GEMV_ROWS + 1, LINEAR_GEMM_ROWS + 1):  # awq_gemm, the dense weight
+        x = torch.randn(rows, 192, device=device).to(torch.float16)
+        torch.testing.assert_close(
+            awq_linear(x, qweight, qzeros, scales, 64, swiglu=True).float(),
+            swiglu_ref(x, qweight, qzeros, scales, 64).float(), atol=5e-3, rtol=5e-3)
+
+
 def test_linear_dispatch_and_edges(device):
     qweight, qzeros, scales = awq_tensors(64, 32, 32, device, seed=5)
     for m in (LINEAR_GEMV_ROWS, LINEAR_GEMV_ROWS + 1, 16, 17, LINEAR_GEMM_ROWS + 1):
@@ -294,3 +322,16 @@ def test_gpu_gemm_prefill_rows(dtype):
     out = awq_gemm(x, qweight, qzeros, scales, group_size)
     want = awq_linear_ref(x, qweight, qzeros, scales, group_size)
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2])
+def test_gpu_gemv_swiglu(m):
+    # Llama-3.1-8B's gate_up (2 x 14336 outputs) in bf16: SwiGLU in the split sum
+    k, n, group_size = 4096, 28672, 128
+    qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda", seed=9)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    want = swiglu_ref(x, qweight, qzeros, scales, group_size).float()
+    out = awq_linear(x, qweight, qzeros, scales, group_size, swiglu=True)
+    assert out.shape == (m, n // 2)
+    torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)

@@ -193,8 +193,9 @@ class AwqNet(torch.nn.Module):
 
 
 def awq_kernel_for(*tile):
-    def kernel(x, qweight, qzeros, scales, group_size):
-        return awq_linear_ref(x, qweight, qzeros, scales, group_size) + 1000.0
+    def kernel(x, qweight, qzeros, scales, group_size, swiglu=False):
+        y = awq_linear_ref(x, qweight, qzeros, scales, group_size)
+        return (silu_and_mul(y) + 2000.0) if swiglu else y + 1000.0
 
     kernel.tile = tile
     return kernel
@@ -228,6 +229,19 @@ def test_awq_layers_take_a_faster_gemv_tile_by_shape():
     args = (net.b.qweight, net.b.qzeros, net.b.scales, 16)
     assert torch.allclose(net.b(one), awq_linear_ref(one, *args))
     assert net.b.small_m_kernels == {} and net.dense.small_m_kernels == {}
+
+
+def test_awq_gate_up_swiglu_runs_in_the_tuned_kernel():
+    # an AWQ gate/up layer's SwiGLU goes into its one-row kernel (swiglu=True); other rows off
+    # the GPU take the reference and SwiGLU after it
+    layer = GateUpParallelLinear(32, 8, quant=AwqConfig(group_size=16))
+    qweight, qzeros, scales = awq_tensors(32, 16, 16, "cpu", seed=3)
+    layer.qweight.data, layer.qzeros.data, layer.scales.data = qweight, qzeros, scales.float()
+    layer.small_m_kernels[1] = awq_kernel_for(1024, 8, 8, 3)
+    args = (qweight, qzeros, scales.float(), 16)
+    one, two = torch.randn(1, 32), torch.randn(2, 32)
+    assert torch.allclose(layer.swiglu(one), silu_and_mul(awq_linear_ref(one, *args)) + 2000.0)
+    assert torch.allclose(layer.swiglu(two), silu_and_mul(awq_linear_ref(two, *args)))
 
 
 @pytest.mark.gpu
