@@ -5,16 +5,13 @@ w at the memory's bandwidth. Tensor cores would pad M to 16 and stage every tile
 memory for nothing; here each program owns BLOCK_N output features over the whole K, multiplies
 its weight tiles by x on the CUDA cores into an fp32 [M, BLOCK_N, BLOCK_K] accumulator and
 reduces over K once at the end. One launch, no atomics, no split-K partials: deterministic.
-
-The weight is a dense [N, K], or AWQ's 4-bit one in echo's layout (operands qweight, qzeros,
-scales, group_size: echo_kernels/awq.py), whose rows a program takes over the whole of K.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from echo_kernels.awq import ONE_BITS, awq_rows_dot, check_awq_weight, load_awq_rows
+from echo_kernels.activation import silu_times
 from echo_kernels.norm import apply_rms
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 
@@ -40,9 +37,7 @@ def _store_outputs(y, out_ptr, rows, outs, M, N_OUT, stride_om, SWIGLU: tl.const
         M_PAD: tl.constexpr = y.shape[0]
         HALF: tl.constexpr = y.shape[1] // 2
         gate, up = tl.split(tl.permute(tl.reshape(y.to(dtype), [M_PAD, 2, HALF]), (0, 2, 1)))
-        g = gate.to(tl.float32)
-        silu = (g / (1.0 + tl.math.exp2(-g * 1.4426950408889634))).to(dtype)
-        y = silu.to(tl.float32) * up.to(tl.float32)
+        y = silu_times(gate, up)
     out = out_ptr + rows[:, None] * stride_om + outs[None, :]
     tl.store(out, y.to(dtype), mask=(rows[:, None] < M) & (outs[None, :] < N_OUT))
 
@@ -50,8 +45,8 @@ def _store_outputs(y, out_ptr, rows, outs, M, N_OUT, stride_om, SWIGLU: tl.const
 @triton.jit
 def _normed_rows(x, rows, offs_k, x_ok, K, stride_xm, resid_ptr, sum_ptr, norm_w, eps,
                  HAS_RESIDUAL: tl.constexpr):
-    """(RMSNorm(x + residual) of the rows x [M_PAD, BLOCK_K], rounded as fused_add_rms_norm
-    rounds it (norm.py), and the rows' rstd); program 0 stores the sum."""
+    """RMSNorm(x + residual) of the rows x [M_PAD, BLOCK_K], rounded as fused_add_rms_norm
+    rounds it (norm.py); program 0 stores the sum."""
     if HAS_RESIDUAL:
         r = tl.load(resid_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=x_ok,
                     other=0.0)
@@ -60,13 +55,13 @@ def _normed_rows(x, rows, offs_k, x_ok, K, stride_xm, resid_ptr, sum_ptr, norm_w
             tl.store(sum_ptr + rows[:, None] * stride_xm + offs_k[None, :], x, mask=x_ok)
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / K + eps)
-    return apply_rms(xf, rstd, norm_w[None, :], x.dtype), rstd
+    return apply_rms(xf, rstd, norm_w[None, :], x.dtype)
 
 
 @triton.jit
 def _small_m_linear_kernel(
     x_ptr,  # [M, K]
-    w_ptr,  # [N, K], or AWQ's qweight [N, K / 8] int32
+    w_ptr,  # [N, K]
     out_ptr,  # [M, N], or [M, N / 2] (SWIGLU)
     M,
     N,
@@ -91,16 +86,8 @@ def _small_m_linear_kernel(
     sum_ptr=None,  # [M, K], stride stride_xm
     eps=0.0,
     normed_ptr=None,  # [M, K], stride stride_xm: the normed rows, stored by program 0 if given
-    # an AWQ weight's group size (WHOLE_K only; 0: dense), its zero points and scales [N, K /
-    # AWQ_GROUP], one_bits and EXACT as awq_rows_dot takes them
-    AWQ_GROUP: tl.constexpr = 0,
-    qzeros_ptr=None,
-    scales_ptr=None,
-    one_bits=0,
-    EXACT: tl.constexpr = False,
 ):
     tl.static_assert(WHOLE_K or not NORM, "the norm inside needs a tile over the whole of K")
-    tl.static_assert(WHOLE_K or not AWQ_GROUP, "an AWQ weight needs a tile over the whole of K")
     if SWIGLU:
         # the program's outputs j and the weight rows j (gate) and N / 2 + j (up) they need
         HALF: tl.constexpr = BLOCK_N // 2
@@ -120,31 +107,20 @@ def _small_m_linear_kernel(
     if WHOLE_K:
         # one tile holds the program's whole share: it loads before the wait (while the short
         # kernel before still runs), and no second tile is held as the loop below holds one
-        if AWQ_GROUP:
-            packed, zeros, scales = load_awq_rows(w_ptr, qzeros_ptr, scales_ptr, cols, N, K,
-                                                  stride_wn, AWQ_GROUP, BLOCK_K // AWQ_GROUP,
-                                                  EVEN)
-        else:
-            w = weight_tile(w_ptrs, cols, offs_k, 0, N, K, EVEN)
+        w = weight_tile(w_ptrs, cols, offs_k, 0, N, K, EVEN)
         x_ok = (rows[:, None] < M) & (offs_k[None, :] < K)
         if NORM:  # a weight too: loaded before the wait
             norm_w = tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0)
         wait_for_inputs(USE_PDL)
         x = tl.load(x_ptrs, mask=x_ok, other=0.0)
         if NORM:
-            x, rstd = _normed_rows(x, rows, offs_k, x_ok, K, stride_xm, resid_ptr, sum_ptr,
-                                   norm_w, eps, HAS_RESIDUAL)
+            x = _normed_rows(x, rows, offs_k, x_ok, K, stride_xm, resid_ptr, sum_ptr, norm_w,
+                             eps, HAS_RESIDUAL)
             if normed_ptr is not None:
                 if tl.program_id(0) == 0:
                     tl.store(normed_ptr + rows[:, None] * stride_xm + offs_k[None, :], x,
                              mask=x_ok)
-        else:
-            rstd = None
-        if AWQ_GROUP:
-            y = awq_rows_dot(x_ptr, stride_xm, M, K, packed, zeros, scales, one_bits, M_PAD,
-                             EXACT, NORM, HAS_RESIDUAL, resid_ptr, norm_w_ptr, rstd)
-        else:
-            y = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+        y = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
         _store_outputs(y, out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
         return
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -167,75 +143,56 @@ def _small_m_linear_kernel(
     _store_outputs(tl.sum(acc, axis=2), out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
 
 
-def small_m_linear(x: torch.Tensor, *operands, block_n: int | None = None,
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
                    block_k: int | None = None, num_warps: int = 4,
                    num_stages: int = 3, prefetch: bool = False,
                    swiglu: bool = False) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS) @ the weight [N, K]^T -> [M, N] in x's dtype, fp32
-    accumulation. operands: the weight [N, K], or AWQ's (qweight, qzeros, scales, group_size),
-    whose tile always covers the whole of K (block_k, prefetch and num_stages do not apply).
-    swiglu: the weight is SwiGLU's [gate; up] and the result silu(x @ gate^T) * (x @ up^T),
+    """x [M, K] (M <= MAX_ROWS), weight [N, K] -> [M, N] in x's dtype, fp32 accumulation.
+    swiglu: weight is SwiGLU's [gate; up] and the result silu(x @ gate^T) * (x @ up^T),
     [M, N / 2], each program computing block_n / 2 outputs from their gate and up rows."""
     m, k = x.shape
-    weight, n, weight_k, awq = _weight(operands)
-    if weight_k != k or x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"x {tuple(x.shape)} and weight [{n}, {weight_k}] must share a "
+    if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must share a "
                          "contiguous K")
-    if awq:
-        return _launch("small_m_linear", x, weight, n, block_n or 8, triton.next_power_of_2(k),
-                       True, swiglu, num_warps, **awq)
     # NOTE: swept on an H200 at M=1 (bench_kernels.py --only linear --sweep): 8 x 512 tiles
     # were best at Llama-3.1-8B's qkv/o_proj/down shapes. The accumulator holds
     # M_PAD * BLOCK_N * BLOCK_K floats, so K per tile shrinks as M grows.
     block_k = block_k or max(128, 512 // triton.next_power_of_2(m))
-    return _launch("small_m_linear", x, weight, n, block_n or 8, block_k, prefetch, swiglu,
+    return _launch("small_m_linear", x, weight, block_n or 8, block_k, prefetch, swiglu,
                    num_warps, num_stages=num_stages)
 
 
 def small_m_normed_linear(x: torch.Tensor, residual: torch.Tensor | None,
-                          norm_weight: torch.Tensor, eps: float, *operands, block_n: int,
-                          num_warps: int = 4, swiglu: bool = False,
+                          norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                          block_n: int, num_warps: int = 4, swiglu: bool = False,
                           normed_out: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """small_m_linear(RMSNorm(x + residual), *operands) with the norm inside, one tile over
-    the whole of K a program: (its output, the sum x + residual, a new tensor; x itself when
-    residual is None). The norm and the sum round as fused_add_rms_norm's do. normed_out (like
-    x): where the normed rows go too, for other layers that read them."""
+    """small_m_linear(RMSNorm(x + residual)) with the norm inside, one tile over the whole of
+    K a program: (its output, the sum x + residual, a new tensor; x itself when residual is
+    None). The norm and the sum round as fused_add_rms_norm's do. normed_out (like x): where
+    the normed rows go too, for other layers that read them."""
     k = x.shape[1]
-    weight, n, weight_k, awq = _weight(operands)
-    if (weight_k != k or norm_weight.shape != (k,) or not x.is_contiguous()
+    if (weight.shape[1] != k or norm_weight.shape != (k,) or not x.is_contiguous()
             or weight.stride(1) != 1 or (residual is not None and residual.shape != x.shape)
             or (normed_out is not None and (normed_out.shape != x.shape
                                             or not normed_out.is_contiguous()))):
         raise ValueError(f"x {tuple(x.shape)}, residual, norm weight {tuple(norm_weight.shape)}"
-                         f" and weight [{n}, {weight_k}] must share a contiguous K")
+                         f" and weight {tuple(weight.shape)} must share a contiguous K")
     total = x if residual is None else torch.empty_like(x)
-    out = _launch("small_m_normed_linear", x, weight, n, block_n, triton.next_power_of_2(k),
-                  True, swiglu, num_warps, NORM=True, HAS_RESIDUAL=residual is not None,
+    out = _launch("small_m_normed_linear", x, weight, block_n, triton.next_power_of_2(k), True,
+                  swiglu, num_warps, NORM=True, HAS_RESIDUAL=residual is not None,
                   resid_ptr=x if residual is None else residual.contiguous(),
-                  norm_w_ptr=norm_weight, sum_ptr=total, eps=eps, normed_ptr=normed_out, **awq)
+                  norm_w_ptr=norm_weight, sum_ptr=total, eps=eps, normed_ptr=normed_out)
     return out, total
 
 
-def _weight(operands: tuple) -> tuple[torch.Tensor, int, int, dict]:
-    """(the tensor the kernel's w_ptr reads, N, K, the kernel's AWQ arguments) of a dense
-    weight's or an AWQ weight's operands."""
-    if len(operands) == 1:
-        weight, = operands
-        return weight, weight.shape[0], weight.shape[1], {}
-    qweight, qzeros, scales, group_size = operands
-    n, k = check_awq_weight(qweight, qzeros, scales, group_size)
-    return qweight, n, k, dict(AWQ_GROUP=group_size, qzeros_ptr=qzeros, scales_ptr=scales,
-                               one_bits=ONE_BITS)
-
-
-def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, n: int, block_n: int,
-            block_k: int, prefetch: bool, swiglu: bool, num_warps: int, num_stages: int = 3,
-            **options) -> torch.Tensor:
+def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int,
+            prefetch: bool, swiglu: bool, num_warps: int, num_stages: int = 3,
+            **norm) -> torch.Tensor:
     """The kernel's launch for both entry points (shapes already checked but the rows and
-    SwiGLU's halves): its output [M, N], or [M, N / 2] with swiglu. options: the norm's and an
-    AWQ weight's arguments."""
+    SwiGLU's halves): its output [M, N], or [M, N / 2] with swiglu."""
     m, k = x.shape
+    n = weight.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"{name} takes 1..{MAX_ROWS} rows, got {m}")
     if swiglu and (n % 2 or block_n < 2):
@@ -247,7 +204,6 @@ def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, n: int, block_n: i
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN=outputs % per_program == 0 and k % block_k == 0, PREFETCH=prefetch,
-        WHOLE_K=prefetch and block_k >= k, SWIGLU=swiglu, **pdl_options(x.device),
-        EXACT=x.dtype == torch.float32 and "AWQ_GROUP" in options, **options,
+        WHOLE_K=prefetch and block_k >= k, SWIGLU=swiglu, **pdl_options(x.device), **norm,
         num_warps=num_warps, num_stages=num_stages)
     return out

@@ -28,8 +28,7 @@ and a last phase norms the residual stream for the LM head (which stays a cuBLAS
 GEMV phase streams a program's rows in [BLOCK_N, BLOCK_K] tiles, several in flight through
 shared memory (Triton's pipeliner), one stream across its row blocks (_gemv_stream). Rounding
 follows the separate kernels' (norm.py, activation.py, the attention kernels): the same points
-in the model dtype, float32 arithmetic. The weights are the model dtype's: AWQ (quantized)
-models decode through the usual launch chain.
+in the model dtype, float32 arithmetic.
 
 The grid must be co-resident, or a barrier would wait forever: PersistentDecode sizes it from
 the compiled kernel's occupancy, and a barrier that polls past SPIN_LIMIT gives up and sets an
@@ -38,6 +37,7 @@ CPU each phase is a launch of its own (PersistentDecode.__call__), the same code
 barriers.
 """
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -45,20 +45,27 @@ import triton
 import triton.language as tl
 
 from echo_kernels.attention.common import LOG2E, online_softmax_step
+from echo_kernels.awq import _ONE_BITS, _group_offsets, _unpack_offsets
 from echo_kernels.device import sm_count
 from echo_kernels.fused_moe import route_row
 from echo_kernels.norm import apply_rms
 from echo_kernels.rope import rotated_rows
 
-# the pointer table's columns (pointer_table): each layer's tensors, by address (a mixture of
-# experts: gate_up and down are the stacked experts [E, 2I, H] and [E, H, I])
-COLUMNS = ("qkv", "o_proj", "gate_up", "down", "in_norm", "q_norm", "k_norm", "post_norm",
-           "k_cache", "v_cache", "router")
-QKV, O_PROJ, GATE_UP, DOWN, IN_NORM, Q_NORM, K_NORM, POST_NORM, K_CACHE, V_CACHE, ROUTER = (
-    tl.constexpr(column) for column in range(len(COLUMNS)))
+# the pointer table's columns (pointer_table): each layer's tensors, by address. The four
+# linear layers' weights first (a mixture of experts: gate_up and down are the stacked experts
+# [E, 2I, H] and [E, H, I]; AWQ: qweight [K, N / 8]), then, with AWQ weights, their qzeros
+# LINEARS columns after each weight and their scales 2 * LINEARS after
+_LINEARS = ("qkv", "o_proj", "gate_up", "down")
+COLUMNS = (*_LINEARS, *(f"{name}_zeros" for name in _LINEARS),
+           *(f"{name}_scales" for name in _LINEARS),
+           "in_norm", "q_norm", "k_norm", "post_norm", "k_cache", "v_cache", "router")
+(QKV, O_PROJ, GATE_UP, DOWN), LINEARS = (
+    tuple(tl.constexpr(column) for column in range(len(_LINEARS))), tl.constexpr(len(_LINEARS)))
+IN_NORM, Q_NORM, K_NORM, POST_NORM, K_CACHE, V_CACHE, ROUTER = (
+    tl.constexpr(COLUMNS.index(name)) for name in COLUMNS[3 * len(_LINEARS):])
 NUM_POINTERS = tl.constexpr(len(COLUMNS))
 # sync buffer: barrier arrivals, programs done, error flag, then per KV head the attention
-# splits' arrival count and its qkv rows' (_mark_qkv_ready)
+# splits' arrival count and its qkv rows' (_mark_qkv_ready), then the AWQ column blocks'
 SYNC_ARRIVALS, SYNC_DONE, SYNC_ERROR, SYNC_HEADS = (tl.constexpr(i) for i in range(4))
 SPIN_LIMIT = tl.constexpr(1 << 22)
 
@@ -491,6 +498,146 @@ def _epilogue(y, rows, ok, first, end, out_ptr, resid_ptr, EPILOGUE: tl.constexp
         tl.store(out_ptr + rows, y.to(dtype), mask=ok)
 
 
+# --- AWQ weights (W4A16) ---
+# AWQ's qweight is K-major ([K, N / 8] int32, awq.py), so an output's weights are a column of
+# nibbles down every K row, and a program cannot take whole outputs as the phases above do
+# (Llama-3.1-8B's o_proj in strips of 256 columns is 16 strips of 1 MB). An AWQ phase splits K
+# as awq_gemv does: items of (column block, K split) fill the grid, each adds its rows into
+# float32 partial sums, and the last split of a column block to arrive (an acquire-release
+# count, as the attention merge) sums the partials in split order and applies the epilogue.
+# The arithmetic is awq_gemv's: weights as 1 + q u (_unpack_offsets), zero and scale folded in
+# once a group (_group_offsets).
+
+
+@triton.jit
+def _awq_layout(N: tl.constexpr, K: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr,
+                SPLITS: tl.constexpr):
+    """(column blocks, K splits a block, K tiles a split) of an AWQ phase: splits enough for an
+    item a program, at most SPLITS, whole tiles each. (A gated block's COLS / 2 outputs take
+    COLS columns: the count is the same.)"""
+    blocks = tl.cdiv(N, COLS)
+    k_tiles: tl.constexpr = K // BLOCK_K
+    splits = tl.minimum(tl.minimum(tl.cdiv(tl.num_programs(0), blocks), SPLITS), k_tiles)
+    tiles = tl.cdiv(k_tiles, splits)
+    return blocks, tl.cdiv(k_tiles, tiles), tiles
+
+
+@triton.jit
+def _awq_item(item, N: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr,
+              COLS: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr):
+    """Item `item` of an AWQ phase: (column block, split, first and end K tile, its packs
+    [COLS / 8] (qweight's int32 columns), which are read, and their output columns [COLS] in
+    _unpack_offsets' order). GATED: the first half are gate packs, the second the up packs of
+    the same outputs (N / 16 packs on)."""
+    blocks, splits, tiles = _awq_layout(N, K, COLS, BLOCK_K, SPLITS)
+    block = item // splits
+    split = item % splits
+    PACKS: tl.constexpr = COLS // 8
+    p = tl.arange(0, PACKS)
+    if GATED:
+        HALF: tl.constexpr = PACKS // 2
+        j = block * HALF + p % HALF
+        packs = tl.where(p < HALF, j, N // 16 + j)
+        ok = j < N // 16
+    else:
+        packs = block * PACKS + p
+        ok = packs < N // 8
+    cols = tl.reshape(packs[:, None] * 8 + tl.arange(0, 8)[None, :], [COLS])
+    first = split * tiles
+    return block, split, first, tl.minimum(first + tiles, K // BLOCK_K), packs, ok, cols
+
+
+@triton.jit
+def _awq_tile(qw_ptr, tile, packs, ok, N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """qweight's int32 [BLOCK_K, packs] at K tile `tile`."""
+    rows = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    return tl.load(qw_ptr + rows[:, None].to(tl.int64) * (N // 8) + packs[None, :],
+                   mask=ok[None, :], other=0)
+
+
+@triton.jit
+def _awq_phase(qw_ptr, qz_ptr, sc_ptr, x_ptr, out_ptr, resid_ptr, ready_ptr, part_ptr,
+               counts_ptr, one_bits, N: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr,
+               EPILOGUE: tl.constexpr, QGROUP: tl.constexpr, COLS: tl.constexpr,
+               BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, STAGES: tl.constexpr,
+               HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+               dtype: tl.constexpr):
+    """This program's items of out = x @ W, W [K, N] AWQ (qweight, qzeros, scales at qw_ptr,
+    qz_ptr, sc_ptr). Partial sums go to part_ptr [blocks, SPLITS, COLS] float32, arrivals to
+    counts_ptr [blocks] (zero on entry, left zero); EPILOGUE and ready_ptr as _gemv_phase's
+    (a unit is a column block)."""
+    # float32 x: the 1 of each weight taken off, as awq_gemv's EXACT
+    EXACT: tl.constexpr = dtype == tl.float32
+    TILES: tl.constexpr = QGROUP // BLOCK_K  # tiles a group
+    blocks, splits, _ = _awq_layout(N, K, COLS, BLOCK_K, SPLITS)
+    grid = tl.num_programs(0)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_c = tl.arange(0, COLS)
+    for item in range(tl.program_id(0), blocks * splits, grid):
+        block, split, first, end, packs, ok, cols = _awq_item(item, N, K, GATED, COLS, BLOCK_K,
+                                                             SPLITS)
+        acc = tl.zeros([BLOCK_K, COLS], tl.float32)
+        x_sum = tl.zeros([BLOCK_K], tl.float32)
+        total = tl.zeros([COLS], tl.float32)
+        # NOTE: Triton's pipeliner stages these int32 tiles through shared memory (cp.async,
+        # STAGES - 1 ahead): the bytes in flight cost no registers, where a tile held ahead
+        # by hand in registers left too few for the unpacked weights (offline sm_90 compiles
+        # of Llama-3.1-8B's shapes: 208 bytes of spills at 168 registers)
+        for tile in tl.range(first, end, num_stages=STAGES):
+            packed = _awq_tile(qw_ptr, tile, packs, ok, N, BLOCK_K)
+            x = tl.load(x_ptr + tile * BLOCK_K + offs_k, cache_modifier=".cg").to(tl.float32)
+            w = tl.reshape(_unpack_offsets(packed, one_bits), (BLOCK_K, COLS))
+            if EXACT:
+                w -= 1.0
+            acc += x[:, None] * w
+            x_sum += x
+            # a group's last tile or the split's: the group's sums into the total (across
+            # threads once a group, not a tile)
+            if (tile % TILES == TILES - 1) | (tile == end - 1):
+                z, s_u = _group_offsets(qz_ptr, sc_ptr, tile // TILES, packs, ok, cols, N,
+                                        N // 8, one_bits)
+                if EXACT:
+                    z -= 1.0
+                total += s_u * (tl.sum(acc, 0) - z * tl.sum(x_sum, 0))
+                acc = tl.zeros([BLOCK_K, COLS], tl.float32)
+                x_sum = tl.zeros([BLOCK_K], tl.float32)
+        tl.store(part_ptr + (block * SPLITS + split) * COLS + offs_c, total)
+        tl.debug_barrier()  # every thread's partials before the arrival (the atomic releases)
+        if tl.atomic_add(counts_ptr + block, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            tl.store(counts_ptr + block, 0)  # for the next phase: every split has arrived
+            s = tl.arange(0, SPLITS)
+            parts = tl.load(part_ptr + (block * SPLITS + s[:, None]) * COLS + offs_c[None, :],
+                            mask=(s < splits)[:, None], other=0.0, cache_modifier=".cg")
+            _epilogue(tl.sum(parts, 0), cols, cols < N, block * (COLS // 2), N // 2, out_ptr,
+                      resid_ptr, EPILOGUE, COLS, dtype)
+            if ready_ptr is not None:
+                _mark_qkv_ready(ready_ptr, block * COLS, tl.minimum(block * COLS + COLS, N),
+                                HEADS, KV_HEADS, HEAD_DIM)
+
+
+@triton.jit
+def _linear_phase(table_ptr, layer, COLUMN: tl.constexpr, x_ptr, out_ptr, resid_ptr,
+                  ready_ptr, awq_part_ptr, counts_ptr, one_bits, N: tl.constexpr,
+                  K: tl.constexpr, GATED: tl.constexpr, EPILOGUE: tl.constexpr,
+                  EVEN: tl.constexpr, BALANCED: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, AWQ: tl.constexpr, QGROUP: tl.constexpr,
+                  AWQ_COLS: tl.constexpr, AWQ_BLOCK_K: tl.constexpr, AWQ_SPLITS: tl.constexpr,
+                  AWQ_STAGES: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, STAGES: tl.constexpr, dtype: tl.constexpr):
+    """The GEMV phase of the layer's linear COLUMN, dense (_gemv_phase) or AWQ (_awq_phase)."""
+    if AWQ:
+        _awq_phase(_pointer(table_ptr, layer, COLUMN, tl.int32),
+                   _pointer(table_ptr, layer, COLUMN + LINEARS, tl.int32),
+                   _pointer(table_ptr, layer, COLUMN + 2 * LINEARS, dtype), x_ptr, out_ptr,
+                   resid_ptr, ready_ptr, awq_part_ptr, counts_ptr, one_bits, N, K, GATED,
+                   EPILOGUE, QGROUP, AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS,
+                   KV_HEADS, HEAD_DIM, dtype)
+    else:
+        _gemv_phase(_pointer(table_ptr, layer, COLUMN, dtype), x_ptr, out_ptr, resid_ptr,
+                    ready_ptr, N, K, GATED, EPILOGUE, EVEN, BALANCED, BLOCK_N, BLOCK_K, HEADS,
+                    KV_HEADS, HEAD_DIM, STAGES, dtype)
+
+
 @triton.jit
 def _persistent_decode_kernel(
     table_ptr,  # int64 [num_layers, NUM_POINTERS]
@@ -504,7 +651,8 @@ def _persistent_decode_kernel(
     act_ptr,  # [INTER], a mixture of experts [TOP_K, INTER]: SwiGLU's output
     logits_ptr,  # [EXPERTS]: the router's (IS_MOE)
     part_ptr,  # float32 [KV_HEADS, SPLITS_PAD, GROUP_PAD, HEAD_DIM + 2]: split partials
-    sync_ptr,  # int32 [SYNC_HEADS + 2 * KV_HEADS], zero on entry and exit
+    awq_part_ptr,  # float32 [column blocks, AWQ_SPLITS, AWQ_COLS]: AWQ phases' partial sums
+    sync_ptr,  # int32 [SYNC_HEADS + 2 * KV_HEADS + AWQ column blocks], zero on entry and exit
     block_table_ptr,  # [max_blocks] int32: the sequence's cache blocks
     seq_len_ptr,  # [1] int32, the context including the new token
     position_ptr,  # [1] the new token's position
@@ -516,6 +664,7 @@ def _persistent_decode_kernel(
     stride_kh,
     eps,
     qk_scale,  # softmax scale * log2(e)
+    one_bits,  # 0x3F800000 (awq.py's _offset_window: an argument, so mask and OR fuse)
     num_layers,
     phase_lo,  # the phases to run: [phase_lo, phase_hi) of num_layers * LAYER_PHASES + 1
     phase_hi,
@@ -542,7 +691,13 @@ def _persistent_decode_kernel(
     BLOCK_TOPK: tl.constexpr,
     BARRIERS: tl.constexpr,  # False under the interpreter: a launch runs one phase
     BALANCED: tl.constexpr,  # _phase_span: an equal run of rows a program, or strided blocks
-    GEMV_STAGES: tl.constexpr,  # weight tiles a GEMV phase stages (Triton's pipeliner)
+    AWQ: tl.constexpr,  # the four linear layers' weights are AWQ's (qweight, qzeros, scales)
+    QGROUP: tl.constexpr,  # AWQ's group size
+    AWQ_COLS: tl.constexpr,  # columns an AWQ item (a power of two, at least 16)
+    AWQ_BLOCK_K: tl.constexpr,  # K rows an AWQ tile (divides QGROUP)
+    AWQ_SPLITS: tl.constexpr,  # K splits a column block at most (a power of two)
+    AWQ_STAGES: tl.constexpr,  # qweight tiles an AWQ item stages (Triton's pipeliner)
+    GEMV_STAGES: tl.constexpr,  # weight tiles a bf16 GEMV phase stages (Triton's pipeliner)
     NORM_BLOCK: tl.constexpr,  # columns a step of the RMSNorms (H in one when it fits)
 ):
     dtype: tl.constexpr = out_ptr.dtype.element_ty
@@ -561,9 +716,13 @@ def _persistent_decode_kernel(
     per_split = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_T) * BLOCK_T
     n_splits = tl.cdiv(seq_len, per_split)
     barriers = 0
+    # AWQ phases' arrival counts, one a column block
+    counts_ptr = sync_ptr + SYNC_HEADS + 2 * KV_HEADS
     # the attention of a KV head waits for its qkv rows alone (_mark_qkv_ready), not behind
     # a grid barrier: the qkv GEMV's units, in outputs
-    if BALANCED:
+    if AWQ:
+        qkv_unit = AWQ_COLS
+    elif BALANCED:
         qkv_unit = tl.cdiv(QKV_N, grid)
     else:
         qkv_unit = BLOCK_N
@@ -573,9 +732,11 @@ def _persistent_decode_kernel(
         if (phase_lo <= base) & (base < phase_hi):
             _normed_input(resid_ptr, delta_ptr, layer > 0, _pointer(table_ptr, layer, IN_NORM,
                           dtype), xn_ptr, resid_ptr + H, eps, H, NORM_BLOCK, dtype)
-            _gemv_phase(_pointer(table_ptr, layer, QKV, dtype), xn_ptr, qkv_ptr, None,
-                        sync_ptr + SYNC_HEADS + KV_HEADS, QKV_N, H, False, STORE, EVEN, BALANCED,
-                        BLOCK_N, BLOCK_K, HEADS, KV_HEADS, HEAD_DIM, GEMV_STAGES, dtype)
+            _linear_phase(table_ptr, layer, QKV, xn_ptr, qkv_ptr, None,
+                          sync_ptr + SYNC_HEADS + KV_HEADS, awq_part_ptr, counts_ptr, one_bits,
+                          QKV_N, H, False, STORE, EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP,
+                          AWQ_COLS, AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS,
+                          HEAD_DIM, GEMV_STAGES, dtype)
         # --- attention ---
         if (phase_lo <= base + 1) & (base + 1 < phase_hi):
             for item in range(pid, KV_HEADS * n_splits, grid):
@@ -588,9 +749,10 @@ def _persistent_decode_kernel(
             barriers = _after_phase(sync_ptr, barriers, base + 2, phase_hi, BARRIERS)
         # --- o_proj and the residual: resid[0] = o + resid[1] ---
         if (phase_lo <= base + 2) & (base + 2 < phase_hi):
-            _gemv_phase(_pointer(table_ptr, layer, O_PROJ, dtype), attn_ptr, resid_ptr,
-                        resid_ptr + H, None, H, O_K, False, ADD_RESIDUAL, EVEN, BALANCED,
-                        BLOCK_N, BLOCK_K, HEADS, KV_HEADS, HEAD_DIM, GEMV_STAGES, dtype)
+            _linear_phase(table_ptr, layer, O_PROJ, attn_ptr, resid_ptr, resid_ptr + H, None,
+                          awq_part_ptr, counts_ptr, one_bits, H, O_K, False, ADD_RESIDUAL, EVEN,
+                          BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS, AWQ_BLOCK_K,
+                          AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS, HEAD_DIM, GEMV_STAGES, dtype)
             barriers = _after_phase(sync_ptr, barriers, base + 3, phase_hi, BARRIERS)
         if IS_MOE:
             # --- the router: the post-attention norm, the router's logits ---
@@ -624,15 +786,19 @@ def _persistent_decode_kernel(
             if (phase_lo <= base + 3) & (base + 3 < phase_hi):
                 _normed_input(resid_ptr, delta_ptr, False, _pointer(table_ptr, layer,
                               POST_NORM, dtype), xn_ptr, None, eps, H, NORM_BLOCK, dtype)
-                _gemv_phase(_pointer(table_ptr, layer, GATE_UP, dtype), xn_ptr, act_ptr, None,
-                            None, 2 * INTER, H, True, SWIGLU, EVEN, BALANCED, BLOCK_N, BLOCK_K,
-                            HEADS, KV_HEADS, HEAD_DIM, GEMV_STAGES, dtype)
+                _linear_phase(table_ptr, layer, GATE_UP, xn_ptr, act_ptr, None, None,
+                              awq_part_ptr, counts_ptr, one_bits, 2 * INTER, H, True, SWIGLU,
+                              EVEN, BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS,
+                              AWQ_BLOCK_K, AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS, HEAD_DIM,
+                              GEMV_STAGES, dtype)
                 barriers = _after_phase(sync_ptr, barriers, base + 4, phase_hi, BARRIERS)
             # --- down: delta = W_down @ act ---
             if (phase_lo <= base + 4) & (base + 4 < phase_hi):
-                _gemv_phase(_pointer(table_ptr, layer, DOWN, dtype), act_ptr, delta_ptr, None,
-                            None, H, INTER, False, STORE, EVEN, BALANCED, BLOCK_N, BLOCK_K,
-                            HEADS, KV_HEADS, HEAD_DIM, GEMV_STAGES, dtype)
+                _linear_phase(table_ptr, layer, DOWN, act_ptr, delta_ptr, None, None,
+                              awq_part_ptr, counts_ptr, one_bits, H, INTER, False, STORE, EVEN,
+                              BALANCED, BLOCK_N, BLOCK_K, AWQ, QGROUP, AWQ_COLS, AWQ_BLOCK_K,
+                              AWQ_SPLITS, AWQ_STAGES, HEADS, KV_HEADS, HEAD_DIM, GEMV_STAGES,
+                              dtype)
                 barriers = _after_phase(sync_ptr, barriers, base + 5, phase_hi, BARRIERS)
     # --- the final norm of resid[0] + delta, one program ---
     last = num_layers * LAYER_PHASES
@@ -664,6 +830,8 @@ class DecodeShape:
     num_experts: int = 0  # 0: a dense MLP
     top_k: int = 0
     norm_topk_prob: bool = False  # the top-k routing weights renormalized to sum to 1
+    # AWQ's group size where the four linear layers hold AWQ weights (W4A16); 0: dense
+    awq_group_size: int = 0
 
     @property
     def qkv_size(self) -> int:
@@ -712,6 +880,17 @@ class PersistentTiles:
     # a GEMV phase's rows an equal run a program (True) or blocks strided over the programs
     # (the probe's): _phase_span
     balanced_rows: bool = True
+    # AWQ phases (_awq_phase): columns an item (256: one 128-byte line of a K row, and few
+    # enough partial sums: at Llama-3.1-8B's o_proj 16 blocks of 25 splits write 0.4 MB
+    # against the 8 MB weight), K rows a tile (capped by the group size: 32 rows take 3.5
+    # instructions a weight in the tile loop and spill nothing, 16 rows 3.9 and 40 bytes of
+    # stack, in offline sm_90 compiles of Llama-3.1-8B's shapes), K splits at most
+    awq_cols: int = 256
+    awq_block_k: int = 32
+    awq_splits: int = 32
+    # qweight tiles an AWQ item has in shared memory (4 KB each at 32 x 256): 4 keeps 12 KB a
+    # program in flight, ~5 MB over the grid, about what the bf16 phases' two 8 KB tiles hold
+    awq_stages: int = 4
 
 
 def pointer_table(layers: list[dict[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
@@ -747,6 +926,21 @@ class PersistentDecode:
         if tiles.block_t is None:
             tiles = replace(tiles, block_t=max(1, min(
                 16, 4096 // (self.group_pad * triton.next_power_of_2(shape.head_dim)))))
+        awq_blocks = 0
+        if shape.awq_group_size:
+            group = shape.awq_group_size
+            if shape.is_moe:
+                raise ValueError("persistent decode: AWQ weights with a mixture of experts")
+            if (tiles.awq_cols < 16 or tiles.awq_cols & (tiles.awq_cols - 1)
+                    or tiles.awq_splits & (tiles.awq_splits - 1)):
+                raise ValueError("persistent decode: awq_cols (at least 16) and awq_splits "
+                                 "must be powers of two")
+            if any(k % group for _, k in shape.linear_sizes) or shape.intermediate_size % 8 \
+                    or any(n % 8 for n, _ in shape.linear_sizes):
+                raise ValueError("persistent decode: AWQ needs every K a multiple of the "
+                                 f"group size {group} and every N (gate and up) of 8")
+            tiles = replace(tiles, awq_block_k=math.gcd(tiles.awq_block_k, group))
+            awq_blocks = max(triton.cdiv(n, tiles.awq_cols) for n, _ in shape.linear_sizes)
         self.shape, self.table, self.final_norm, self.cos_sin = shape, table, final_norm, cos_sin
         self.cache_strides, self.tiles = cache_strides, tiles
         device, dtype = final_norm.device, final_norm.dtype
@@ -769,7 +963,9 @@ class PersistentDecode:
         self.logits = empty(max(shape.num_experts, 1))
         self.parts = empty(kv_heads, self.splits_pad, self.group_pad, shape.head_dim + 2,
                            dtype=torch.float32)
-        self.sync = empty(SYNC_HEADS.value + 2 * kv_heads, dtype=torch.int32)
+        self.awq_parts = empty(max(awq_blocks * tiles.awq_splits * tiles.awq_cols, 1),
+                               dtype=torch.float32)
+        self.sync = empty(SYNC_HEADS.value + 2 * kv_heads + awq_blocks, dtype=torch.int32)
         self.even = (all(n % tiles.block_n == 0 and k % tiles.block_k == 0
                          for n, k in gemv_sizes)
                      and shape.intermediate_size % (tiles.block_n // 2) == 0)
@@ -806,10 +1002,10 @@ class PersistentDecode:
         shape, tiles = self.shape, self.tiles
         stride_kb, stride_kt, stride_kh = self.cache_strides
         args = (self.table, self.final_norm, self.out, self.resid, self.delta, self.xn, self.qkv,
-                self.attn, self.act, self.logits, self.parts, self.sync,
+                self.attn, self.act, self.logits, self.parts, self.awq_parts, self.sync,
                 block_table, seq_len, position, slot,
                 self.cos_sin, self.cos_sin.stride(0), stride_kb, stride_kt, stride_kh,
-                shape.eps, shape.head_dim**-0.5 * LOG2E, shape.num_layers, phase_lo,
+                shape.eps, shape.head_dim**-0.5 * LOG2E, _ONE_BITS, shape.num_layers, phase_lo,
                 phase_hi, self.max_splits)
         constexprs = dict(
             H=shape.hidden_size,
@@ -821,7 +1017,10 @@ class PersistentDecode:
             EXPERTS=shape.num_experts, TOP_K=shape.top_k, RENORMALIZE=shape.norm_topk_prob,
             BLOCK_E=triton.next_power_of_2(max(shape.num_experts, 1)),
             BLOCK_TOPK=triton.next_power_of_2(max(shape.top_k, 1)), BARRIERS=barriers,
-            BALANCED=tiles.balanced_rows, GEMV_STAGES=tiles.stages,
+            BALANCED=tiles.balanced_rows, AWQ=shape.awq_group_size > 0,
+            QGROUP=max(shape.awq_group_size, 1), AWQ_COLS=tiles.awq_cols,
+            AWQ_BLOCK_K=tiles.awq_block_k, AWQ_SPLITS=tiles.awq_splits,
+            AWQ_STAGES=tiles.awq_stages, GEMV_STAGES=tiles.stages,
             NORM_BLOCK=min(triton.next_power_of_2(shape.hidden_size), 4096),
             num_warps=tiles.num_warps)
         if self.on_gpu and tiles.max_registers is not None:

@@ -525,11 +525,14 @@ AWQ_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 40
               "down": (4096, 14336)}  # (N, K) of Llama-3.1-8B's layers
 # awq_gemm against the dense weight and cuBLAS (awq_linear's LINEAR_GEMM_ROWS), not in graphs
 AWQ_PREFILL_ROWS = (16, 32, 48, 64, 256, 1024, 4096)
-# --sweep (--awq-sweep picks the parts): "gemv", awq_gemv at M = 1 over (weight rows a
-# program, num_warps); "decode", decode rows (M = 1, 16) through awq_gemm, the tensor-core
+# --sweep (--awq-sweep picks the parts): "gemv", awq_gemv at M = 1 over (block_n, block_k,
+# num_warps, num_stages) and the programs per SM its split-K aims for, at least a pack of 8
+# columns a lane; "decode", decode rows (M = 1, 16) through awq_gemm, the tensor-core
 # kernel, one 16-row tile with (block_n, block_k, num_stages, split_k); "prefill", awq_gemm's
 # (block_m, block_n, block_k, num_warps, num_stages) at M = 4096
-AWQ_GEMV_SWEEP = [(bn, w) for bn in (2, 4, 8, 16, 32) for w in (2, 4, 8)]
+AWQ_GEMV_SWEEP = [(bn, bk, w, st, per_sm) for bn in (256, 512, 1024) for w in (1, 2, 4)
+                  for bk in (8, 16, 32) for st in (3, 5) for per_sm in (4, 8, 16)
+                  if bn >= 256 * w]
 AWQ_DECODE_SWEEP = [(bn, bk, st, sk) for bn in (64, 128, 256) for bk in (64, 128)
                     for st in (2, 3, 4) for sk in (1, 2, 4, 8, 16)]
 AWQ_GEMM_SWEEP = [(bm, bn, bk, w, 3) for bm in (64, 128) for bn in (128, 256)
@@ -537,21 +540,20 @@ AWQ_GEMM_SWEEP = [(bm, bn, bk, w, 3) for bm in (64, 128) for bn in (128, 256)
 
 
 def random_awq(n: int, k: int):
-    """Random AWQ tensors (qweight, qzeros, scales) of an [N, K] weight in echo's layout
-    (echo/layers/awq_layout.py): any bits will do."""
+    """Random AWQ tensors (qweight, qzeros, scales) of an [K, N] weight: any bits will do."""
     g = k // AWQ_GROUP
-    qweight = torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32)
-    qzeros = torch.randint(0, 16, (n, g), device="cuda", dtype=torch.uint8)
-    scales = torch.rand(n, g, device="cuda", dtype=torch.float16) * 0.01
+    qweight = torch.randint(-2**31, 2**31 - 1, (k, n // 8), device="cuda", dtype=torch.int32)
+    qzeros = torch.randint(-2**31, 2**31 - 1, (g, n // 8), device="cuda", dtype=torch.int32)
+    scales = torch.rand(g, n, device="cuda", dtype=torch.float16) * 0.01
     return qweight, qzeros, scales
 
 
 def awq_copies(n: int, k: int) -> tuple[list, int]:
-    """Enough copies of random AWQ tensors of an [N, K] weight that together they exceed the
+    """Enough copies of random AWQ tensors of an [K, N] weight that together they exceed the
     L2 (the decode rows rotate over them), and the bytes one copy reads: packed weight, zeros
     and scales."""
     groups = k // AWQ_GROUP
-    nbytes = k * n // 2 + groups * n * 2 + groups * n
+    nbytes = k * n // 2 + groups * n * 2 + groups * n // 2
     return [random_awq(n, k) for _ in range(max(2, -(-160 * 2**20 // nbytes)))], nbytes
 
 
@@ -566,7 +568,7 @@ def time_awq_decode(rows: Rows, label: str, kernel, x, copies, shape: str, nbyte
 
 def bench_awq(rows: Rows, sweep: set[str]) -> None:
     """AWQ W4A16 at Llama-3.1-8B's layer shapes, fp16 activations (AutoAWQ's dtype). Decode
-    rows (M = 1 ... 16: awq_linear, and at 2 and 4 rows awq_gemv and awq_gemm both) read the packed
+    rows (M = 1 ... 16: awq_linear, and from 2 rows awq_gemv and awq_gemm both) read the packed
     weight, zeros and scales: bytes = those, against cuBLAS bf16 over its 4x larger weight, in
     CUDA graphs over weight copies that exceed the L2. AWQ_PREFILL_ROWS: flops of awq_gemm,
     the dense weight and awq_linear, target 70% of cuBLAS bf16 at the same shape in the same
@@ -583,15 +585,19 @@ def bench_awq(rows: Rows, sweep: set[str]) -> None:
             rows.add(f"awq_linear {name}", shape,
                      bench_graph([lambda c=c: awq_linear(x, *c, AWQ_GROUP)  # noqa: B023
                                   for c in copies]), nbytes=nbytes, target=0.7, note="cuda graph")
-            if 1 < m <= 4:  # both kernels at the rows where awq_linear picks one of them
+            if m > 1:  # both kernels at the rows where awq_linear picks one of them
                 for label, kernel in (("awq_gemv", awq_gemv), ("awq_gemm", awq_gemm)):
                     time_awq_decode(rows, f"{label} {name}", kernel, x, copies, shape, nbytes,
                                     "cuda graph")
             if "gemv" in sweep and m == 1:
-                for bn, w in AWQ_GEMV_SWEEP:
-                    gemv = functools.partial(awq_gemv, block_n=bn, num_warps=w)
+                for bn, bk, w, st, per_sm in AWQ_GEMV_SWEEP:
+                    sk = max(1, per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+                             // -(-n // bn))
+                    gemv = functools.partial(awq_gemv, block_n=bn, block_k=bk, num_warps=w,
+                                             num_stages=st, split_k=sk)
                     time_awq_decode(rows, f"awq_gemv {name} sweep", gemv, x, copies, shape,
-                                    nbytes, f"block_n={bn} num_warps={w}")
+                                    nbytes, f"block_n={bn} block_k={bk} num_warps={w} "
+                                            f"num_stages={st} split_k={sk}")
             if "decode" in sweep and m in (1, 16):
                 for bn, bk, st, sk in AWQ_DECODE_SWEEP:
                     gemm = functools.partial(awq_gemm, block_m=16, block_n=bn, block_k=bk,
@@ -612,8 +618,8 @@ def bench_awq(rows: Rows, sweep: set[str]) -> None:
                      bench(lambda: awq_gemm(x, qweight, qzeros, scales, AWQ_GROUP)),  # noqa: B023
                      flops=flops, note="tiles dequantized on chip")
             rows.add(f"awq dense {name}", shape,
-                     bench(lambda: F.linear(x, awq_dequantize(  # noqa: B023
-                         qweight, qzeros, scales, AWQ_GROUP, torch.float16))),  # noqa: B023
+                     bench(lambda: x @ awq_dequantize(qweight, qzeros, scales,  # noqa: B023
+                                                      AWQ_GROUP, torch.float16)),
                      flops=flops, note="awq_dequantize, then cuBLAS")
             rows.add(f"awq_linear {name}", shape,
                      bench(lambda: awq_linear(x, qweight, qzeros, scales, AWQ_GROUP)),  # noqa: B023

@@ -3,12 +3,12 @@
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
 # Stages: tests (or tests-kernels, then tests-rest), kernels latency batch1 offline profile
 # profile-tail serving int8-pool kv-offload kv-offload-repeat structured awq moe persistent
-# persistent-models, and tp and profile-tp (two GPUs). Rough minutes on an H200: tests 14 (two
-# calls: tests-kernels 7, tests-rest 7, on a machine just started), kernels 2, latency 3,
-# batch1 5 (a guess: not yet run), offline 5, profile 5, profile-tail 2, serving 4, int8-pool 2,
-# kv-offload 7, kv-offload-repeat 3, structured 4, awq 8, moe 6, persistent 6,
-# persistent-models 8, tp 6 (plus start-up): pick what fits the device budget.
-# Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the
+# persistent-models persistent-awq, and tp and profile-tp (two GPUs). Rough minutes on an H200:
+# tests 14 (two calls: tests-kernels 7, tests-rest 7, on a machine just started), kernels 2,
+# latency 3, batch1 5 (a guess: not yet run), offline 5, profile 5, profile-tail 2, serving 4,
+# int8-pool 2, kv-offload 7, kv-offload-repeat 3, structured 4, awq 8, moe 6, persistent 6,
+# persistent-models 8 and persistent-awq 8 (a guess: not yet run), tp 6 (plus start-up): pick
+# what fits the device budget. Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the
 # device tool returns few files), and the key lines are printed. Every process started here is ended here, by PID.
 # The probes' runs: tools/dev/gpu_probes.sh.
 set -uo pipefail
@@ -228,6 +228,18 @@ stage_commands() {
       done
       timeout 240 $PY tools/dev/probe_persistent_decode.py --model qwen3-30b-a3b 2>&1 \
         | tee "$dir/probe_persistent_qwen3-30b-a3b.log" ;;
+    persistent-awq)  # #30: AWQ linear layers in the persistent step: their GPU tests, the
+      # kernel alone over the AWQ settings, batch 1 against bf16 with it and without
+      timeout 300 $PY -m pytest -m gpu -q -p no:cacheprovider -k awq \
+        tests/kernels/test_persistent_decode.py tests/worker/test_persistent_decoder.py \
+        2>&1 | tail -3
+      timeout 240 $PY tools/dev/probe_persistent_decode.py --model llama-3.1-8b \
+        --awq-group 128 2>&1 | tee "$dir/probe_persistent_llama-3.1-8b-awq.log"
+      persistent_latency "$dir" llama-3.1-8b ""
+      for model in llama-3.1-8b-awq qwen3-8b-awq; do
+        persistent_latency "$dir" $model "" "--persistent-decode" \
+          "--num-scheduler-steps 8 --persistent-decode"
+      done ;;
     *)
       echo "unknown stage $stage" >&2; return 2 ;;
   esac

@@ -1,6 +1,5 @@
 """The model's batch-1 decode forward as one persistent launch (echo_kernels.persistent_decode):
-Llama/Qwen3 with unquantized linear layers, and Qwen3-MoE whose every layer is sparse (AWQ
-models decode through the usual launch chain).
+Llama/Qwen3 with bf16 or AWQ linear layers, and Qwen3-MoE whose every layer is sparse.
 
 startup.persistent_decoder builds it for a model it can run, or says why not; the decode CUDA
 graph of batch size 1 then captures it in place of the model's forward (cuda_graphs.py), so
@@ -19,9 +18,6 @@ from echo.models.qwen3 import Qwen3ForCausalLM
 from echo.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSparseBlock
 from echo_kernels.persistent_decode import DecodeShape, PersistentDecode, pointer_table
 
-# a model with any AWQ linear layer (modules_to_not_convert may leave some unquantized)
-AWQ_REASON = "AWQ (quantized) linear layers: persistent decode takes bf16/fp16 weights"
-
 
 def unsupported_reason(model: torch.nn.Module, kv_caches: list[KVCache],
                        tp_size: int) -> str | None:
@@ -34,23 +30,29 @@ def unsupported_reason(model: torch.nn.Module, kv_caches: list[KVCache],
     if inner.aux_layers:
         return "an EAGLE-3 head reads the model's hidden states"
     mlp_type = LlamaMLP if type(model) is not Qwen3MoeForCausalLM else Qwen3MoeSparseBlock
+    quants = set()
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if type(mlp) is not mlp_type:
             return "dense layers among sparse ones"
         linears = [attn.qkv_proj, attn.o_proj]
         linears += ([mlp.gate_up_proj, mlp.down_proj] if mlp_type is LlamaMLP else [mlp.gate])
-        if any(linear.quant is not None for linear in linears):
-            return AWQ_REASON
+        quants.update(linear.quant for linear in linears)
         if any(linear.bias is not None for linear in linears):
             return "linear biases"
+    if len(quants) > 1:
+        return "linear layers quantized unlike one another (modules_to_not_convert)"
+    if None not in quants and mlp_type is not LlamaMLP:
+        return "quantized weights in a mixture of experts"
     if any(cache.k_scale is not None for cache in kv_caches):
         return "an int8 KV cache"
     return None
 
 
-def decode_shape(arch: ModelArch, block_size: int, num_layers: int | None = None) -> DecodeShape:
-    """The kernel's shape of a model (one GPU: the whole model's heads)."""
+def decode_shape(arch: ModelArch, block_size: int, num_layers: int | None = None,
+                 awq_group_size: int = 0) -> DecodeShape:
+    """The kernel's shape of a model (one GPU: the whole model's heads); awq_group_size: the
+    linear layers' AWQ group size (0: not quantized)."""
     moe = arch.num_experts > 0
     return DecodeShape(
         hidden_size=arch.hidden_size,
@@ -58,7 +60,8 @@ def decode_shape(arch: ModelArch, block_size: int, num_layers: int | None = None
         num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
         num_layers=num_layers or arch.num_layers, block_size=block_size, eps=arch.rms_norm_eps,
         qk_norm=arch.family in ("qwen3", "qwen3_moe"), num_experts=arch.num_experts,
-        top_k=arch.num_experts_per_tok, norm_topk_prob=arch.norm_topk_prob)
+        top_k=arch.num_experts_per_tok, norm_topk_prob=arch.norm_topk_prob,
+        awq_group_size=awq_group_size)
 
 
 class PersistentDecoder:
@@ -68,14 +71,14 @@ class PersistentDecoder:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int,
                  max_blocks: int):
         inner = model.model
-        self.shape = decode_shape(model.arch, block_size)
+        quant = inner.layers[0].self_attn.qkv_proj.quant
+        self.shape = decode_shape(model.arch, block_size,
+                                  awq_group_size=quant.group_size if quant else 0)
         layers = []
         for layer, cache in zip(inner.layers, kv_caches, strict=True):
             mlp = layer.mlp
             tensors = {
                 "in_norm": layer.input_layernorm.weight,
-                "qkv": layer.self_attn.qkv_proj.weight,
-                "o_proj": layer.self_attn.o_proj.weight,
                 "post_norm": layer.post_attention_layernorm.weight,
                 "k_cache": cache.k,
                 "v_cache": cache.v,
@@ -83,8 +86,16 @@ class PersistentDecoder:
             if self.shape.is_moe:
                 tensors.update(router=mlp.gate.weight, gate_up=mlp.experts.w13,
                                down=mlp.experts.w2)
+                linears = {}
             else:
-                tensors.update(gate_up=mlp.gate_up_proj.weight, down=mlp.down_proj.weight)
+                linears = {"gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+            linears.update(qkv=layer.self_attn.qkv_proj, o_proj=layer.self_attn.o_proj)
+            for name, linear in linears.items():
+                if quant:
+                    tensors.update({name: linear.qweight, f"{name}_zeros": linear.qzeros,
+                                    f"{name}_scales": linear.scales})
+                else:
+                    tensors[name] = linear.weight
             if self.shape.qk_norm:
                 tensors["q_norm"] = layer.self_attn.q_norm.weight
                 tensors["k_norm"] = layer.self_attn.k_norm.weight

@@ -17,6 +17,7 @@ from echo_kernels.persistent_decode import (
     pointer_table,
 )
 from echo_kernels.reference import (
+    awq_dequantize_ref,
     fused_add_rms_norm_ref,
     fused_moe_ref,
     moe_routing_ref,
@@ -26,8 +27,10 @@ from echo_kernels.reference import (
     silu_and_mul_ref,
     store_kv_cache_ref,
 )
+from tests.kernels.test_awq import awq_tensors
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+LINEARS = ("qkv", "o_proj", "gate_up", "down")
 
 
 class RandomDecoder:
@@ -35,6 +38,8 @@ class RandomDecoder:
     in scattered blocks (NaN everywhere else), and a rotary table."""
 
     def __init__(self, shape: DecodeShape, context: int, dtype, seed=0, num_blocks=None):
+        """shape.awq_group_size: the four linear layers as random AWQ tensors, the reference
+        holding their float32 dequantization (awq_linear_ref's product)."""
         gen = torch.Generator().manual_seed(seed)
         self.shape, self.dtype, self.context = shape, dtype, context
         h, i, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
@@ -54,6 +59,18 @@ class RandomDecoder:
             "down": rand(*experts, h, i, scale=i**-0.5),
             **({"router": rand(shape.num_experts, h)} if shape.is_moe else {}),
         } for _ in range(shape.num_layers)]
+        self.awq = [{} for _ in range(shape.num_layers)]
+        if shape.awq_group_size:
+            for layer, (weights, packed) in enumerate(zip(self.layers, self.awq, strict=True)):
+                for i, (name, (n, k)) in enumerate(zip(LINEARS, shape.linear_sizes,
+                                                       strict=True)):
+                    qweight, qzeros, scales = awq_tensors(k, n, shape.awq_group_size, DEVICE,
+                                                          seed=100 * seed + 4 * layer + i)
+                    scales = scales.to(dtype)
+                    packed.update({name: qweight, f"{name}_zeros": qzeros,
+                                   f"{name}_scales": scales})
+                    weights[name] = awq_dequantize_ref(qweight, qzeros, scales,
+                                                       shape.awq_group_size).T
         self.final_norm = rand(h, scale=0.1, offset=1.0)
         bs = shape.block_size
         blocks = -(-(context + 1) // bs)
@@ -78,7 +95,7 @@ class RandomDecoder:
         self.embedding = rand(h)
 
     def kernel(self, tiles=None, programs=None) -> PersistentDecode:
-        table = pointer_table([{**weights, "k_cache": self.cache[layer, 0],
+        table = pointer_table([{**weights, **self.awq[layer], "k_cache": self.cache[layer, 0],
                                 "v_cache": self.cache[layer, 1]}
                                for layer, weights in enumerate(self.layers)], DEVICE)
         k = self.cache[0, 0]
@@ -232,6 +249,30 @@ def test_bfloat16_close_to_the_reference():
     check(decoder, decode, tol=2e-2)
 
 
+@pytest.mark.parametrize("group,cols,block_k,programs", [
+    (32, 32, 16, 9),  # several column blocks and K splits; splits end inside groups
+    (16, 16, 8, 5),  # a gated block of one gate and one up pack; more items than programs
+    (64, 256, 16, 3),  # one column block wider than every GEMV (masked packs)
+])
+def test_awq_weights_float32(group, cols, block_k, programs):
+    """AWQ linear layers (W4A16): items of (column block, K split), the last split of a block
+    summing the partials and applying the epilogue (the qkv store, o_proj's residual, gate_up's
+    SwiGLU over gate and up packs, down), against the dequantized weights."""
+    shape = qwen3_like(awq_group_size=group, intermediate_size=128)
+    decoder = RandomDecoder(shape, 9, torch.float32, seed=7)
+    tiles = PersistentTiles(block_n=4, block_k=32, block_t=4, split_tokens=4, awq_cols=cols,
+                            awq_block_k=block_k, awq_splits=4)
+    decode = decoder.kernel(tiles, programs=programs)
+    check(decoder, decode, tol=1e-5)
+
+
+def test_awq_bfloat16_close_to_the_reference():
+    decoder = RandomDecoder(qwen3_like(awq_group_size=32, num_heads=8, num_kv_heads=2,
+                                       qk_norm=False), 17, torch.bfloat16, seed=8)
+    decode = decoder.kernel(PersistentTiles(block_t=4, split_tokens=8, awq_cols=64), programs=7)
+    check(decoder, decode, tol=2e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("context", [1, 300, 4000])
 def test_one_launch_on_the_gpu(context):
@@ -254,4 +295,16 @@ def test_one_launch_mixture_of_experts_on_the_gpu():
     decoder = RandomDecoder(shape, 700, torch.bfloat16, seed=6)
     decode = decoder.kernel()
     assert decode.tiles.block_k == 256 and decode.tiles.block_t == 4 and decode.even
+    check(decoder, decode, tol=3e-2)
+
+
+@pytest.mark.gpu
+def test_one_launch_awq_on_the_gpu():
+    """Llama-3.1-8B's per-layer shapes with AWQ linear layers (group 128), one launch: the
+    column blocks' split counts and the pipelined qweight tiles at real sizes."""
+    shape = DecodeShape(hidden_size=4096, intermediate_size=14336, num_heads=32,
+                        num_kv_heads=8, head_dim=128, num_layers=1, block_size=16, eps=1e-5,
+                        qk_norm=False, awq_group_size=128)
+    decoder = RandomDecoder(shape, 500, torch.bfloat16, seed=9)
+    decode = decoder.kernel()
     check(decoder, decode, tol=3e-2)

@@ -7,7 +7,7 @@ import torch
 
 from echo.core.sched_output import CachedRequestData, SchedulerOutput
 from echo.layers.attention import ForwardContext
-from echo.worker.persistent_decoder import AWQ_REASON, PersistentDecoder, unsupported_reason
+from echo.worker.persistent_decoder import PersistentDecoder, unsupported_reason
 from echo_kernels.persistent_decode import SYNC_ERROR
 from tests.helpers import echo_greedy_tokens, hf_greedy_tokens, load_hf
 from tests.models.test_awq_models import write_awq_model
@@ -63,25 +63,26 @@ def test_mixture_of_experts_decode_step_matches_transformers(tmp_path, renormali
     torch.testing.assert_close(logits, hf_logits(hf, PROMPTS[1])[-1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_awq_decode_step_matches_transformers(tmp_path, family):
+    """AWQ linear layers (the tests' packer, group 32) in the same launch: transformers'
+    model holds the dequantized weights."""
+    folder, hf = write_awq_model(tmp_path, family)
+    runner = make_runner(folder)
+    assert unsupported_reason(runner.model, runner.kv_caches, 1) is None
+    logits = decode_last_token(runner, PROMPTS[2])
+    torch.testing.assert_close(logits, hf_logits(hf, PROMPTS[2])[-1], atol=1e-4, rtol=1e-4)
+
+
 def test_unsupported_models_are_named(tiny_qwen3, tmp_path):
     runner = make_runner(tiny_qwen3)
     assert unsupported_reason(runner.model, runner.kv_caches, 2) == "tensor parallelism"
     moe = make_runner(write_tiny_moe(tmp_path))  # layer 1 keeps a dense MLP
     assert unsupported_reason(moe.model, moe.kv_caches, 1) == "dense layers among sparse ones"
-
-
-def test_awq_models_are_unsupported(tmp_path):
-    """AWQ linear layers take the usual launch chain (startup.persistent_decoder turns the
-    persistent step off with the reason), with every linear layer quantized or, as
-    modules_to_not_convert leaves them, only some."""
-    awq = make_runner(write_awq_model(tmp_path, "llama")[0])
-    reason = unsupported_reason(awq.model, awq.kv_caches, 1)
-    assert reason == AWQ_REASON and "AWQ" in reason
-    for layer in awq.model.model.layers[:-1]:
-        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                       layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            linear.quant = None
-    assert unsupported_reason(awq.model, awq.kv_caches, 1) == AWQ_REASON
+    awq = make_runner(write_awq_model(tmp_path / "awq", "llama")[0])
+    # what modules_to_not_convert leaves: one linear layer dense among AWQ ones
+    awq.model.model.layers[1].mlp.down_proj.quant = None
+    assert "modules_to_not_convert" in unsupported_reason(awq.model, awq.kv_caches, 1)
 
 
 @pytest.mark.parametrize("steps", [1, 3])
@@ -127,6 +128,16 @@ def test_gpu_graphs_give_transformers_greedy_tokens(tiny_qwen3, steps):
     expected = hf_greedy_tokens(load_hf(tiny_qwen3), prompt, 32)
     assert echo_greedy_tokens(tiny_qwen3, [prompt], 32, device="cuda", dtype="float32",
                               persistent_decode=True, num_scheduler_steps=steps) == [expected]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gpu_graphs_give_transformers_greedy_tokens_with_awq(tmp_path, family):
+    folder, hf = write_awq_model(tmp_path, family)
+    prompt = PROMPTS[2]
+    expected = hf_greedy_tokens(hf, prompt, 32)
+    assert echo_greedy_tokens(folder, [prompt], 32, device="cuda", dtype="float32",
+                              persistent_decode=True) == [expected]
 
 
 @pytest.mark.gpu

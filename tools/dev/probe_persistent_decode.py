@@ -1,7 +1,7 @@
 """Which tiles make the persistent decode step fastest, and how far is it from its read time?
 
     python tools/dev/probe_persistent_decode.py [--model qwen3-0.6b] [--context 256] [--sweep]
-        [--phases --layers 2]
+        [--awq-group 128] [--phases --layers 2]
 
 #27's kernel (echo_kernels/persistent_decode.py) at a preset's real shapes with random bf16
 weights, one sequence whose `context` keys are in a paged cache: each tile setting's step
@@ -9,13 +9,15 @@ weights, one sequence whose `context` keys are in a paged cache: each tile setti
 and timed with bench_kernels' bench_graph. Each output is checked against the first
 setting's, and a barrier that gave up (a grid that was not co-resident) is reported. Printed:
 µs a step, the programs the grid got, and the layer weights' bytes over the time against the
-copy bandwidth measured in the same run. --phases: with the default tiles, launches of the
-step's first k phases for every k, each launch's µs and its increment over the one before (what
-each phase costs, its barrier included).
+copy bandwidth measured in the same run. --awq-group: the four linear layers as random AWQ
+tensors (W4A16) of that group size, and the AWQ phases' settings. --phases: with the default
+tiles, launches of the step's first k phases for every k, each launch's µs and its increment
+over the one before (what each phase costs, its barrier included).
 """
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +39,9 @@ BLOCK_SIZE = 16
 DEFAULT_SETTINGS = [dict(), dict(stages=2), dict(balanced_rows=False), dict(block_n=4),
                     dict(block_n=4, balanced_rows=False), dict(block_k=256),
                     dict(programs_per_sm=1), dict(programs_per_sm=3)]
+AWQ_SETTINGS = [dict(), dict(awq_stages=2), dict(awq_stages=8), dict(awq_block_k=16),
+                dict(awq_cols=128), dict(awq_cols=512), dict(awq_splits=16), dict(awq_splits=64),
+                dict(programs_per_sm=3)]
 SWEEP = [dict(block_n=n, block_k=k, programs_per_sm=p, max_registers=r)
          for n in (4, 8, 16) for k in (256, 512) for p, r in ((2, None), (3, 168), (4, 128))]
 
@@ -72,6 +77,11 @@ class Step:
             "k_cache": self.cache[layer, 0], "v_cache": self.cache[layer, 1],
             **({"router": rand(shape.num_experts, h, scale=h**-0.5)} if experts else {}),
         } for layer in range(shape.num_layers)]
+        if shape.awq_group_size:
+            for layer in self.layers:
+                for name, (n, k) in zip(("qkv", "o_proj", "gate_up", "down"),
+                                        shape.linear_sizes, strict=True):
+                    layer.update(awq_tensors(name, n, k, shape.awq_group_size))
         # the bytes a step reads: of the experts only the top_k it routes to
         touched = shape.top_k / shape.num_experts if experts else 1.0
         self.weight_bytes = sum(
@@ -102,6 +112,17 @@ class Step:
         return decode(self.block_table, *self.inputs)
 
 
+def awq_tensors(name: str, n: int, k: int, group: int) -> dict[str, torch.Tensor]:
+    """Random AWQ tensors of a [k, n] weight: every nibble random, scales ~ 1 / (6 sqrt(k))
+    so the outputs stay about the inputs' size."""
+    def bits(*size):
+        return torch.randint(-2**31, 2**31 - 1, size, dtype=torch.int32, device="cuda")
+
+    scales = (torch.rand(k // group, n, device="cuda") + 0.5) / (6 * k**0.5)
+    return {name: bits(k, n // 8), f"{name}_zeros": bits(k // group, n // 8),
+            f"{name}_scales": scales.to(torch.bfloat16)}
+
+
 def phase_times(step: Step) -> None:
     """µs of launches of phases [0, k) for every k (the kernel's own phase_lo/phase_hi, the
     sync counts zeroed in front of each launch, since a partial step leaves them set)."""
@@ -126,10 +147,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--layers", type=int, help="fewer layers than the preset's")
     parser.add_argument("--sweep", action="store_true", help=f"{len(SWEEP)} settings")
+    parser.add_argument("--awq-group", type=int, default=0,
+                        help="AWQ linear layers of this group size (their settings)")
     parser.add_argument("--phases", action="store_true",
                         help="each phase's time: launches of the first k phases")
     args = parser.parse_args()
-    shape = shape_of(args.model, args.layers)
+    shape = replace(shape_of(args.model, args.layers), awq_group_size=args.awq_group)
     step = Step(shape, args.context)
     if args.phases:
         phase_times(step)
@@ -140,7 +163,7 @@ def main() -> None:
           f"layer weights read a step; copy bandwidth {copy_tbs:.2f} TB/s: {floor_us:.1f} us at it",
           flush=True)
     want = None
-    settings = SWEEP if args.sweep else DEFAULT_SETTINGS
+    settings = AWQ_SETTINGS if args.awq_group else SWEEP if args.sweep else DEFAULT_SETTINGS
     for setting in settings:
         tiles = PersistentTiles(**setting)
         decode = step.decode(tiles)
