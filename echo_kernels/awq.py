@@ -479,19 +479,17 @@ def _num_splits(split_k: int | None, programs: int, k_tiles: int, per_sm: int,
     return triton.cdiv(k_tiles, tiles), tiles
 
 
-def _launch_split(launch, num_splits: int, m: int, n: int, out: torch.Tensor, pdl: dict,
+def _launch_split(launch, num_splits: int, m: int, n: int, x: torch.Tensor, pdl: dict,
                   swiglu: bool = False) -> torch.Tensor:
-    """Runs launch(target, stride between splits) straight into out, or into float32 partials
-    that a second launch sums into out; swiglu: out is [m, n / 2], silu(gate) * up of the
-    product's halves (in that second launch, or after the one launch). Returns out."""
+    """The product [m, n] in x's dtype: launch(target, stride between splits) straight into
+    it, or into float32 partials that a second launch sums; swiglu: [m, n / 2], silu(gate) *
+    up of the product's halves (in that second launch, or after the one launch)."""
     if num_splits == 1:
-        if not swiglu:
-            launch(out, 0)
-            return out
-        both = torch.empty(m, n, dtype=out.dtype, device=out.device)
-        launch(both, 0)
-        return silu_and_mul(both)
-    partial = torch.empty(num_splits, m, n, dtype=torch.float32, device=out.device)
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        launch(out, 0)
+        return silu_and_mul(out) if swiglu else out
+    out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
+    partial = torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device)
     launch(partial, m * n)
     splits = triton.next_power_of_2(num_splits)
     block = max(32, _SUM_ELEMENTS // splits)
@@ -531,7 +529,6 @@ def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     programs = triton.cdiv(n, block_n) * row_programs
     num_splits, tiles = _num_splits(split_k, programs, k // block_k, programs_per_sm,
                                     x.device, at_least=k // _GEMV_SPLIT_ROWS)
-    out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
     pdl = pdl_options(x.device)
 
     def launch(target: torch.Tensor, stride_split: int) -> None:
@@ -542,7 +539,7 @@ def awq_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
             EXACT=x.dtype == torch.float32, **pdl,
             num_warps=num_warps, num_stages=num_stages)
 
-    return _launch_split(launch, num_splits, m, n, out, pdl, swiglu)
+    return _launch_split(launch, num_splits, m, n, x, pdl, swiglu)
 
 
 def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
@@ -557,9 +554,8 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     split_k as in awq_gemv.
     """
     m, k, n = _check(x, qweight, qzeros, scales, group_size)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if not m:
-        return out
+        return torch.empty(0, n, dtype=x.dtype, device=x.device)
     tile_m, tile_n, tile_k, warps = _gemm_config(m)
     block_m = block_m or tile_m
     block_n = block_n or tile_n
@@ -581,8 +577,7 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
             GROUP_M=group_m, PRECISION=precision, **pdl,
             num_warps=num_warps, num_stages=num_stages)
 
-    _launch_split(launch, num_splits, m, n, out, pdl)
-    return out
+    return _launch_split(launch, num_splits, m, n, x, pdl)
 
 
 def awq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,

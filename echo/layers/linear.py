@@ -77,9 +77,7 @@ class LinearBase(nn.Module):
     def normed_kernel(self, norm: RMSNorm, x: torch.Tensor) -> Callable | None:
         """The tuned kernel with `norm` inside for x's row count, if any (never when the norm
         also all-reduces)."""
-        if not self.normed_kernels or norm.reduce_tp is not None:
-            return None
-        return self.normed_kernels.get(x.shape[0])
+        return None if norm.reduce_tp is not None else _tuned(self.normed_kernels, x)
 
     def _param(self, shape, dtype, output_dim: int, input_dim: int, output_pack: int = 1,
                input_block: int = 1) -> nn.Parameter:
@@ -108,15 +106,15 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight^T: cuBLAS, or the kernel start-up tuning picked for this many rows; AWQ
         layers through the W4A16 kernels (their PyTorch reference off the GPU)."""
-        kernel = self.small_m_kernels.get(x.shape[0]) if self.small_m_kernels else None
         if self.quant is not None:
-            return self._awq_matmul(x, kernel)
+            return self._awq_matmul(x)
+        kernel = _tuned(self.small_m_kernels, x)
         return F.linear(x, self.weight) if kernel is None else kernel(x, self.weight)
 
-    def _awq_matmul(self, x: torch.Tensor, kernel: Callable | None,
-                    swiglu: bool = False) -> torch.Tensor:
-        """The AWQ product through kernel (a tuned awq_gemv) or awq_linear; swiglu: SwiGLU of
-        its halves, inside the kernel (off the GPU after the reference)."""
+    def _awq_matmul(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+        """The AWQ product through the tuned awq_gemv for x's rows or awq_linear; swiglu:
+        SwiGLU of its halves, inside the kernel (off the GPU after the reference)."""
+        kernel = _tuned(self.small_m_kernels, x)
         args = (self.qweight, self.qzeros, self.scales, self.quant.group_size)
         if kernel is None and not x.is_cuda:
             from echo_kernels.reference import awq_linear_ref
@@ -133,6 +131,11 @@ class LinearBase(nn.Module):
                 return self.matmul(x) + self.bias
             return F.linear(x, self.weight, self.bias)
         return self.matmul(x)
+
+
+def _tuned(kernels: dict[int, Callable], x: torch.Tensor) -> Callable | None:
+    """The kernel start-up tuning gave x's row count, if any."""
+    return kernels.get(x.shape[0]) if kernels else None
 
 
 def _norm(norm: RMSNorm, x: torch.Tensor,
@@ -220,9 +223,8 @@ class GateUpParallelLinear(MergedColumnParallelLinear):
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ gate^T) * (x @ up^T)."""
         if self.quant is not None and self.bias is None:  # inside the AWQ kernels
-            kernel = self.small_m_kernels.get(x.shape[0]) if self.small_m_kernels else None
-            return self._awq_matmul(x, kernel, swiglu=True)
-        kernel = self.swiglu_kernels.get(x.shape[0]) if self.swiglu_kernels else None
+            return self._awq_matmul(x, swiglu=True)
+        kernel = _tuned(self.swiglu_kernels, x)
         if kernel is not None:
             return kernel(x, self.weight)
         return silu_and_mul(self(x))
