@@ -1,5 +1,5 @@
-"""An AWQ GEMV for 1-8 rows on the tensor cores, written in Gluon (Triton's explicit-layout
-dialect): a probe for #30, against awq_linear at Llama-3.1-8B's four layer shapes.
+"""An AWQ GEMV for 1-8 rows (more: 8 a program) on the tensor cores, written in Gluon (Triton's
+explicit-layout dialect): a probe for #30, against awq_linear at Llama-3.1-8B's layer shapes.
 
     python tools/dev/probe_awq_mma_gemv.py            # GPU: check, then time (CUDA graphs)
     python tools/dev/probe_awq_mma_gemv.py --sass     # CPU: compile for sm_90, count SASS
@@ -25,6 +25,7 @@ group: acc = sum_k w'_k x_k by the tensor cores, and sum_k (q_k - z) x_k = acc /
 
 import argparse
 import functools
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -41,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E40
 from echo_kernels.reference import awq_unpack_ref  # noqa: E402
 
 _CHUNK = 64  # K a 16-byte load of one lane covers (four 16-wide mma K steps)
-SASS_CONFIGS = [(4, 1), (4, 2), (4, 4), (2, 4), (8, 2), (1, 8)]
+SASS_CONFIGS = [(4, 1, 8), (4, 2, 8), (4, 4, 8), (4, 1, 16), (4, 2, 16), (4, 1, 32)]
 _MAGIC = {torch.bfloat16: 0x3F803F80, torch.float16: 0x3C003C00}  # 1.0 in both halves
 
 
@@ -106,6 +107,18 @@ def _along(layout, dim):
     return layout
 
 
+@gluon.constexpr_function
+def _x_layout(rows, group, warps):
+    """x [rows, 4, group / 8] as int32 pairs: a lane's group / 8 words, then rows 8 apart, in
+    its registers; rows mod 8 and the quarter (lane % 4) over lanes, as mma_v2's B layout puts
+    N and K; every warp holds all of it."""
+    bits = lambda n: [1 << i for i in range(n.bit_length() - 1)]  # noqa: E731
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, b] for b in bits(group // 8)] + [[8 * b, 0, 0] for b in bits(rows // 8)],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[0, 0, 0] for _ in bits(warps)], block_bases=[], shape=[rows, 4, group // 8])
+
+
 @gluon.jit
 def _index(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
     """arange(n) along dim of a 5-D layout, expanded to 5-D."""
@@ -118,7 +131,7 @@ def _index(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
 
 @gluon.jit
 def _awq_mma_gemv_kernel(
-    x_ptr,  # [M, K], M <= 8, as int32 pairs
+    x_ptr,  # [M, K] as int32 pairs
     rq_ptr,  # repacked qweight [N / 16, K / 64, 32, 4] int32
     qzeros_ptr,  # [K // G, N // 8] int32, AutoAWQ's
     scales_ptr,  # [K // G, N]
@@ -128,6 +141,7 @@ def _awq_mma_gemv_kernel(
     GROUP: gl.constexpr,  # a multiple of 64
     WARPS: gl.constexpr,
     TILES: gl.constexpr,  # 16-column tiles a warp
+    ROWS: gl.constexpr,  # rows of x a program: 8, 16 or 32 (mma_v2's N, 8 a column tile)
     BF16: gl.constexpr,
 ):
     BM: gl.constexpr = 16 * WARPS * TILES
@@ -147,6 +161,8 @@ def _awq_mma_gemv_kernel(
                                               order=[4, 2, 3, 0, 1])
     pid_n = gl.program_id(0)
     split = gl.program_id(1)
+    row0 = gl.program_id(2) * ROWS
+    rows = M - row0
     kc_count = K // 64
     tile = pid_n * (TILES * WARPS) + _index(TILES, 0, w_layout) * WARPS + _index(WARPS, 1, w_layout)
     ks = _index(KS, 3, w_layout)
@@ -156,25 +172,24 @@ def _awq_mma_gemv_kernel(
     # quarter being its K in every step (the repacked weight's K order); warps all hold it
     # (x is read as int32 pairs of halves: a loop-carried 16-bit tensor takes 16-bit registers,
     # which ptxas packed, permuted and spilled)
-    x_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, GROUP // 8],
-                                              threads_per_warp=[8, 4, 1],
-                                              warps_per_cta=[WARPS, 1, 1], order=[2, 1, 0])
-    xm = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_layout)))
+    x_layout: gl.constexpr = _x_layout(ROWS, GROUP, WARPS)
+    xm = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_layout)))
     xt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_layout)))
     xr = gl.arange(0, GROUP // 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_layout)))
     xm = gl.expand_dims(gl.expand_dims(xm, 1), 2)
     x_offs = (xm * (stride_xm // 2) + gl.expand_dims(gl.expand_dims(xt, 0), 2) * (GROUP // 8)
               + gl.expand_dims(gl.expand_dims(xr, 0), 1))
-    x_mask = xm < M
+    x_mask = xm < rows
+    x_ptr += row0 * (stride_xm // 2)
     # sum_k x_k by the tensor cores too: a 16-row tile of ones (rows all equal) times x
     ones = gl.full([16, GROUP], 1.0, DTYPE, a_layout)
     cn = pid_n * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
-    cm = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+    cm = gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma))
     r = cn % 8
     z_shift = (r // 2) * 4 + (r % 2) * 16  # AutoAWQ's nibble of column 8j + r
     first = split * groups_per_split
     end = gl.minimum(first + groups_per_split, K // GROUP)
-    total = gl.zeros([BM, 8], gl.float32, mma)
+    total = gl.zeros([BM, ROWS], gl.float32, mma)
     words = gl.load(rq_ptr + w_offs + first * (GROUP * 2))
     xb = gl.load(x_ptr + x_offs + first * (GROUP // 2), mask=x_mask, other=0)
     for group in range(first, end):
@@ -191,44 +206,47 @@ def _awq_mma_gemv_kernel(
         a = gl.permute(a, (0, 1, 6, 2, 3, 7, 4, 5))
         a = gl.convert_layout(gl.reshape(a, [BM, GROUP]), a_layout, assert_trivial=True)
         # [row, t, step, h, k0] -> K (step, h, t, k0) by row: mma_v2's B layout, no movement
-        b = gl.permute(gl.reshape(_halves(xb, BF16), [8, 4, KS, 2, 2]), (2, 3, 1, 4, 0))
-        b = gl.convert_layout(gl.reshape(b, [GROUP, 8]), b_layout, assert_trivial=True)
-        acc = mma_v2(a, b, gl.zeros([BM, 8], gl.float32, mma))
-        x_sum = gl.max(mma_v2(ones, b, gl.zeros([16, 8], gl.float32, mma)), axis=0)
+        b = gl.permute(gl.reshape(_halves(xb, BF16), [ROWS, 4, KS, 2, 2]), (2, 3, 1, 4, 0))
+        b = gl.convert_layout(gl.reshape(b, [GROUP, ROWS]), b_layout, assert_trivial=True)
+        acc = mma_v2(a, b, gl.zeros([BM, ROWS], gl.float32, mma))
+        x_sum = gl.max(mma_v2(ones, b, gl.zeros([16, ROWS], gl.float32, mma)), axis=0)
         s = gl.load(scales_ptr + group * N + cn).to(gl.float32)
         z = ((gl.load(qzeros_ptr + group * n_packed + cn // 8) >> z_shift) & 0xF).to(gl.float32)
         total += gl.expand_dims(s, 1) * (acc * INV_U
                                          - gl.expand_dims(INV_U + z, 1) * gl.expand_dims(x_sum, 0))
         words = words_next
         xb = xb_next
-    out = (out_ptr + split.to(gl.int64) * stride_os + gl.expand_dims(cm, 0) * stride_om
+    out = (out_ptr + split.to(gl.int64) * stride_os + (row0 + gl.expand_dims(cm, 0)) * stride_om
            + gl.expand_dims(cn, 1))
-    gl.store(out, total, mask=(gl.expand_dims(cm, 0) < M) & (gl.expand_dims(cn, 1) < N))
+    gl.store(out, total, mask=(gl.expand_dims(cm, 0) < rows) & (gl.expand_dims(cn, 1) < N))
 
 
 def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                 group_size: int, warps: int = 4, tiles: int = 2, split_k: int | None = None,
-                 per_sm: int = 4) -> torch.Tensor:
-    """x [M <= 8, K] @ W [K, N] from the repacked weight -> [M, N] in x's dtype."""
+                 group_size: int, warps: int = 4, tiles: int = 1, split_k: int | None = None,
+                 per_sm: int = 8, rows: int = 8) -> torch.Tensor:
+    """x [M, K] @ W [K, N] from the repacked weight -> [M, N] in x's dtype: a program per
+    `rows` rows (8, 16 or 32; each reads its weights again, from the L2 when they run
+    together)."""
     import echo_kernels.awq as awq
     from echo_kernels.device import sm_count
+    from echo_kernels.pdl import pdl_options
     m, k = x.shape
     n = rq.shape[0] * 16
-    assert m <= 8 and group_size % 64 == 0 and n % (16 * warps * tiles) == 0
+    assert group_size % 64 == 0 and n % (16 * warps * tiles) == 0
     assert x.stride(1) == 1 and x.stride(0) % 2 == 0 and x.data_ptr() % 16 == 0
     assert x.dtype in (torch.float16, torch.bfloat16)
     groups = k // group_size
-    programs = n // (16 * warps * tiles)
+    programs = n // (16 * warps * tiles) * triton.cdiv(m, rows)
     if split_k is None:
-        split_k = max(1, per_sm * sm_count(x.device) // programs)
+        split_k = max(1, per_sm * sm_count(x.device, without_gpu=2) // programs)
     per_split = triton.cdiv(groups, min(split_k, groups))
     num_splits = triton.cdiv(groups, per_split)
 
     def launch(target: torch.Tensor, stride_split: int) -> None:
-        _awq_mma_gemv_kernel[(programs, num_splits)](
+        _awq_mma_gemv_kernel[(n // (16 * warps * tiles), num_splits, triton.cdiv(m, rows))](
             x.view(torch.int32), rq, qzeros, scales, target, m, n, k, n // 8, x.stride(0), n,
             stride_split,
-            per_split, _MAGIC[x.dtype], GROUP=group_size, WARPS=warps, TILES=tiles,
+            per_split, _MAGIC[x.dtype], GROUP=group_size, WARPS=warps, TILES=tiles, ROWS=rows,
             BF16=x.dtype == torch.bfloat16,
             num_warps=warps)
 
@@ -237,7 +255,7 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
         partial = torch.empty(1, m, n, dtype=torch.float32, device=x.device)
         launch(partial, m * n)
         return partial[0].to(x.dtype)
-    return awq._launch_split(launch, num_splits, m, n, x, {})
+    return awq._launch_split(launch, num_splits, m, n, x, pdl_options(x.device))
 
 
 def check_repack() -> None:
@@ -261,10 +279,11 @@ def sass() -> None:
              "stride_xm", "stride_om", "stride_os", "groups_per_split", "magic"]
     types = ["*i32", "*i32", "*i32", "*fp16", "*fp32"] + ["i32"] * 9
     bin_dir = Path(triton.__file__).parent / "backends/nvidia/bin"
-    for warps, tiles in SASS_CONFIGS:
+    for warps, tiles, rows in SASS_CONFIGS:
         sig = dict(zip(names, types)) | {"GROUP": "constexpr", "WARPS": "constexpr",
-                                         "TILES": "constexpr", "BF16": "constexpr"}
-        consts = {(14,): 128, (15,): warps, (16,): tiles, (17,): True}
+                                         "TILES": "constexpr", "ROWS": "constexpr",
+                                         "BF16": "constexpr"}
+        consts = {(14,): 128, (15,): warps, (16,): tiles, (17,): rows, (18,): True}
         attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11)}
         src = GluonASTSource(fn=_awq_mma_gemv_kernel, signature=sig, constexprs=consts,
                              attrs=attrs)
@@ -284,15 +303,16 @@ def sass() -> None:
         start = int(lines[branch][3].split()[0], 16)
         loop = [op.split(".")[0] for addr, _, op, _ in lines[:branch + 1] if int(addr, 16) >= start]
         weights = 16 * 128 * tiles // 32  # a lane's weights a group
-        print(f"{warps} warps x {tiles} tiles: {regs.group(1) if regs else '?'} registers, "
+        print(f"{warps} warps x {tiles} tiles, {rows} rows: "
+              f"{regs.group(1) if regs else '?'} registers, "
               f"loop {len(loop)} instructions, {len(loop) / weights:.2f} a weight; "
               f"{dict(collections.Counter(loop).most_common(12))}")
 
 
 def time_gpu(rows: list[int], configs: list[tuple[int, int]], per_sm: list[int]) -> None:
-    """Each shape and row count: awq_linear, then every (warps, tiles, programs an SM) of the
-    probe, in CUDA graphs over weight copies beyond the L2, with the largest error of each
-    against the float32 reference relative to its largest value."""
+    """Each shape and row count (bf16 x): awq_linear, then every (warps, tiles, rows, programs
+    an SM) of the probe, in CUDA graphs over weight copies beyond the L2, with the largest error
+    of each against the float32 reference relative to its largest value."""
     from bench_kernels import AWQ_GROUP, AWQ_SHAPES, awq_copies, bench_graph
 
     import echo_kernels.awq as awq
@@ -304,25 +324,25 @@ def time_gpu(rows: list[int], configs: list[tuple[int, int]], per_sm: list[int])
     for name, (n, k) in AWQ_SHAPES.items():
         copies, nbytes = awq_copies(n, k)
         repacked = [(repack_for_mma(qw, AWQ_GROUP), qz, sc) for qw, qz, sc in copies]
-        for m, dtype in [(m, torch.bfloat16) for m in rows] + [(1, torch.float16)]:
-            x = torch.randn(m, k, device="cuda", dtype=dtype)
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = awq_linear_ref(x.float(), *copies[0], AWQ_GROUP)
             base = bench_graph([functools.partial(awq.awq_linear, x, *c, AWQ_GROUP)
                                 for c in copies])
             base_err = error(awq.awq_linear(x, *copies[0], AWQ_GROUP), ref)
-            print(f"{name} {n}x{k} M={m} {str(dtype)[6:]}: awq_linear {base * 1e3:.1f} us "
+            print(f"{name} {n}x{k} M={m} bf16: awq_linear {base * 1e3:.1f} us "
                   f"({nbytes / base / 1e6:.0f} GB/s, err {base_err:.1e})", flush=True)
-            for warps, tiles in configs:
-                if n % (16 * warps * tiles):
+            for (warps, tiles), rows_a, programs in itertools.product(
+                    configs, [8] if m <= 8 else [8, 16, 32], per_sm):
+                if n % (16 * warps * tiles) or rows_a > max(m, 8):
                     continue
-                for programs in per_sm:
-                    gemv = functools.partial(awq_mma_gemv, group_size=AWQ_GROUP, warps=warps,
-                                             tiles=tiles, per_sm=programs)
-                    err = error(gemv(x, *repacked[0]), ref)
-                    ms = bench_graph([functools.partial(gemv, x, *c) for c in repacked])
-                    print(f"  mma {warps} warps x {tiles} tiles, {programs}/SM: "
-                          f"{ms * 1e3:.1f} us ({nbytes / ms / 1e6:.0f} GB/s, err {err:.1e})",
-                          flush=True)
+                gemv = functools.partial(awq_mma_gemv, group_size=AWQ_GROUP, warps=warps,
+                                         tiles=tiles, per_sm=programs, rows=rows_a)
+                err = error(gemv(x, *repacked[0]), ref)
+                ms = bench_graph([functools.partial(gemv, x, *c) for c in repacked])
+                print(f"  mma {warps} warps x {tiles} tiles, {rows_a} rows, {programs}/SM: "
+                      f"{ms * 1e3:.1f} us ({nbytes / ms / 1e6:.0f} GB/s, err {err:.1e})",
+                      flush=True)
         del copies, repacked
         torch.cuda.empty_cache()
 
@@ -331,9 +351,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass", action="store_true", help="compile for sm_90 (no GPU)")
     parser.add_argument("--repack", action="store_true", help="check the repacked layout")
-    parser.add_argument("--rows", default="1,4")
-    parser.add_argument("--configs", default="4x1,4x2,4x4,8x2", help="warps x tiles, ...")
-    parser.add_argument("--per-sm", default="2,4,8", help="programs an SM the splits aim at")
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64")
+    parser.add_argument("--configs", default="4x1,4x2", help="warps x tiles, ...")
+    parser.add_argument("--per-sm", default="4,8", help="programs an SM the splits aim at")
     args = parser.parse_args()
     if args.repack:
         check_repack()
