@@ -130,6 +130,13 @@ def tune_small_m() -> bool:
     return os.environ.get("ECHO_TUNE_SMALL_M", "1") == "1"
 
 
+def awq_tensor_cores() -> bool:
+    """AWQ layers on a GPU repack their weight at load for the tensor-core kernels
+    (echo_kernels/awq_mma.py) instead of AutoAWQ's layout and awq.py's CUDA-core GEMV
+    (ECHO_AWQ_MMA, default 0 until the step is measured on the H200)."""
+    return os.environ.get("ECHO_AWQ_MMA", "0") == "1"
+
+
 def api_key() -> str | None:
     """The key `echo serve` requires when --api-key is not given (ECHO_API_KEY)."""
     return os.environ.get("ECHO_API_KEY") or None

@@ -11,6 +11,8 @@ AWQ (W4A16, `quant`): instead of `weight` [out, in] a layer holds AutoAWQ's `qwe
 Each parameter says where its output and input dimensions are and how they are packed
 (`output_dim`, `output_pack`, `input_dim`, `input_block`), so the same loaders slice both
 layouts: column-parallel layers along the packed output, row-parallel ones along whole groups.
+On a GPU, `use_awq_tensor_cores` may then repack `qweight` for the tensor-core kernels
+(echo_kernels/awq_mma.py; the same int32 count, [out/16, in/64, 32, 4]).
 """
 
 from collections.abc import Callable
@@ -45,6 +47,7 @@ class LinearBase(nn.Module):
         self.tp = tp
         self.input_size, self.output_size = input_size, output_size
         self.quant = quant
+        self.awq_repacked = False  # qweight in awq_mma's layout (use_awq_tensor_cores)
         if quant is None:
             self.weight = self._param((output_size, input_size), torch.get_default_dtype(),
                                       output_dim=0, input_dim=1)
@@ -103,6 +106,20 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy_checked(param.data, loaded)
 
+    def use_awq_tensor_cores(self) -> bool:
+        """After loading: repack an AWQ layer's qweight on a CUDA device for the tensor-core
+        kernels, where its shape allows (groups of 64 inputs or more, 128 outputs a block).
+        Whether it did."""
+        from echo_kernels.awq_mma import CHUNK, OUTPUT_BLOCK, repack_awq
+
+        group = self.quant.group_size if self.quant is not None else 0
+        if (self.quant is None or self.awq_repacked or not self.qweight.is_cuda
+                or group % CHUNK or self.output_size % OUTPUT_BLOCK):
+            return False
+        self.qweight = nn.Parameter(repack_awq(self.qweight.data, group), requires_grad=False)
+        self.awq_repacked = True
+        return True
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight^T: cuBLAS, or the kernel start-up tuning picked for this many rows; AWQ
         layers through the W4A16 kernels (their PyTorch reference off the GPU)."""
@@ -114,8 +131,12 @@ class LinearBase(nn.Module):
     def _awq_matmul(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
         """The AWQ product through the tuned awq_gemv for x's rows or awq_linear; swiglu:
         SwiGLU of its halves, inside the kernel (off the GPU after the reference)."""
-        kernel = _tuned(self.small_m_kernels, x)
         args = (self.qweight, self.qzeros, self.scales, self.quant.group_size)
+        if self.awq_repacked:
+            from echo_kernels.awq_mma import awq_mma_linear
+
+            return awq_mma_linear(x.contiguous(), *args, swiglu=swiglu)
+        kernel = _tuned(self.small_m_kernels, x)
         if kernel is None and not x.is_cuda:
             from echo_kernels.reference import awq_linear_ref
 

@@ -162,7 +162,8 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
     (`make_normed_kernel(*tile, swiglu=gated)`, to `normed_kernels[1]`)."""
     by_shape: dict[tuple, list[LinearBase]] = defaultdict(list)
     for module in model.modules():
-        if isinstance(module, LinearBase) and module.bias is None:
+        # (a repacked AWQ layer has one kernel: awq_mma's, with its own settings)
+        if isinstance(module, LinearBase) and module.bias is None and not module.awq_repacked:
             dense = module.quant is None
             gated = isinstance(module, GateUpParallelLinear) and dense
             normed = dense and module.tp.size == 1 and module.follows_norm

@@ -8,10 +8,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from echo import envs
 from echo.config import ModelConfig
 from echo.distributed.parallel_state import SINGLE, TPGroup
 from echo.layers.checkpoint_tensor import CheckpointTensor, whole
 from echo.layers.compressed_tensors import as_awq_tensors
+from echo.layers.linear import LinearBase
 from echo.layers.quantization import PACK_QUANTIZED
 from echo.models.registry import model_class
 
@@ -129,6 +131,10 @@ def build_model(config: ModelConfig, device: torch.device, tp: TPGroup = SINGLE)
         init_dummy_weights(model, config.seed)
     else:
         load_weights(model, config.path)
+    if config.arch.quantization is not None and envs.awq_tensor_cores():
+        for module in model.modules():
+            if isinstance(module, LinearBase):
+                module.use_awq_tensor_cores()
     return model.eval()
 
 

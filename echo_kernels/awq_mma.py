@@ -1,0 +1,317 @@
+"""AWQ W4A16 for decode rows on the tensor cores: the weight repacked into mma_v2's operand
+registers, written in Gluon (Triton's explicit-layout dialect). CUDA only: Gluon has no
+interpreter, so the CPU keeps AutoAWQ's layout and awq.py's kernels.
+
+Why: awq_gemv, on the CUDA cores, runs ~3.4 SASS instructions a weight and a Llama-3.1-8B step
+needs its GEMVs near the copy bandwidth. Marlin's way puts the weight into the tensor core's
+m16n8k16 as operand A straight from registers; tl.dot cannot take A from registers in a layout
+of our choosing, Gluon's DotOperandLayout and mma_v2 can. x is operand B, whose 8 columns are 8
+rows of x; more rows take more programs (8, 16 or 32 a program).
+
+The repacked qweight (repack_awq, at load): int32 [N / 16, K / 64, 32, 4]. Word [nt, kc, lane,
+j] holds one lane's eight A values of a 16 x 16 tile: output column n = 16 nt + 8 n3 + lane // 4
+and, within group g of G inputs, k = G g + (G / 4) (lane % 4) + 4 s + 2 h + k0 (s = 4 (kc mod
+G / 64) + j, the tile's 16-wide K step), at nibble n3 + 2 h + 4 k0. mma_v2's A layout gives a
+lane the register pairs (k0 = 0, 1) of one column, four pairs (n3, h) a tile, so a pair is one
+shift and one LOP3 into the mantissa of 1.0 (w' = 1 + q u, u = 2**-7 in bf16, 2**-10 in fp16),
+and a lane's four tiles of a 64-wide chunk are one 16-byte load. K is permuted within a group
+(the tensor cores sum over any order of K that A and B share) so that a lane's x of a group is
+contiguous too: (G / 4) (lane % 4) + 4 s + 2 h + k0 holds its K of every step. qzeros and scales
+keep AutoAWQ's layout (awq.py).
+
+Per group the tensor cores give A = sum_k w'_k x_k and, with a tile of ones, S = sum_k x_k;
+sum_k (q_k - z) x_k = A / u - (1 / u + z) S, times the scale, is folded into a float32 total
+(awq_gemv's algebra, with the products exact in the tensor core's float32). Splits of K add
+their partial sums in awq.py's split-sum launch (SwiGLU there too).
+
+Rows past MMA_MAX_ROWS dequantize the weight whole (awq_dequantize_repacked, a Triton kernel,
+which the CPU tests run) and leave the product to cuBLAS. Figures: docs/benchmarks.md, AWQ.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from echo_kernels.activation import silu_and_mul
+from echo_kernels.awq import _launch_split
+from echo_kernels.device import sm_count
+from echo_kernels.pdl import pdl_options
+
+CHUNK = 64  # K of a lane's 16-byte load: four 16-wide mma steps
+OUTPUT_BLOCK = 128  # output columns must fill the largest program (4 warps x 2 tiles x 16)
+# the most rows through the tensor-core GEMV: at 64 rows a Llama-3.1-8B layer took 229.4 us
+# against 209.7 for awq_gemm's tiles and ~272 for the dense weight and cuBLAS; at 32, 137.7
+# against 192.4 (one H100, tools/dev/probe_awq_mma_gemv.py, docs/benchmarks.md AWQ)
+MMA_MAX_ROWS = 64
+_MAGIC = {torch.bfloat16: 0x3F803F80, torch.float16: 0x3C003C00}  # 1.0 in both halves
+# (warps, 16-column tiles a warp, programs an SM the splits aim at): one row wanted one tile a
+# warp and ~8 programs an SM (gate_up 25.8 us, down 15.0, qkv 9.5), more rows two tiles and 4
+_ONE_ROW = (4, 1, 8)
+_ROWS = (4, 2, 4)
+_DEQUANTIZE_WARPS = 4
+
+
+def repack_awq(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """AutoAWQ qweight int32 [K, N / 8] -> int32 [N / 16, K / 64, 32, 4] (module docstring),
+    a group at a time (the unpacked nibbles of a whole layer would take 8 bytes a weight)."""
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    if group_size % CHUNK or k % group_size or n % 16:
+        raise ValueError(f"AWQ on the tensor cores needs a group size divisible by {CHUNK} and "
+                         f"output features divisible by 16, got group_size {group_size}, "
+                         f"[{k}, {n}]")
+    steps = group_size // 16
+    shifts = _repack_shifts(qweight.device)
+    out = torch.empty(n // 16, k // CHUNK, 32, 4, dtype=torch.int32, device=qweight.device)
+    per_group = group_size // CHUNK
+    for g in range(k // group_size):
+        q = _unpack_awq(qweight[g * group_size:(g + 1) * group_size])  # [G, N] int64
+        # k = (G / 4) t + 4 s + 2 h + k0, n = 16 nt + 8 n3 + lane // 4: [t, s, h, k0, nt, n3, l]
+        q = q.view(4, steps, 2, 2, n // 16, 2, 8)
+        words = (q << shifts).sum(dim=(2, 3, 5))  # [t, s, nt, l]
+        words = words.view(4, steps // 4, 4, n // 16, 8).permute(3, 1, 4, 0, 2)  # nt sc l t j
+        words = words.reshape(n // 16, per_group, 32, 4)
+        out[:, g * per_group:(g + 1) * per_group] = (words - (words >= 2**31) * 2**32).int()
+    return out
+
+
+def _repack_shifts(device: torch.device) -> torch.Tensor:
+    """The nibble offset of each (h, k0, n3) in a repacked word, shaped for repack_awq's
+    [t, s, h, k0, nt, n3, l] view."""
+    h = torch.arange(2, device=device).view(1, 1, 2, 1, 1, 1, 1)
+    k0 = torch.arange(2, device=device).view(1, 1, 1, 2, 1, 1, 1)
+    n3 = torch.arange(2, device=device).view(1, 1, 1, 1, 1, 2, 1)
+    return 4 * (n3 + 2 * h + 4 * k0)
+
+
+def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] in AutoAWQ's order -> int64 [R, 8C] of 0..15 in column order."""
+    shifts = 4 * torch.tensor((0, 4, 1, 5, 2, 6, 3, 7), device=packed.device)
+    return ((packed.long()[:, :, None] >> shifts) & 15).flatten(1)
+
+
+@triton.jit
+def _dequantize_repacked_kernel(
+    rq_ptr,  # [N / 16, K / 64, 32, 4] int32
+    qzeros_ptr,  # [K // G, N // 8] int32, AutoAWQ's
+    scales_ptr,  # [K // G, N]
+    out_ptr,  # [N, K] in x's dtype
+    N,
+    K,
+    GROUP: tl.constexpr,
+):
+    # one program: 16 columns by one group, the 2 G words that hold them
+    nt = tl.program_id(0)
+    g = tl.program_id(1)
+    word = tl.arange(0, 2 * GROUP)
+    nibble = tl.arange(0, 8)
+    words = tl.load(rq_ptr + (nt.to(tl.int64) * (K // 64) + g * (GROUP // 64)) * 128 + word)
+    q = (words[:, None] >> (4 * nibble)[None, :]) & 0xF
+    lane = (word // 4) % 32
+    step = (word // 128) * 4 + word % 4
+    n = nt * 16 + (nibble[None, :] & 1) * 8 + (lane // 4)[:, None]
+    k = (g * GROUP + (lane % 4)[:, None] * (GROUP // 4) + step[:, None] * 4
+         + ((nibble[None, :] >> 1) & 1) * 2 + nibble[None, :] // 4)
+    shift = (n % 8 // 2) * 4 + (n % 2) * 16  # AutoAWQ's nibble of column n (_nibble_shifts)
+    z = (tl.load(qzeros_ptr + g * (N // 8) + n // 8) >> shift) & 0xF
+    s = tl.load(scales_ptr + g * N + n).to(tl.float32)
+    w = (q - z).to(tl.float32) * s
+    tl.store(out_ptr + n.to(tl.int64) * K + k, w.to(out_ptr.dtype.element_ty))
+
+
+def awq_dequantize_repacked(rq: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                            group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The repacked AWQ weight as a dense W^T [N, K] in dtype: (q - z) * s in float32, rounded
+    once (awq_dequantize's values, transposed)."""
+    n, k = rq.shape[0] * 16, rq.shape[1] * CHUNK
+    out = torch.empty(n, k, dtype=dtype, device=rq.device)
+    _dequantize_repacked_kernel[(n // 16, k // group_size)](
+        rq, qzeros, scales, out, n, k, GROUP=group_size, num_warps=_DEQUANTIZE_WARPS)
+    return out
+
+
+@gluon.jit
+def _halves(v, BF16: gl.constexpr):
+    """int32 [...] -> [..., 2] of its two halves, low first: the register as it is (the asm
+    takes it twice, pack=2, and returns it as two halves)."""
+    if BF16:
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [gl.join(v, v)],
+                                         dtype=gl.bfloat16, is_pure=True, pack=2)
+    else:
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [gl.join(v, v)],
+                                         dtype=gl.float16, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _weight_pair(words, magic, SHIFT: gl.constexpr, BF16: gl.constexpr):
+    """[..., 2]: the weights 1 + q u at nibbles SHIFT / 4 and SHIFT / 4 + 4 (k0 = 0, 1), ORed
+    into the mantissa of 1.0 in both halves (magic comes in a register, so that the mask and
+    the OR are one LOP3: an instruction holds one immediate)."""
+    return _halves(((words >> SHIFT) & 0x000F000F) | magic, BF16)
+
+
+@gluon.constexpr_function
+def _along(layout, dim):
+    """The 1-D layout of dim of a 5-D layout."""
+    for d in range(4, -1, -1):
+        if d != dim:
+            layout = gl.SliceLayout(d, layout)
+    return layout
+
+
+@gluon.jit
+def _index(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
+    """arange(n) along dim of a 5-D layout, expanded to 5-D."""
+    i = gl.arange(0, n, layout=_along(layout, dim))
+    for d in gl.static_range(5):
+        if d != dim:
+            i = gl.expand_dims(i, d)
+    return i
+
+
+@gluon.constexpr_function
+def _x_layout(rows, group, warps):
+    """x [rows, 4, group / 8] as int32 pairs: a lane's group / 8 words, then rows 8 apart, in
+    its registers; rows mod 8 and the quarter (lane % 4) over lanes, where mma_v2's B layout
+    puts N and K; every warp holds all of it."""
+    def bits(n):
+        return [1 << i for i in range(n.bit_length() - 1)]
+
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, b] for b in bits(group // 8)] + [[8 * b, 0, 0] for b in bits(rows // 8)],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[0, 0, 0] for _ in bits(warps)], block_bases=[], shape=[rows, 4, group // 8])
+
+
+@gluon.jit(do_not_specialize=["M", "groups_per_split"])
+def _awq_mma_kernel(
+    x_ptr,  # [M, K] as int32 pairs of halves
+    rq_ptr,  # [N / 16, K / 64, 32, 4] int32
+    qzeros_ptr,  # [K // G, N // 8] int32, AutoAWQ's
+    scales_ptr,  # [K // G, N]
+    out_ptr,  # [M, N] in x's dtype, or [num_splits, M, N] float32 partial sums
+    M, N, K, n_packed, stride_xm, stride_om, stride_os, groups_per_split,
+    magic,  # 1.0 in both halves of an int32 (_MAGIC)
+    GROUP: gl.constexpr,  # a multiple of 64
+    WARPS: gl.constexpr,
+    TILES: gl.constexpr,  # 16-column tiles a warp
+    ROWS: gl.constexpr,  # rows of x a program: 8, 16 or 32 (mma_v2's N)
+    BF16: gl.constexpr,
+):
+    BM: gl.constexpr = 16 * WARPS * TILES
+    STEPS: gl.constexpr = GROUP // 16
+    INV_U: gl.constexpr = 128.0 if BF16 else 1024.0
+    DTYPE: gl.constexpr = gl.bfloat16 if BF16 else gl.float16
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
+                                                  instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    # words [tile // WARPS, warp, lane // 4, step, lane % 4]: a lane's steps (four of them a
+    # 16-byte load), then its tiles, in registers; tile = warp + WARPS * (tile // WARPS), as
+    # mma_v2's A layout spreads 16-row tiles over warps
+    w_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[TILES, 1, 1, STEPS, 1],
+                                              threads_per_warp=[1, 1, 8, 1, 4],
+                                              warps_per_cta=[1, WARPS, 1, 1, 1],
+                                              order=[4, 2, 3, 0, 1])
+    # NOTE: x is read as int32 pairs: a loop-carried 16-bit tensor took 16-bit registers, which
+    # ptxas packed, permuted and spilled
+    x_layout: gl.constexpr = _x_layout(ROWS, GROUP, WARPS)
+    pid_n = gl.program_id(0)
+    split = gl.program_id(1)
+    row0 = gl.program_id(2) * ROWS
+    rows = M - row0
+    tile = (pid_n * (TILES * WARPS) + _index(TILES, 0, w_layout) * WARPS
+            + _index(WARPS, 1, w_layout))
+    step = _index(STEPS, 3, w_layout)
+    w_offs = (tile.to(gl.int64) * (K // 64 * 128) + _index(8, 2, w_layout) * 16
+              + (step // 4) * 128 + step % 4 + _index(4, 4, w_layout) * 4)
+    xm = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_layout)))
+    xt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_layout)))
+    xr = gl.arange(0, GROUP // 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_layout)))
+    xm = gl.expand_dims(gl.expand_dims(xm, 1), 2)
+    x_offs = (xm * (stride_xm // 2) + gl.expand_dims(gl.expand_dims(xt, 0), 2) * (GROUP // 8)
+              + gl.expand_dims(gl.expand_dims(xr, 0), 1))
+    x_mask = xm < rows
+    x_ptr += row0 * (stride_xm // 2)
+    ones = gl.full([16, GROUP], 1.0, DTYPE, a_layout)  # S by the tensor cores: rows all equal
+    cn = pid_n * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+    cm = gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma))
+    r = cn % 8
+    z_shift = (r // 2) * 4 + (r % 2) * 16  # AutoAWQ's nibble of column 8j + r
+    first = split * groups_per_split
+    end = gl.minimum(first + groups_per_split, K // GROUP)
+    total = gl.zeros([BM, ROWS], gl.float32, mma)
+    words = gl.load(rq_ptr + w_offs + first * (GROUP * 2))
+    xb = gl.load(x_ptr + x_offs + first * (GROUP // 2), mask=x_mask, other=0)
+    for group in range(first, end):
+        # the next group's weights and x in flight while this one is summed
+        nxt = gl.minimum(group + 1, end - 1)
+        words_next = gl.load(rq_ptr + w_offs + nxt * (GROUP * 2))
+        xb_next = gl.load(x_ptr + x_offs + nxt * (GROUP // 2), mask=x_mask, other=0)
+        # pairs (n3, h) = (0, 0), (1, 0), (0, 1), (1, 1) at nibbles 0-3 (k0 = 0) and 4-7
+        a = gl.join(gl.join(_weight_pair(words, magic, 0, BF16),
+                            _weight_pair(words, magic, 4, BF16)),
+                    gl.join(_weight_pair(words, magic, 8, BF16),
+                            _weight_pair(words, magic, 12, BF16)))
+        # [tile // WARPS, warp, l, step, t, k0, n3, h] -> rows (tile, n3, l), K (step, h, t, k0)
+        a = gl.permute(a, (0, 1, 6, 2, 3, 7, 4, 5))
+        a = gl.convert_layout(gl.reshape(a, [BM, GROUP]), a_layout, assert_trivial=True)
+        # [row, t, step, h, k0] -> K (step, h, t, k0) by row: mma_v2's B layout, no movement
+        b = gl.permute(gl.reshape(_halves(xb, BF16), [ROWS, 4, STEPS, 2, 2]), (2, 3, 1, 4, 0))
+        b = gl.convert_layout(gl.reshape(b, [GROUP, ROWS]), b_layout, assert_trivial=True)
+        acc = mma_v2(a, b, gl.zeros([BM, ROWS], gl.float32, mma))
+        x_sum = gl.max(mma_v2(ones, b, gl.zeros([16, ROWS], gl.float32, mma)), axis=0)
+        s = gl.load(scales_ptr + group * N + cn).to(gl.float32)
+        z = ((gl.load(qzeros_ptr + group * n_packed + cn // 8) >> z_shift) & 0xF).to(gl.float32)
+        total += gl.expand_dims(s, 1) * (acc * INV_U
+                                         - gl.expand_dims(INV_U + z, 1) * gl.expand_dims(x_sum, 0))
+        words = words_next
+        xb = xb_next
+    out = (out_ptr + split.to(gl.int64) * stride_os + (row0 + gl.expand_dims(cm, 0)) * stride_om
+           + gl.expand_dims(cn, 1))
+    gl.store(out, total.to(out_ptr.dtype.element_ty),
+             mask=(gl.expand_dims(cm, 0) < rows) & (gl.expand_dims(cn, 1) < N))
+
+
+def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                 group_size: int, *, warps: int | None = None, tiles: int | None = None,
+                 per_sm: int | None = None, rows: int | None = None,
+                 split_k: int | None = None, swiglu: bool = False) -> torch.Tensor:
+    """x [M, K] (fp16/bf16, CUDA) @ the repacked AWQ weight [K, N] -> [M, N] in x's dtype;
+    swiglu: silu(gate) * up of the product's halves, [M, N / 2]. A program takes `rows` rows
+    (8, 16 or 32; each reads its weights again, from the L2 when they run together) and WARPS x
+    TILES 16-column tiles; split_k (None: enough for per_sm programs an SM) K ranges."""
+    m, k = x.shape
+    n = rq.shape[0] * 16
+    assert rq.shape[1] * CHUNK == k and x.dtype in _MAGIC
+    assert x.stride(1) == 1 and x.stride(0) % 2 == 0 and x.data_ptr() % 16 == 0
+    one_row = _ONE_ROW if m == 1 else _ROWS
+    warps, tiles, per_sm = (warps or one_row[0], tiles or one_row[1], per_sm or one_row[2])
+    rows = rows or (8 if m <= 16 else 32)
+    assert n % (16 * warps * tiles) == 0, f"N={n} is not a multiple of {16 * warps * tiles}"
+    groups = k // group_size
+    programs = n // (16 * warps * tiles) * triton.cdiv(m, rows)
+    if split_k is None:
+        split_k = max(1, per_sm * sm_count(x.device, without_gpu=2) // programs)
+    per_split = triton.cdiv(groups, min(split_k, groups))
+    num_splits = triton.cdiv(groups, per_split)
+
+    def launch(target: torch.Tensor, stride_split: int) -> None:
+        _awq_mma_kernel[(n // (16 * warps * tiles), num_splits, triton.cdiv(m, rows))](
+            x.view(torch.int32), rq, qzeros, scales, target, m, n, k, n // 8, x.stride(0), n,
+            stride_split, per_split, _MAGIC[x.dtype], GROUP=group_size, WARPS=warps,
+            TILES=tiles, ROWS=rows, BF16=x.dtype == torch.bfloat16, num_warps=warps)
+
+    return _launch_split(launch, num_splits, m, n, x, pdl_options(x.device), swiglu)
+
+
+def awq_mma_linear(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor,
+                   scales: torch.Tensor, group_size: int, swiglu: bool = False) -> torch.Tensor:
+    """awq_linear for the repacked weight: the tensor-core GEMV up to MMA_MAX_ROWS rows of
+    fp16/bf16, else the dense weight (awq_dequantize_repacked) and cuBLAS (float32 x too)."""
+    if x.shape[0] <= MMA_MAX_ROWS and x.dtype in _MAGIC:
+        return awq_mma_gemv(x, rq, qzeros, scales, group_size, swiglu=swiglu)
+    y = x @ awq_dequantize_repacked(rq, qzeros, scales, group_size, x.dtype).t()
+    return silu_and_mul(y) if swiglu else y

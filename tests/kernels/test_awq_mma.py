@@ -1,0 +1,128 @@
+"""AWQ on the tensor cores (echo_kernels/awq_mma.py): the repacked layout against its written
+definition, the dequantization from it against the reference (CPU: the interpreter), and the
+Gluon GEMV against the reference (GPU only: Gluon has no interpreter)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_awq import awq_tensors
+
+from echo.layers.linear import GateUpParallelLinear
+from echo.layers.quantization import AwqConfig
+from echo_kernels.awq_mma import (
+    MMA_MAX_ROWS,
+    awq_dequantize_repacked,
+    awq_mma_gemv,
+    awq_mma_linear,
+    repack_awq,
+)
+from echo_kernels.reference import awq_linear_ref, awq_unpack_ref
+
+
+def read_repacked(words: torch.Tensor, group_size: int) -> torch.Tensor:
+    """q [K, N] from the repacked words, element by element as the layout is defined: word [nt,
+    kc, lane, j] holds column 16 nt + 8 n3 + lane // 4 at k = G g + (G / 4)(lane % 4) + 4 s + 2 h
+    + k0 (g, s: the group and step of chunk kc and j) in nibble n3 + 2 h + 4 k0."""
+    nt_count, kc_count = words.shape[:2]
+    q = torch.full((kc_count * 64, nt_count * 16), -1, dtype=torch.long)
+    per_group = group_size // 64
+    for nt in range(nt_count):
+        for kc in range(kc_count):
+            g, s_base = divmod(kc, per_group)
+            for lane in range(32):
+                for j in range(4):
+                    word = int(words[nt, kc, lane, j]) & 0xFFFFFFFF
+                    for n3 in range(2):
+                        for h in range(2):
+                            for k0 in range(2):
+                                k = (g * group_size + group_size // 4 * (lane % 4)
+                                     + 4 * (4 * s_base + j) + 2 * h + k0)
+                                n = 16 * nt + 8 * n3 + lane // 4
+                                q[k, n] = (word >> 4 * (n3 + 2 * h + 4 * k0)) & 15
+    return q
+
+
+@pytest.mark.parametrize("group_size", [64, 128])
+def test_repack_follows_the_layout(group_size):
+    qweight, _, _ = awq_tensors(group_size * 2, 32, group_size, "cpu")
+    words = repack_awq(qweight, group_size)
+    assert words.shape == (2, group_size * 2 // 64, 32, 4) and words.dtype == torch.int32
+    assert torch.equal(read_repacked(words, group_size), awq_unpack_ref(qweight))
+
+
+def test_repack_refuses_small_groups():
+    qweight, _, _ = awq_tensors(64, 32, 32, "cpu")
+    with pytest.raises(ValueError, match="group size divisible by 64"):
+        repack_awq(qweight, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("k,n,group_size", [(128, 32, 64), (256, 48, 128)])
+def test_dequantize_repacked_matches_reference(device, k, n, group_size, dtype):
+    qweight, qzeros, scales = awq_tensors(k, n, group_size, device)
+    dense = awq_dequantize_repacked(repack_awq(qweight, group_size), qzeros, scales, group_size,
+                                    dtype)
+    # (q - z) * s in float32, rounded once to dtype
+    q, z = awq_unpack_ref(qweight), awq_unpack_ref(qzeros).repeat_interleave(group_size, 0)
+    ref = ((q - z).float() * scales.float().repeat_interleave(group_size, 0)).to(dtype)
+    assert dense.shape == (n, k)
+    torch.testing.assert_close(dense, ref.t(), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 40, MMA_MAX_ROWS + 3])
+@pytest.mark.parametrize("k,n,group_size", [(512, 256, 128), (1024, 192, 64)])
+def test_mma_linear_matches_reference(m, k, n, group_size, dtype):
+    qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda", seed=m)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    rq = repack_awq(qweight, group_size)
+    ref = awq_linear_ref(x.float(), qweight, qzeros, scales, group_size)
+    out = awq_mma_linear(x, rq, qzeros, scales, group_size)
+    assert out.dtype == dtype and out.shape == (m, n)
+    # the products are exact (bf16/fp16 x times 1 + q u); what differs is float32 summation
+    # order and the output's rounding
+    tol = 8e-3 if dtype == torch.bfloat16 else 1e-3
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [dict(split_k=1), dict(split_k=3), dict(warps=4, tiles=2),
+                                     dict(rows=16), dict(rows=32)])
+def test_mma_gemv_knobs_and_swiglu(options):
+    k, n, group_size = 512, 256, 128
+    qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda")
+    x = torch.randn(5, k, device="cuda", dtype=torch.bfloat16)
+    rq = repack_awq(qweight, group_size)
+    ref = awq_linear_ref(x.float(), qweight, qzeros, scales, group_size)
+    out = awq_mma_gemv(x, rq, qzeros, scales, group_size, **options)
+    torch.testing.assert_close(out.float(), ref, rtol=8e-3, atol=8e-3 * ref.abs().max().item())
+    glu = awq_mma_gemv(x, rq, qzeros, scales, group_size, swiglu=True, **options)
+    gate, up = ref.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    torch.testing.assert_close(glu.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_a_gate_up_layer_repacked_at_load_keeps_its_outputs():
+    """LinearBase.use_awq_tensor_cores: the same layer's product and SwiGLU, AutoAWQ's layout
+    against the repacked one, at one row, a few and past MMA_MAX_ROWS (the dense weight)."""
+    k, intermediate, group_size = 256, 128, 64
+    qweight, qzeros, scales = awq_tensors(k, 2 * intermediate, group_size, "cuda")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            layer = GateUpParallelLinear(k, intermediate, quant=AwqConfig(group_size=group_size))
+    finally:
+        torch.set_default_dtype(previous)
+    for param, value in ((layer.qweight, qweight), (layer.qzeros, qzeros),
+                         (layer.scales, scales.to(torch.bfloat16))):
+        param.data.copy_(value)
+    xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in (1, 6, MMA_MAX_ROWS + 16)]
+    before = [(layer.matmul(x).float(), layer.swiglu(x).float()) for x in xs]
+    assert layer.use_awq_tensor_cores() and layer.qweight.shape == (2 * intermediate // 16,
+                                                                    k // 64, 32, 4)
+    for x, (product, glu) in zip(xs, before):
+        for got, want in ((layer.matmul(x).float(), product), (layer.swiglu(x).float(), glu)):
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
