@@ -72,7 +72,7 @@ def test_dequantize_repacked_matches_reference(device, k, n, group_size, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 3, 8, 13, 40, MMA_MAX_ROWS + 3])
-@pytest.mark.parametrize("k,n,group_size", [(512, 256, 128), (1024, 192, 64)])
+@pytest.mark.parametrize("k,n,group_size", [(512, 256, 128), (1024, 384, 64)])
 def test_mma_linear_matches_reference(m, k, n, group_size, dtype):
     qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda", seed=m)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
