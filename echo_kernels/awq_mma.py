@@ -102,23 +102,24 @@ def _dequantize_repacked_kernel(
     K,
     GROUP: tl.constexpr,
 ):
-    # one program: 16 columns by one group, the 2 G words that hold them
+    # one program: 16 columns by one group, the 2 G words that hold them, reordered in
+    # registers into [column, k] so that the stores run along K
     nt = tl.program_id(0)
     g = tl.program_id(1)
-    word = tl.arange(0, 2 * GROUP)
-    nibble = tl.arange(0, 8)
-    words = tl.load(rq_ptr + (nt.to(tl.int64) * (K // 64) + g * (GROUP // 64)) * 128 + word)
-    q = (words[:, None] >> (4 * nibble)[None, :]) & 0xF
-    lane = (word // 4) % 32
-    step = (word // 128) * 4 + word % 4
-    n = nt * 16 + (nibble[None, :] & 1) * 8 + (lane // 4)[:, None]
-    k = (g * GROUP + (lane % 4)[:, None] * (GROUP // 4) + step[:, None] * 4
-         + ((nibble[None, :] >> 1) & 1) * 2 + nibble[None, :] // 4)
-    shift = (n % 8 // 2) * 4 + (n % 2) * 16  # AutoAWQ's nibble of column n (_nibble_shifts)
+    words = tl.load(rq_ptr + (nt.to(tl.int64) * (K // 64) + g * (GROUP // 64)) * 128
+                    + tl.arange(0, 2 * GROUP))
+    q = (words[:, None] >> (4 * tl.arange(0, 8))[None, :]) & 0xF  # [word, nibble]
+    # word = 128 chunk + 16 (lane // 4) + 4 (lane % 4) + j, nibble = 4 k0 + 2 h + n3 ->
+    # column 8 n3 + lane // 4, k = (G / 4)(lane % 4) + 4 (4 chunk + j) + 2 h + k0
+    q = tl.reshape(q, (GROUP // 64, 8, 4, 4, 2, 2, 2))
+    q = tl.reshape(tl.permute(q, (6, 1, 2, 0, 3, 5, 4)), (16, GROUP))
+    n = nt * 16 + tl.arange(0, 16)
+    shift = (n % 8 // 2) * 4 + (n % 2) * 16  # AutoAWQ's nibble of column n (awq.py)
     z = (tl.load(qzeros_ptr + g * (N // 8) + n // 8) >> shift) & 0xF
     s = tl.load(scales_ptr + g * N + n).to(tl.float32)
-    w = (q - z).to(tl.float32) * s
-    tl.store(out_ptr + n.to(tl.int64) * K + k, w.to(out_ptr.dtype.element_ty))
+    w = (q - z[:, None]).to(tl.float32) * s[:, None]
+    k = g * GROUP + tl.arange(0, GROUP)
+    tl.store(out_ptr + n[:, None].to(tl.int64) * K + k[None, :], w.to(out_ptr.dtype.element_ty))
 
 
 def awq_dequantize_repacked(rq: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
