@@ -39,6 +39,7 @@ from echo_kernels.activation import silu_and_mul
 from echo_kernels.awq import _launch_split
 from echo_kernels.device import sm_count
 from echo_kernels.pdl import pdl_options
+from echo_kernels.reference import awq_unpack_ref
 
 CHUNK = 64  # K of a lane's 16-byte load: four 16-wide mma steps
 OUTPUT_BLOCK = 128  # output columns must fill the largest program (4 warps x 2 tiles x 16)
@@ -67,7 +68,7 @@ def repack_awq(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
     out = torch.empty(n // 16, k // CHUNK, 32, 4, dtype=torch.int32, device=qweight.device)
     per_group = group_size // CHUNK
     for g in range(k // group_size):
-        q = _unpack_awq(qweight[g * group_size:(g + 1) * group_size])  # [G, N] int64
+        q = awq_unpack_ref(qweight[g * group_size:(g + 1) * group_size])  # [G, N] int64
         # k = (G / 4) t + 4 s + 2 h + k0, n = 16 nt + 8 n3 + lane // 4: [t, s, h, k0, nt, n3, l]
         q = q.view(4, steps, 2, 2, n // 16, 2, 8)
         words = (q << shifts).sum(dim=(2, 3, 5))  # [t, s, nt, l]
@@ -84,12 +85,6 @@ def _repack_shifts(device: torch.device) -> torch.Tensor:
     k0 = torch.arange(2, device=device).view(1, 1, 1, 2, 1, 1, 1)
     n3 = torch.arange(2, device=device).view(1, 1, 1, 1, 1, 2, 1)
     return 4 * (n3 + 2 * h + 4 * k0)
-
-
-def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C] in AutoAWQ's order -> int64 [R, 8C] of 0..15 in column order."""
-    shifts = 4 * torch.tensor((0, 4, 1, 5, 2, 6, 3, 7), device=packed.device)
-    return ((packed.long()[:, :, None] >> shifts) & 15).flatten(1)
 
 
 @triton.jit
