@@ -129,8 +129,9 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight) if kernel is None else kernel(x, self.weight)
 
     def _awq_matmul(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
-        """The AWQ product through the tuned awq_gemv for x's rows or awq_linear; swiglu:
-        SwiGLU of its halves, inside the kernel (off the GPU after the reference)."""
+        """The AWQ product through awq_mma_linear for a repacked layer, else the tuned awq_gemv
+        for x's rows or awq_linear; swiglu: SwiGLU of its halves, inside the kernel (off the
+        GPU after the reference)."""
         args = (self.qweight, self.qzeros, self.scales, self.quant.group_size)
         if self.awq_repacked:
             from echo_kernels.awq_mma import awq_mma_linear
