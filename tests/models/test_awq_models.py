@@ -134,6 +134,13 @@ def test_missing_or_misshapen_awq_tensors_name_the_tensor(awq_model, tmp_path):
     assert_load_refused(folder, tmp_path, misshapen, "down_proj.qweight")
 
 
+def test_the_tensor_core_layout_is_a_gpu_choice(awq_model, monkeypatch):
+    """ECHO_AWQ_MMA=1 repacks AWQ weights on a GPU only: on the CPU the layers keep AutoAWQ's
+    layout and the tokens stay transformers'."""
+    monkeypatch.setenv("ECHO_AWQ_MMA", "1")
+    assert_greedy_like_transformers(*awq_model)
+
+
 @pytest.mark.gpu
 def test_gpu_kernels_and_graphs_give_transformers_greedy_tokens(awq_model):
     """On the GPU the linear layers run awq_gemv / awq_gemm, decodes replay CUDA graphs."""
