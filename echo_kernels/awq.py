@@ -12,7 +12,7 @@ size G (K when the checkpoint says -1):
 The eight values of int32 j are interleaved: AutoAWQ's packer puts output column
 8j + AWQ_PACK_ORDER[i] at bits 4i..4i+3, AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]. Unpacking
 inverts that: column 8j + r sits at nibble AWQ_REVERSE_ORDER[r], AWQ_REVERSE_ORDER =
-[0, 4, 1, 5, 2, 6, 3, 7], i.e. at bit 4 * (r // 2) + 16 * (r % 2) (_nibble_shifts). An int32
+[0, 4, 1, 5, 2, 6, 3, 7], i.e. at bit 4 * (r // 2) + 16 * (r % 2) (nibble_shift). An int32
 whose top nibble is 8 or more is negative; every shift is masked with 0xF, so the sign does
 not matter.
 
@@ -105,11 +105,17 @@ def _gemm_config(num_rows: int) -> tuple[int, int, int, int]:
 
 
 @triton.jit
-def _nibble_shifts():
-    """[8] int32: the bit offset of output column 8j + r inside packed int32 j, for r = 0..7
-    (4 * AWQ_REVERSE_ORDER[r])."""
-    r = tl.arange(0, 8)
+def nibble_shift(cols):
+    """The bit offset of output column c inside its packed int32 c // 8 (4 *
+    AWQ_REVERSE_ORDER[c % 8])."""
+    r = cols % 8
     return (r // 2) * 4 + (r % 2) * 16
+
+
+@triton.jit
+def _nibble_shifts():
+    """[8] int32: nibble_shift of columns 8j + 0..7."""
+    return nibble_shift(tl.arange(0, 8))
 
 
 @triton.jit

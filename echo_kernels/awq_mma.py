@@ -36,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from echo_kernels.activation import silu_and_mul
-from echo_kernels.awq import _launch_split
+from echo_kernels.awq import _launch_split, nibble_shift
 from echo_kernels.device import sm_count
 from echo_kernels.pdl import pdl_options
 from echo_kernels.reference import awq_unpack_ref
@@ -109,8 +109,7 @@ def _dequantize_repacked_kernel(
     q = tl.reshape(q, (GROUP // 64, 8, 4, 4, 2, 2, 2))
     q = tl.reshape(tl.permute(q, (6, 1, 2, 0, 3, 5, 4)), (16, GROUP))
     n = nt * 16 + tl.arange(0, 16)
-    shift = (n % 8 // 2) * 4 + (n % 2) * 16  # AutoAWQ's nibble of column n (awq.py)
-    z = (tl.load(qzeros_ptr + g * (N // 8) + n // 8) >> shift) & 0xF
+    z = (tl.load(qzeros_ptr + g * (N // 8) + n // 8) >> nibble_shift(n)) & 0xF
     s = tl.load(scales_ptr + g * N + n).to(tl.float32)
     w = (q - z[:, None]).to(tl.float32) * s[:, None]
     k = g * GROUP + tl.arange(0, GROUP)
@@ -235,7 +234,7 @@ def _awq_mma_kernel(
     cn = pid_n * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
     cm = gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma))
     r = cn % 8
-    z_shift = (r // 2) * 4 + (r % 2) * 16  # AutoAWQ's nibble of column 8j + r
+    z_shift = (r // 2) * 4 + (r % 2) * 16  # awq.nibble_shift (a triton.jit Gluon cannot call)
     first = split * groups_per_split
     end = gl.minimum(first + groups_per_split, K // GROUP)
     total = gl.zeros([BM, ROWS], gl.float32, mma)
