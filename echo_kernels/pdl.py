@@ -29,9 +29,7 @@ def pdl_options(device: torch.device) -> dict:
     """The launch keywords of an echo kernel: its USE_PDL flag and Triton's launch_pdl, set
     together (a kernel launched with PDL must wait in wait_for_inputs)."""
     on = use_pdl(device)
-    # experiment: ECHO_PDL_EARLY_TRIGGER=0 -> USE_PDL 2: wait only, dependents launch as programs exit
-    mode = (1 if os.environ.get("ECHO_PDL_EARLY_TRIGGER", "1") == "1" else 2) if on else 0
-    return {"USE_PDL": mode, "launch_pdl": on}
+    return {"USE_PDL": on, "launch_pdl": on}
 
 
 @triton.jit
@@ -39,5 +37,4 @@ def wait_for_inputs(USE_PDL: tl.constexpr):
     """Under PDL: wait for the previous kernel's writes, then allow the next kernel to launch."""
     if USE_PDL:
         gdc_wait()
-        if USE_PDL == 1:
-            gdc_launch_dependents()
+        gdc_launch_dependents()
