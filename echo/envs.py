@@ -133,9 +133,9 @@ def tune_small_m() -> bool:
 def awq_tensor_cores() -> bool:
     """AWQ layers on a GPU repack their weight at load for the tensor-core kernels
     (echo_kernels/awq_mma.py) instead of AutoAWQ's layout and awq.py's CUDA-core GEMV
-    (ECHO_AWQ_MMA, default 0: the one-row step did not gain from it on an H100, and the
-    batches where the kernel is twice as fast are not yet timed; docs/benchmarks.md, AWQ)."""
-    return os.environ.get("ECHO_AWQ_MMA", "0") == "1"
+    (ECHO_AWQ_MMA, default 1; 0 keeps AutoAWQ's layout, which the persistent decode step
+    reads: docs/benchmarks.md, AWQ, has both timed)."""
+    return os.environ.get("ECHO_AWQ_MMA", "1") == "1"
 
 
 def api_key() -> str | None:

@@ -194,7 +194,7 @@ def _awq_mma_kernel(
     TILES: gl.constexpr,  # 16-column tiles a warp
     ROWS: gl.constexpr,  # rows of x a program: 8, 16 or 32 (mma_v2's N)
     BF16: gl.constexpr,
-    PDL: gl.constexpr = 0,  # experiment: 0 none, 1 wait + launch at the start, 2 launch after the loop, 3 wait first too
+    USE_PDL: gl.constexpr,
 ):
     BM: gl.constexpr = 16 * WARPS * TILES
     STEPS: gl.constexpr = GROUP // 16
@@ -239,16 +239,10 @@ def _awq_mma_kernel(
     first = split * groups_per_split
     end = gl.minimum(first + groups_per_split, K // GROUP)
     total = gl.zeros([BM, ROWS], gl.float32, mma)
-    if PDL == 3:
+    words = gl.load(rq_ptr + w_offs + first * (GROUP * 2))  # weights: before the PDL wait
+    if USE_PDL:  # pdl.wait_for_inputs' wait (a triton.jit Gluon cannot call)
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
-    words = gl.load(rq_ptr + w_offs + first * (GROUP * 2))
-    if PDL == 1 or PDL == 2:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    if PDL == 1:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
     xb = gl.load(x_ptr + x_offs + first * (GROUP // 2), mask=x_mask, other=0)
     for group in range(first, end):
         # the next group's weights and x in flight while this one is summed
@@ -274,7 +268,7 @@ def _awq_mma_kernel(
                                          - gl.expand_dims(INV_U + z, 1) * gl.expand_dims(x_sum, 0))
         words = words_next
         xb = xb_next
-    if PDL >= 2:
+    if USE_PDL:  # the next kernel launches now, not at the wait (module docstring)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
                                   dtype=gl.int32, is_pure=False, pack=1)
     out = (out_ptr + split.to(gl.int64) * stride_os + (row0 + gl.expand_dims(cm, 0)) * stride_om
@@ -306,19 +300,16 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
     per_split = triton.cdiv(groups, min(split_k, groups))
     num_splits = triton.cdiv(groups, per_split)
 
-    # NOTE: launched without PDL: with it (weights of the first group loaded before the wait,
-    # 9a92722) a Llama-3.1-8B AWQ step took 3.239 ms against 2.952 without (one H100)
-    import os
-    mode = int(os.environ.get("ECHO_AWQ_MMA_PDL", "0")) if pdl_options(x.device)["USE_PDL"] else 0
+    pdl = pdl_options(x.device)
 
     def launch(target: torch.Tensor, stride_split: int) -> None:
         _awq_mma_kernel[(n // (16 * warps * tiles), num_splits, triton.cdiv(m, rows))](
             x.view(torch.int32), rq, qzeros, scales, target, m, n, k, n // 8, x.stride(0), n,
             stride_split, per_split, _MAGIC[x.dtype], GROUP=group_size, WARPS=warps,
-            TILES=tiles, ROWS=rows, BF16=x.dtype == torch.bfloat16, PDL=mode,
-            launch_pdl=mode > 0, num_warps=warps)
+            TILES=tiles, ROWS=rows, BF16=x.dtype == torch.bfloat16, USE_PDL=pdl["launch_pdl"],
+            launch_pdl=pdl["launch_pdl"], num_warps=warps)
 
-    return _launch_split(launch, num_splits, m, n, x, pdl_options(x.device), swiglu)
+    return _launch_split(launch, num_splits, m, n, x, pdl, swiglu)
 
 
 def awq_mma_linear(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor,

@@ -123,7 +123,10 @@ def _construct(make, dtype: torch.dtype, device: torch.device) -> nn.Module:
         torch.set_default_dtype(previous)
 
 
-def build_model(config: ModelConfig, device: torch.device, tp: TPGroup = SINGLE) -> nn.Module:
+def build_model(config: ModelConfig, device: torch.device, tp: TPGroup = SINGLE,
+                awq_tensor_cores: bool = True) -> nn.Module:
+    """The model with its weights; awq_tensor_cores: AWQ layers repacked for the tensor-core
+    kernels where ECHO_AWQ_MMA allows (the persistent decode step reads AutoAWQ's layout)."""
     model = _construct(lambda: model_class(config.arch.family)(config.arch, tp,
                                                                config.max_model_len),
                        getattr(torch, config.dtype), device)
@@ -131,7 +134,7 @@ def build_model(config: ModelConfig, device: torch.device, tp: TPGroup = SINGLE)
         init_dummy_weights(model, config.seed)
     else:
         load_weights(model, config.path)
-    if config.arch.quantization is not None and envs.awq_tensor_cores():
+    if config.arch.quantization is not None and awq_tensor_cores and envs.awq_tensor_cores():
         for module in model.modules():
             if isinstance(module, LinearBase):
                 module.use_awq_tensor_cores()

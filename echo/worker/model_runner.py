@@ -74,7 +74,8 @@ class ModelRunner:
         self.device = device or torch.device(config.device.device)
         self.arch = config.model.arch
         self.dtype = getattr(torch, config.model.dtype)
-        self.model = build_model(config.model, self.device, tp)
+        self.model = build_model(config.model, self.device, tp,
+                                 awq_tensor_cores=not config.device.persistent_decode)
         attn = self.model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.kv_cache_spec = KVCacheSpec(self.arch.num_layers, config.cache.block_size,

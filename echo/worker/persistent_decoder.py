@@ -92,8 +92,9 @@ class PersistentDecoder:
             linears.update(qkv=layer.self_attn.qkv_proj, o_proj=layer.self_attn.o_proj)
             for name, linear in linears.items():
                 if linear.awq_repacked:
-                    raise ValueError("persistent decode reads AutoAWQ's weight layout: unset "
-                                     "ECHO_AWQ_MMA (the tensor-core layout) to use it")
+                    raise ValueError("persistent decode reads AutoAWQ's weight layout, not the "
+                                     "tensor-core one: build the model with "
+                                     "awq_tensor_cores=False")
                 if quant:
                     tensors.update({name: linear.qweight, f"{name}_zeros": linear.qzeros,
                                     f"{name}_scales": linear.scales})

@@ -135,8 +135,8 @@ def test_missing_or_misshapen_awq_tensors_name_the_tensor(awq_model, tmp_path):
 
 
 def test_the_tensor_core_layout_is_a_gpu_choice(awq_model, monkeypatch):
-    """ECHO_AWQ_MMA=1 repacks AWQ weights on a GPU only: on the CPU the layers keep AutoAWQ's
-    layout and the tokens stay transformers'."""
+    """ECHO_AWQ_MMA=1 (the default) repacks AWQ weights on a GPU only: on the CPU the layers
+    keep AutoAWQ's layout and the tokens stay transformers'."""
     monkeypatch.setenv("ECHO_AWQ_MMA", "1")
     assert_greedy_like_transformers(*awq_model)
 

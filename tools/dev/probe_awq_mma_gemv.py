@@ -43,8 +43,8 @@ def sass() -> None:
     for warps, tiles, rows in SASS_CONFIGS:
         sig = dict(zip(names, types)) | {"GROUP": "constexpr", "WARPS": "constexpr",
                                          "TILES": "constexpr", "ROWS": "constexpr",
-                                         "BF16": "constexpr"}
-        consts = {(14,): 128, (15,): warps, (16,): tiles, (17,): rows, (18,): True}
+                                         "BF16": "constexpr", "USE_PDL": "constexpr"}
+        consts = {(14,): 128, (15,): warps, (16,): tiles, (17,): rows, (18,): True, (19,): True}
         attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11)}
         src = GluonASTSource(fn=_awq_mma_kernel, signature=sig, constexprs=consts,
                              attrs=attrs)
