@@ -24,6 +24,13 @@ sum_k (q_k - z) x_k = A / u - (1 / u + z) S, times the scale, is folded into a f
 (awq_gemv's algebra, with the products exact in the tensor core's float32). Splits of K add
 their partial sums in awq.py's split-sum launch (SwiGLU there too).
 
+Under PDL a program loads its first group's weights, then waits for the previous kernel, and
+lets the next kernel launch only after its loop. Letting it launch at the wait, as echo's
+Triton kernels do, made a Llama-3.1-8B AWQ step 3.235 ms against 2.639 (an H100; 2.946 without
+PDL); the likely cause, not profiled: the next kernel's waiting programs hold registers that
+this kernel's programs past the first wave need (8 an SM at 64 registers fill the register
+file).
+
 Rows past MMA_MAX_ROWS dequantize the weight whole (awq_dequantize_repacked, a Triton kernel,
 which the CPU tests run) and leave the product to cuBLAS. Figures: docs/benchmarks.md, AWQ.
 """
