@@ -31,8 +31,10 @@ PDL); the likely cause, not profiled: the next kernel's waiting programs hold re
 this kernel's programs past the first wave need (8 an SM at 64 registers fill the register
 file).
 
-Rows past MMA_MAX_ROWS dequantize the weight whole (awq_dequantize_repacked, a Triton kernel,
-which the CPU tests run) and leave the product to cuBLAS. Figures: docs/benchmarks.md, AWQ.
+Rows past MMA_MAX_ROWS, up to GEMM_MAX_ROWS, take awq_gemm_repacked (Triton): awq_gemm's tiles
+over this layout, each weight tile dequantized in registers for tl.dot. Past that the weight is
+dequantized whole (awq_dequantize_repacked) and the product left to cuBLAS. Both Triton kernels
+run in the CPU tests. Figures: docs/benchmarks.md, AWQ.
 """
 
 import torch
@@ -43,9 +45,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from echo_kernels.activation import silu_and_mul
-from echo_kernels.awq import _launch_split, nibble_shift
+from echo_kernels.awq import _GEMM_PROGRAMS_PER_SM, _launch_split, _num_splits, nibble_shift
 from echo_kernels.device import sm_count
-from echo_kernels.pdl import pdl_options
+from echo_kernels.pdl import pdl_options, wait_for_inputs
 from echo_kernels.reference import awq_unpack_ref
 
 CHUNK = 64  # K of a lane's 16-byte load: four 16-wide mma steps
@@ -54,6 +56,11 @@ OUTPUT_BLOCK = 128  # output columns must fill the largest program (4 warps x 2 
 # against 209.7 for awq_gemm's tiles and ~272 for the dense weight and cuBLAS; at 32, 137.7
 # against 192.4 (one H100, tools/dev/probe_awq_mma_gemv.py, docs/benchmarks.md AWQ)
 MMA_MAX_ROWS = 64
+# the most rows through awq_gemm_repacked, past them the dense weight and cuBLAS: awq_gemm's
+# tile (128 x 256, a group along K) took a layer's four GEMMs in 246.4 us at 128 rows against
+# 328.1 for the dense weight, 443.7 against 331.3 at 256 (one H200, 2026-12-04)
+GEMM_MAX_ROWS = 128
+_GEMM_TILE = (128, 16, 8)  # rows, 16-column tiles, warps a program
 _MAGIC = {torch.bfloat16: 0x3F803F80, torch.float16: 0x3C003C00}  # 1.0 in both halves
 # (warps, 16-column tiles a warp, programs an SM the splits aim at): one row wanted one tile a
 # warp and ~8 programs an SM (gate_up 25.8 us, down 15.0, qkv 9.5), more rows two tiles and 4
@@ -95,6 +102,48 @@ def _repack_shifts(device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
+def _repacked_weights(rq_ptr, qzeros_ptr, scales_ptr, nt0, g, N, K, TILES: tl.constexpr,
+                      GROUP: tl.constexpr):
+    """(q - z) * s float32 [16 TILES, GROUP] of the columns from 16 nt0 and group g, K in the
+    repacked order (_repacked_k) rather than the natural one: the words are loaded so that the
+    nibbles land in place by broadcasting alone, with no reordering in registers."""
+    C: tl.constexpr = GROUP // 64
+    # word [nt, kc, lane, j] sits at (nt K / 64 + kc) 128 + 4 lane + j, lane = 4 l + t; loaded
+    # as [tile, l, chunk, t, j], its nibble n3 + 2 h + 4 k0 broadcast to [tile, n3, l, chunk,
+    # t, j, h, k0]: rows (tile, n3, l) are columns 16 tile + 8 n3 + l, in order
+    tile = _at(TILES, 0, 5)
+    words = tl.load(rq_ptr + ((nt0 + tile).to(tl.int64) * (K // 64) + g * C + _at(C, 2, 5)) * 128
+                    + 16 * _at(8, 1, 5) + 4 * _at(4, 3, 5) + _at(4, 4, 5))
+    shift = 4 * (_at(2, 1, 8) + 2 * _at(2, 6, 8) + 4 * _at(2, 7, 8))  # [1, n3, 1 ... 1, h, k0]
+    q = (tl.expand_dims(tl.expand_dims(tl.expand_dims(words, 1), 6), 7) >> shift) & 0xF
+    q = tl.reshape(q, (16 * TILES, GROUP))
+    n = nt0 * 16 + tl.arange(0, 16 * TILES)
+    z = (tl.load(qzeros_ptr + g * (N // 8) + n // 8) >> nibble_shift(n)) & 0xF
+    s = tl.load(scales_ptr + g * N + n).to(tl.float32)
+    return (q - z[:, None]).to(tl.float32) * s[:, None]
+
+
+@triton.jit
+def _at(n: tl.constexpr, axis: tl.constexpr, rank: tl.constexpr):
+    """arange(n) along `axis` of a rank-`rank` tensor (size 1 elsewhere)."""
+    i = tl.arange(0, n)
+    for d in tl.static_range(rank):
+        if d < axis:
+            i = tl.expand_dims(i, 0)
+        elif d > axis:
+            i = tl.expand_dims(i, d)
+    return i
+
+
+@triton.jit
+def _repacked_k(GROUP: tl.constexpr):
+    """[GROUP]: the input k (within its group) of each position of _repacked_weights' K axis,
+    (chunk, t, j, h, k0) row-major: k = (G / 4) t + 16 chunk + 4 j + 2 h + k0."""
+    kk = tl.arange(0, GROUP)
+    return (GROUP // 4) * ((kk // 16) % 4) + 16 * (kk // 64) + kk % 16
+
+
+@triton.jit
 def _dequantize_repacked_kernel(
     rq_ptr,  # [N / 16, K / 64, 32, 4] int32
     qzeros_ptr,  # [K // G, N // 8] int32, AutoAWQ's
@@ -104,23 +153,57 @@ def _dequantize_repacked_kernel(
     K,
     GROUP: tl.constexpr,
 ):
-    # one program: 16 columns by one group, the 2 G words that hold them, reordered in
-    # registers into [column, k] so that the stores run along K
+    # one program: 16 columns by one group; 16 consecutive k of a row in each run of its K
     nt = tl.program_id(0)
     g = tl.program_id(1)
-    words = tl.load(rq_ptr + (nt.to(tl.int64) * (K // 64) + g * (GROUP // 64)) * 128
-                    + tl.arange(0, 2 * GROUP))
-    q = (words[:, None] >> (4 * tl.arange(0, 8))[None, :]) & 0xF  # [word, nibble]
-    # word = 128 chunk + 16 (lane // 4) + 4 (lane % 4) + j, nibble = 4 k0 + 2 h + n3 ->
-    # column 8 n3 + lane // 4, k = (G / 4)(lane % 4) + 4 (4 chunk + j) + 2 h + k0
-    q = tl.reshape(q, (GROUP // 64, 8, 4, 4, 2, 2, 2))
-    q = tl.reshape(tl.permute(q, (6, 1, 2, 0, 3, 5, 4)), (16, GROUP))
+    w = _repacked_weights(rq_ptr, qzeros_ptr, scales_ptr, nt, g, N, K, 1, GROUP)
     n = nt * 16 + tl.arange(0, 16)
-    z = (tl.load(qzeros_ptr + g * (N // 8) + n // 8) >> nibble_shift(n)) & 0xF
-    s = tl.load(scales_ptr + g * N + n).to(tl.float32)
-    w = (q - z[:, None]).to(tl.float32) * s[:, None]
-    k = g * GROUP + tl.arange(0, GROUP)
+    k = g * GROUP + _repacked_k(GROUP)
     tl.store(out_ptr + n[:, None].to(tl.int64) * K + k[None, :], w.to(out_ptr.dtype.element_ty))
+
+
+# NOTE: M left unspecialised, as in awq._awq_gemm_kernel: a new batch size must not compile again
+@triton.jit(do_not_specialize=["M"])
+def _awq_gemm_repacked_kernel(
+    x_ptr,  # [M, K]
+    rq_ptr,  # [N / 16, K / 64, 32, 4] int32
+    qzeros_ptr,  # [K // G, N // 8] int32, AutoAWQ's
+    scales_ptr,  # [K // G, N]
+    out_ptr,  # [M, N] in x's dtype, or [num_splits, M, N] float32 partial sums
+    M, N, K, stride_xm, stride_om, stride_os, groups_per_split,
+    BLOCK_M: tl.constexpr,
+    TILES: tl.constexpr,  # 16-column tiles a program
+    GROUP: tl.constexpr,
+    GROUP_M: tl.constexpr,  # row tiles launched together, sharing their weight tiles in L2
+    USE_PDL: tl.constexpr,
+):
+    wait_for_inputs(USE_PDL)
+    BLOCK_N: tl.constexpr = 16 * TILES
+    # as awq._awq_gemm_kernel: runs of GROUP_M row tiles down each column of tiles
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    per_run = GROUP_M * (N // BLOCK_N)
+    first_m = pid // per_run * GROUP_M
+    run_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + pid % per_run % run_rows
+    pid_n = pid % per_run // run_rows
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    split = tl.program_id(1)
+    first = split * groups_per_split
+    end = tl.minimum(first + groups_per_split, K // GROUP)
+    # x's K in the weight tile's order (_repacked_k): runs of 16 consecutive inputs
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + _repacked_k(GROUP)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for g in range(first, end):
+        x = tl.load(x_ptrs + g * GROUP, mask=row_ok[:, None], other=0.0)
+        w = _repacked_weights(rq_ptr, qzeros_ptr, scales_ptr, pid_n * TILES, g, N, K, TILES,
+                              GROUP)
+        acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out = (out_ptr + split.to(tl.int64) * stride_os + rows[:, None].to(tl.int64) * stride_om
+           + cols[None, :])
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def awq_dequantize_repacked(rq: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -319,11 +402,42 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
     return _launch_split(launch, num_splits, m, n, x, pdl, swiglu)
 
 
+def awq_gemm_repacked(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor,
+                      scales: torch.Tensor, group_size: int, *, block_m: int | None = None,
+                      tiles: int | None = None, split_k: int | None = None, group_m: int = 8,
+                      num_warps: int | None = None, num_stages: int = 3,
+                      swiglu: bool = False) -> torch.Tensor:
+    """x [M, K] (fp16/bf16) @ the repacked AWQ weight [K, N] -> [M, N] in x's dtype, each
+    program's weight tile (tiles x 16 columns by a group) dequantized in registers for tl.dot,
+    as awq_gemm does AutoAWQ's; swiglu as in awq_mma_gemv."""
+    m, k = x.shape
+    n = rq.shape[0] * 16
+    assert rq.shape[1] * CHUNK == k and x.dtype in _MAGIC and x.stride(1) == 1
+    block_m = block_m or _GEMM_TILE[0]
+    tiles = tiles or next(t for t in (_GEMM_TILE[1], 8, 4, 2, 1) if n % (16 * t) == 0)
+    assert n % (16 * tiles) == 0, f"N={n} is not a multiple of {16 * tiles}"
+    programs = triton.cdiv(m, block_m) * (n // (16 * tiles))
+    num_splits, per_split = _num_splits(split_k, programs, k // group_size,
+                                        _GEMM_PROGRAMS_PER_SM, x.device)
+    pdl = pdl_options(x.device)
+
+    def launch(target: torch.Tensor, stride_split: int) -> None:
+        _awq_gemm_repacked_kernel[(programs, num_splits)](
+            x, rq, qzeros, scales, target, m, n, k, x.stride(0), n, stride_split, per_split,
+            BLOCK_M=block_m, TILES=tiles, GROUP=group_size, GROUP_M=group_m, **pdl,
+            num_warps=num_warps or _GEMM_TILE[2], num_stages=num_stages)
+
+    return _launch_split(launch, num_splits, m, n, x, pdl, swiglu)
+
+
 def awq_mma_linear(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor,
                    scales: torch.Tensor, group_size: int, swiglu: bool = False) -> torch.Tensor:
-    """awq_linear for the repacked weight: the tensor-core GEMV up to MMA_MAX_ROWS rows of
-    fp16/bf16, else the dense weight (awq_dequantize_repacked) and cuBLAS (float32 x too)."""
+    """awq_linear for the repacked weight, fp16/bf16: the tensor-core GEMV up to MMA_MAX_ROWS
+    rows, awq_gemm_repacked up to GEMM_MAX_ROWS; past that (float32 x too) the dense weight
+    (awq_dequantize_repacked) and cuBLAS."""
     if x.shape[0] <= MMA_MAX_ROWS and x.dtype in _MAGIC:
         return awq_mma_gemv(x, rq, qzeros, scales, group_size, swiglu=swiglu)
+    if x.shape[0] <= GEMM_MAX_ROWS and x.dtype in _MAGIC:
+        return awq_gemm_repacked(x, rq, qzeros, scales, group_size, swiglu=swiglu)
     y = x @ awq_dequantize_repacked(rq, qzeros, scales, group_size, x.dtype).t()
     return silu_and_mul(y) if swiglu else y

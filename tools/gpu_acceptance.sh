@@ -6,8 +6,8 @@
 # persistent persistent-models persistent-awq, and tp and profile-tp (two GPUs). Rough minutes on an H200:
 # tests 14 (two calls: tests-kernels 7, tests-rest 7, on a machine just started), kernels 2,
 # latency 3, batch1 4 (3.5 on an H100), offline 5, profile 5, profile-tail 2, serving 4,
-# int8-pool 2, kv-offload 7, kv-offload-repeat 3, structured 4, awq 8, awq-mma 8 (a guess: not
-# yet run), moe 6, persistent 6,
+# int8-pool 2, kv-offload 7, kv-offload-repeat 3, structured 4, awq 8, awq-mma 9 (a guess: its
+# parts ran on an H100 in 2-4 minutes each), moe 6, persistent 6,
 # persistent-models 8 and persistent-awq 8 (a guess: not yet run), tp 6 (plus start-up): pick
 # what fits the device budget. Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the
 # device tool returns few files), and the key lines are printed. Every process started here is ended here, by PID.
@@ -222,21 +222,26 @@ stage_commands() {
           --num-scheduler-steps "$2" --json "$dir/latency_$1.json" > "$dir/latency_$1.log" 2>&1
         grep -E "one-row linear|decode" "$dir/latency_$1.log" | tail -6
       done ;;
-    awq-mma)  # #30: the tensor-core AWQ GEMV (ECHO_AWQ_MMA): its GPU tests, the probe at decode
-      # rows, then Llama-3.1-8B AWQ steps at batch 1-8 and a 256-token prefill with it and
-      # without, alternately
-      timeout 120 $PY -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_awq_mma.py \
+    awq-mma)  # #30: the tensor-core AWQ layout (ECHO_AWQ_MMA, default 1): its GPU tests, its
+      # GEMM at 64-128 rows against awq_gemm and the dense weight, then Llama-3.1-8B AWQ steps
+      # at batch 1-96 and Qwen3-8B AWQ offline with it and without, alternately
+      timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_awq_mma.py \
         2>&1 | tail -2
-      timeout 200 $PY tools/dev/probe_awq_mma_gemv.py --rows 1,2,4,8 --configs 4x1,4x2 \
-        --per-sm 4,8 2>&1 | tee "$dir/probe_awq_mma.log" | grep -E "awq_linear|mma"
+      timeout 200 $PY tools/dev/probe_awq_gemm_rows.py --rows 64,128 2>&1 \
+        | tee "$dir/probe_awq_gemm_rows.log"
       local batch mma
-      for batch in 1 2 4 8; do
+      for batch in 1 4 16 96; do
         for mma in 0 1; do
           echo "batch $batch, ECHO_AWQ_MMA=$mma"
           ECHO_AWQ_MMA=$mma timeout 150 $PY tools/bench_latency.py --model llama-3.1-8b-awq \
             --max-model-len 2048 --iters 2 --num-scheduler-steps 8 --batch-size $batch \
             --json "$dir/latency_b${batch}_mma$mma.json" 2>&1 | grep -E "decode"
         done
+      done
+      for mma in 1 0; do
+        echo "offline, ECHO_AWQ_MMA=$mma"
+        ECHO_AWQ_MMA=$mma timeout 200 $PY tools/bench_offline.py --model qwen3-8b-awq \
+          --json "$dir/offline_awq_mma$mma.json" 2>&1 | tail -1
       done ;;
     persistent-models)  # #27, #28: the other models, eight steps a launch, with it and without
       for model in stories110m llama-3.1-8b qwen3-30b-a3b; do

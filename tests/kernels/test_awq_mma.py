@@ -10,8 +10,10 @@ from test_awq import awq_tensors
 from echo.layers.linear import GateUpParallelLinear
 from echo.layers.quantization import AwqConfig
 from echo_kernels.awq_mma import (
+    GEMM_MAX_ROWS,
     MMA_MAX_ROWS,
     awq_dequantize_repacked,
+    awq_gemm_repacked,
     awq_mma_gemv,
     awq_mma_linear,
     repack_awq,
@@ -69,9 +71,30 @@ def test_dequantize_repacked_matches_reference(device, k, n, group_size, dtype):
     torch.testing.assert_close(dense, ref.t(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("options", [dict(block_m=16, tiles=2, split_k=1),
+                                     dict(block_m=16, tiles=1, split_k=2, swiglu=True),
+                                     dict(swiglu=True)])
+def test_gemm_repacked_matches_reference(device, options):
+    """awq_gemm_repacked against the float32 reference: its tiles and K splits, SwiGLU, and
+    the default tile (128 rows x 256 columns) over rows that do not fill it."""
+    k, n, group_size, m = 256, 256, 128, 19
+    qweight, qzeros, scales = awq_tensors(k, n, group_size, device, seed=m)
+    x = torch.randn(m, k, device=device, dtype=torch.float16)
+    ref = awq_linear_ref(x.float(), qweight, qzeros, scales, group_size)
+    out = awq_gemm_repacked(x, repack_awq(qweight, group_size), qzeros, scales, group_size,
+                            **options)
+    if options.get("swiglu"):
+        gate, up = ref.chunk(2, dim=-1)
+        ref = F.silu(gate) * up
+    assert out.dtype == torch.float16 and out.shape == ref.shape
+    # fp16 x times weights exact in fp16 (q - z up to 15, times a fp16 scale), float32 sums:
+    # the output's rounding and the summation order differ
+    torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 3, 8, 13, 40, MMA_MAX_ROWS + 3])
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 40, MMA_MAX_ROWS + 3, GEMM_MAX_ROWS + 3])
 @pytest.mark.parametrize("k,n,group_size", [(512, 256, 128), (1024, 384, 64)])
 def test_mma_linear_matches_reference(m, k, n, group_size, dtype):
     qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda", seed=m)
@@ -106,7 +129,8 @@ def test_mma_gemv_knobs_and_swiglu(options):
 @pytest.mark.gpu
 def test_a_gate_up_layer_repacked_at_load_keeps_its_outputs():
     """LinearBase.use_awq_tensor_cores: the same layer's product and SwiGLU, AutoAWQ's layout
-    against the repacked one, at one row, a few and past MMA_MAX_ROWS (the dense weight)."""
+    against the repacked one, at one row, a few, past MMA_MAX_ROWS (awq_gemm_repacked) and past
+    GEMM_MAX_ROWS (the dense weight)."""
     k, intermediate, group_size = 256, 128, 64
     qweight, qzeros, scales = awq_tensors(k, 2 * intermediate, group_size, "cuda")
     previous = torch.get_default_dtype()
@@ -119,7 +143,8 @@ def test_a_gate_up_layer_repacked_at_load_keeps_its_outputs():
     for param, value in ((layer.qweight, qweight), (layer.qzeros, qzeros),
                          (layer.scales, scales.to(torch.bfloat16))):
         param.data.copy_(value)
-    xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in (1, 6, MMA_MAX_ROWS + 16)]
+    rows = (1, 6, MMA_MAX_ROWS + 16, GEMM_MAX_ROWS + 5)
+    xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in rows]
     before = [(layer.matmul(x).float(), layer.swiglu(x).float()) for x in xs]
     assert layer.use_awq_tensor_cores() and layer.qweight.shape == (2 * intermediate // 16,
                                                                     k // 64, 32, 4)
