@@ -25,17 +25,18 @@ AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point
               "version": "gemm"}
 
 
-def write_quantized_model(folder, family: str, quant_config: dict, quantize, seed: int = 0):
+def write_quantized_model(folder, family: str, quant_config: dict, quantize, seed: int = 0,
+                          **dims):
     """A tiny random Llama or Qwen3 saved with its linear layers quantized: (the folder,
     transformers' model holding the dequantized weights). quantize(name, weight [out, in])
     gives the layer's checkpoint tensors (suffix -> tensor) and its dequantized weight, or None
-    to keep the layer dense."""
+    to keep the layer dense. dims: config fields other than the tiny defaults."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                  rms_norm_eps=1e-6)
+                  rms_norm_eps=1e-6) | dims
     if family == "qwen3":
         config, model_cls = Qwen3Config(head_dim=32, rope_theta=10000.0, **common), \
             Qwen3ForCausalLM
@@ -63,17 +64,18 @@ def write_quantized_model(folder, family: str, quant_config: dict, quantize, see
     return folder, model
 
 
-def write_awq_model(folder, family: str):
+def write_awq_model(folder, family: str, group: int = GROUP, **dims):
     """(echo's AWQ folder, transformers' model with the dequantized weights)."""
 
     def quantize(name, weight):
         w = weight.T.contiguous()  # AWQ multiplies x @ W with W [in, out]
-        q, z, s = quantize_rtn(w, GROUP)
-        groups = torch.arange(w.shape[0]) // GROUP
+        q, z, s = quantize_rtn(w, group)
+        groups = torch.arange(w.shape[0]) // group
         return ({"qweight": pack_awq(q), "qzeros": pack_awq(z), "scales": s},
                 ((q - z[groups]).float() * s.float()[groups]).T)
 
-    return write_quantized_model(folder, family, AWQ_CONFIG, quantize)
+    return write_quantized_model(folder, family, {**AWQ_CONFIG, "group_size": group}, quantize,
+                                 **dims)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -139,6 +141,60 @@ def test_the_tensor_core_layout_is_a_gpu_choice(awq_model, monkeypatch):
     keep AutoAWQ's layout and the tokens stay transformers'."""
     monkeypatch.setenv("ECHO_AWQ_MMA", "1")
     assert_greedy_like_transformers(*awq_model)
+
+
+def two_step_logits_against_transformers(folder, hf, device: str, dtype: str,
+                                        scale: float) -> list:
+    """PROMPTS in two steps, their first 10 tokens (27 rows), then the rest of the two longer
+    ones (92 rows): each step's logits against transformers' to within `scale` times their
+    largest. The runner's AWQ linear layers."""
+    from echo.config import EngineConfig
+    from echo.core.sched_output import CachedRequestData, SchedulerOutput
+    from echo.layers.linear import LinearBase
+    from echo.worker.model_runner import ModelRunner
+    from tests.models.test_logits_vs_transformers import BLOCK, hf_logits
+
+    config = EngineConfig.create(str(folder), device=device, dtype=dtype, block_size=BLOCK,
+                                 num_gpu_blocks_override=64, max_num_seqs=8)
+    runner = ModelRunner(config)
+    runner.init_kv_cache(64)
+    chunk = 10
+    first = echo_logits(runner, prefill_output(PROMPTS, chunk=chunk)).float().cpu()
+    ids, longer = ["r1", "r2"], PROMPTS[1:3]
+    rest = {i: len(p) - chunk for i, p in zip(ids, longer)}
+    second = echo_logits(runner, SchedulerOutput(
+        step_id=1, scheduled_cached_reqs=CachedRequestData(ids, [[], []], [chunk, chunk]),
+        num_scheduled_tokens=rest, total_num_scheduled_tokens=sum(rest.values()))).float().cpu()
+    want_first = torch.cat([hf_logits(hf, p)[:chunk] for p in PROMPTS])
+    want_second = torch.cat([hf_logits(hf, p)[chunk:] for p in longer])
+    for got, want in ((first, want_first), (second, want_second)):
+        assert got.shape == want.shape
+        tolerance = scale * want.abs().max().item()
+        torch.testing.assert_close(got, want, atol=tolerance, rtol=0)
+    return [m for m in runner.model.modules() if isinstance(m, LinearBase) and m.quant]
+
+
+def tensor_core_shaped_awq_model(folder):
+    """A Llama whose every AWQ layer the tensor-core layout takes: outputs multiples of 128,
+    groups of 64."""
+    return write_awq_model(folder, "llama", group=64, hidden_size=256, intermediate_size=512)
+
+
+def test_two_steps_of_awq_logits_on_the_cpu(tmp_path):
+    """The two-step check the GPU test below runs, on the CPU in float32 (AutoAWQ's layout)."""
+    layers = two_step_logits_against_transformers(*tensor_core_shaped_awq_model(tmp_path), "cpu",
+                                                  "float32", 1e-4)
+    assert len(layers) == 8 and not any(m.awq_repacked for m in layers)
+
+
+@pytest.mark.gpu
+def test_gpu_tensor_core_layout_logits_match_transformers(tmp_path):
+    """In fp16 on the GPU every layer repacked: 27 rows through awq_mma_gemv, 92 through
+    awq_gemm_repacked, against transformers' float32 model holding the dequantized weights (a
+    tolerance of fp16's scale, far under what a misplaced weight or input gives)."""
+    layers = two_step_logits_against_transformers(*tensor_core_shaped_awq_model(tmp_path),
+                                                  "cuda", "float16", 2e-2)
+    assert len(layers) == 8 and all(m.awq_repacked for m in layers)
 
 
 @pytest.mark.gpu
