@@ -108,12 +108,14 @@ class LinearBase(nn.Module):
 
     def use_awq_tensor_cores(self) -> bool:
         """After loading: repack an AWQ layer's qweight on a CUDA device for the tensor-core
-        kernels, where its shape allows (groups of 64 inputs or more, 128 outputs a block).
-        Whether it did."""
+        kernels, where its shape allows (groups of 64 inputs or more, 128 outputs a block) and
+        the GPU has mma_v2's bf16 m16n8k16 (compute capability 8.0, Ampere, or newer). Whether
+        it did."""
         from echo_kernels.awq_mma import CHUNK, OUTPUT_BLOCK, repack_awq
 
         group = self.quant.group_size if self.quant is not None else 0
         if (self.quant is None or self.awq_repacked or not self.qweight.is_cuda
+                or torch.cuda.get_device_capability(self.qweight.device)[0] < 8
                 or group % CHUNK or self.output_size % OUTPUT_BLOCK):
             return False
         self.qweight = nn.Parameter(repack_awq(self.qweight.data, group), requires_grad=False)
