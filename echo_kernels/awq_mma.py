@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from echo_kernels.activation import silu_and_mul
 from echo_kernels.awq import _GEMM_PROGRAMS_PER_SM, _launch_split, _num_splits, nibble_shift
@@ -285,6 +285,8 @@ def _awq_mma_kernel(
     ROWS: gl.constexpr,  # rows of x a program: 8, 16 or 32 (mma_v2's N)
     BF16: gl.constexpr,
     USE_PDL: gl.constexpr,
+    STAGES: gl.constexpr,  # 0: the next group's weights in registers; else a ring of STAGES
+    # groups in shared memory, filled by cp.async STAGES - 1 groups ahead
 ):
     BM: gl.constexpr = 16 * WARPS * TILES
     STEPS: gl.constexpr = GROUP // 16
@@ -329,15 +331,40 @@ def _awq_mma_kernel(
     first = split * groups_per_split
     end = gl.minimum(first + groups_per_split, K // GROUP)
     total = gl.zeros([BM, ROWS], gl.float32, mma)
-    words = gl.load(rq_ptr + w_offs + first * (GROUP * 2))  # weights: before the PDL wait
+    # weights before the PDL wait: the first group in registers, or the ring's first STAGES - 1
+    if STAGES > 0:
+        # a lane's words of a group contiguous (a stage's dims [tile // WARPS, warp, l, step,
+        # t], step fastest): each lane copies its own 16-byte runs and reads back only those
+        ring = gl.allocate_shared_memory(
+            gl.int32, [STAGES, TILES, WARPS, 8, STEPS, 4],
+            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[3, 4, 2, 1, 0]))
+        for stage in gl.static_range(STAGES - 1):
+            ahead = gl.minimum(first + stage, end - 1)
+            async_copy.async_copy_global_to_shared(ring.index(stage),
+                                                   rq_ptr + w_offs + ahead * (GROUP * 2))
+            async_copy.commit_group()
+        words = gl.zeros([TILES, WARPS, 8, STEPS, 4], gl.int32, w_layout)
+    else:
+        words = gl.load(rq_ptr + w_offs + first * (GROUP * 2))
     if USE_PDL:  # pdl.wait_for_inputs' wait (a triton.jit Gluon cannot call)
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
     xb = gl.load(x_ptr + x_offs + first * (GROUP // 2), mask=x_mask, other=0)
     for group in range(first, end):
-        # the next group's weights and x in flight while this one is summed
+        # the next group's x (and in registers its weights) in flight while this one is summed
         nxt = gl.minimum(group + 1, end - 1)
-        words_next = gl.load(rq_ptr + w_offs + nxt * (GROUP * 2))
+        if STAGES > 0:
+            # refill the stage the last group was read from, then wait for this group's
+            i = group - first
+            ahead = gl.minimum(group + STAGES - 1, end - 1)
+            async_copy.async_copy_global_to_shared(ring.index((i + STAGES - 1) % STAGES),
+                                                   rq_ptr + w_offs + ahead * (GROUP * 2))
+            async_copy.commit_group()
+            async_copy.wait_group(STAGES - 1)
+            words = ring.index(i % STAGES).load(w_layout)
+            words_next = words
+        else:
+            words_next = gl.load(rq_ptr + w_offs + nxt * (GROUP * 2))
         xb_next = gl.load(x_ptr + x_offs + nxt * (GROUP // 2), mask=x_mask, other=0)
         # pairs (n3, h) = (0, 0), (1, 0), (0, 1), (1, 1) at nibbles 0-3 (k0 = 0) and 4-7
         a = gl.join(gl.join(_weight_pair(words, magic, 0, BF16),
@@ -370,11 +397,14 @@ def _awq_mma_kernel(
 def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                  group_size: int, *, warps: int | None = None, tiles: int | None = None,
                  per_sm: int | None = None, rows: int | None = None,
-                 split_k: int | None = None, swiglu: bool = False) -> torch.Tensor:
+                 split_k: int | None = None, stages: int = 0,
+                 swiglu: bool = False) -> torch.Tensor:
     """x [M, K] (fp16/bf16, CUDA) @ the repacked AWQ weight [K, N] -> [M, N] in x's dtype;
     swiglu: silu(gate) * up of the product's halves, [M, N / 2]. A program takes `rows` rows
     (8, 16 or 32; each reads its weights again, from the L2 when they run together) and WARPS x
-    TILES 16-column tiles; split_k (None: enough for per_sm programs an SM) K ranges."""
+    TILES 16-column tiles; split_k (None: enough for per_sm programs an SM) K ranges; stages:
+    0 keeps the next group's weights in registers, 2 or more a ring of that many groups in
+    shared memory filled by cp.async (more bytes in flight an SM; the probe times both)."""
     m, k = x.shape
     n = rq.shape[0] * 16
     assert rq.shape[1] * CHUNK == k and x.dtype in _MAGIC
@@ -383,6 +413,7 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
     warps, tiles, per_sm = (warps or one_row[0], tiles or one_row[1], per_sm or one_row[2])
     rows = rows or (8 if m <= 16 else 32)
     assert n % (16 * warps * tiles) == 0, f"N={n} is not a multiple of {16 * warps * tiles}"
+    assert stages == 0 or stages >= 2, f"stages={stages}: 0, or a ring of 2 or more"
     groups = k // group_size
     programs = n // (16 * warps * tiles) * triton.cdiv(m, rows)
     if split_k is None:
@@ -397,7 +428,7 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
             x.view(torch.int32), rq, qzeros, scales, target, m, n, k, n // 8, x.stride(0), n,
             stride_split, per_split, _MAGIC[x.dtype], GROUP=group_size, WARPS=warps,
             TILES=tiles, ROWS=rows, BF16=x.dtype == torch.bfloat16, USE_PDL=pdl["launch_pdl"],
-            launch_pdl=pdl["launch_pdl"], num_warps=warps)
+            STAGES=stages, launch_pdl=pdl["launch_pdl"], num_warps=warps)
 
     return _launch_split(launch, num_splits, m, n, x, pdl, swiglu)
 

@@ -2,12 +2,13 @@
 # The GPU measurements behind the open acceptance points, staged so each fits one device call:
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
 # Stages: tests (or tests-kernels, then tests-rest), kernels latency batch1 offline profile
-# profile-tail serving int8-pool kv-offload kv-offload-repeat structured awq awq-mma moe
-# persistent persistent-models persistent-awq, and tp and profile-tp (two GPUs). Rough minutes on an H200:
+# profile-tail serving int8-pool kv-offload kv-offload-repeat structured awq awq-mma
+# awq-mma-steps moe persistent persistent-models persistent-awq, and tp and profile-tp (two
+# GPUs). Rough minutes on an H200:
 # tests 14 (two calls: tests-kernels 7, tests-rest 7, on a machine just started), kernels 2,
 # latency 3, batch1 4 (3.5 on an H100), offline 5, profile 5, profile-tail 2, serving 4,
-# int8-pool 2, kv-offload 7, kv-offload-repeat 3, structured 4, awq 8, awq-mma 9 (a guess: its
-# parts ran on an H100 in 2-4 minutes each), moe 6, persistent 6,
+# int8-pool 2, kv-offload 7, kv-offload-repeat 3, structured 4, awq 8, awq-mma 5 and
+# awq-mma-steps 5 (guesses: their parts ran on an H100 in 2-4 minutes each), moe 6, persistent 6,
 # persistent-models 8 and persistent-awq 8 (a guess: not yet run), tp 6 (plus start-up): pick
 # what fits the device budget. Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the
 # device tool returns few files), and the key lines are printed. Every process started here is ended here, by PID.
@@ -222,13 +223,17 @@ stage_commands() {
           --num-scheduler-steps "$2" --json "$dir/latency_$1.json" > "$dir/latency_$1.log" 2>&1
         grep -E "one-row linear|decode" "$dir/latency_$1.log" | tail -6
       done ;;
-    awq-mma)  # #30: the tensor-core AWQ layout (ECHO_AWQ_MMA, default 1): its GPU tests, its
-      # GEMM at 64-128 rows against awq_gemm and the dense weight, then Llama-3.1-8B AWQ steps
-      # at batch 1-96 and Qwen3-8B AWQ offline with it and without, alternately
+    awq-mma)  # #30: the tensor-core AWQ layout (ECHO_AWQ_MMA, default 1): its GPU tests, the
+      # GEMV's register prefetch against shared-memory rings (stages) at 1 and 4 rows, its GEMM
+      # at 64-128 rows against awq_gemm and the dense weight
       timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_awq_mma.py \
         2>&1 | tail -2
+      timeout 200 $PY tools/dev/probe_awq_mma_gemv.py --rows 1,4 --configs 4x1,4x2 --per-sm 8,4 \
+        --stages 0,3,4 2>&1 | tee "$dir/probe_awq_mma_gemv.log" | grep -E "awq_linear|mma"
       timeout 200 $PY tools/dev/probe_awq_gemm_rows.py --rows 64,128 2>&1 \
-        | tee "$dir/probe_awq_gemm_rows.log"
+        | tee "$dir/probe_awq_gemm_rows.log" ;;
+    awq-mma-steps)  # #30: Llama-3.1-8B AWQ steps at batch 1-96 and Qwen3-8B AWQ offline with
+      # the tensor-core layout and without, alternately
       local batch mma
       for batch in 1 4 16 96; do
         for mma in 0 1; do

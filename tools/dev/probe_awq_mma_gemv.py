@@ -2,6 +2,7 @@
 layer shapes, over its settings: the probe that found it (#30).
 
     python tools/dev/probe_awq_mma_gemv.py [--rows 1,4] [--configs 4x1,4x2] [--per-sm 4,8]
+        [--stages 0,3,4]
     python tools/dev/probe_awq_mma_gemv.py --sass     # CPU: compile for sm_90, count SASS
 
 GPU: CUDA graphs over weight copies beyond the L2, bf16 x, the largest error of each against
@@ -43,8 +44,10 @@ def sass() -> None:
     for warps, tiles, rows in SASS_CONFIGS:
         sig = dict(zip(names, types)) | {"GROUP": "constexpr", "WARPS": "constexpr",
                                          "TILES": "constexpr", "ROWS": "constexpr",
-                                         "BF16": "constexpr", "USE_PDL": "constexpr"}
-        consts = {(14,): 128, (15,): warps, (16,): tiles, (17,): rows, (18,): True, (19,): True}
+                                         "BF16": "constexpr", "USE_PDL": "constexpr",
+                                         "STAGES": "constexpr"}
+        consts = {(14,): 128, (15,): warps, (16,): tiles, (17,): rows, (18,): True, (19,): True,
+                  (20,): 0}
         attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11)}
         src = GluonASTSource(fn=_awq_mma_kernel, signature=sig, constexprs=consts,
                              attrs=attrs)
@@ -70,10 +73,11 @@ def sass() -> None:
               f"{dict(collections.Counter(loop).most_common(12))}")
 
 
-def time_gpu(rows: list[int], configs: list[tuple[int, int]], per_sm: list[int]) -> None:
+def time_gpu(rows: list[int], configs: list[tuple[int, int]], per_sm: list[int],
+             stages: list[int]) -> None:
     """Each shape and row count (bf16 x): awq_linear, then every (warps, tiles, rows, programs
-    an SM) of the probe, in CUDA graphs over weight copies beyond the L2, with the largest error
-    of each against the float32 reference relative to its largest value."""
+    an SM, stages) of the probe, in CUDA graphs over weight copies beyond the L2, with the
+    largest error of each against the float32 reference relative to its largest value."""
     from bench_kernels import AWQ_GROUP, AWQ_SHAPES, awq_copies, bench_graph
 
     import echo_kernels.awq as awq
@@ -93,15 +97,17 @@ def time_gpu(rows: list[int], configs: list[tuple[int, int]], per_sm: list[int])
             base_err = error(awq.awq_linear(x, *copies[0], AWQ_GROUP), ref)
             print(f"{name} {n}x{k} M={m} bf16: awq_linear {base * 1e3:.1f} us "
                   f"({nbytes / base / 1e6:.0f} GB/s, err {base_err:.1e})", flush=True)
-            for (warps, tiles), rows_a, programs in itertools.product(
-                    configs, [8] if m <= 8 else [8, 16, 32], per_sm):
+            for (warps, tiles), rows_a, programs, ring in itertools.product(
+                    configs, [8] if m <= 8 else [8, 16, 32], per_sm, stages):
                 if n % (16 * warps * tiles) or rows_a > max(m, 8):
                     continue
                 gemv = functools.partial(awq_mma_gemv, group_size=AWQ_GROUP, warps=warps,
-                                         tiles=tiles, per_sm=programs, rows=rows_a)
+                                         tiles=tiles, per_sm=programs, rows=rows_a,
+                                         stages=ring)
                 err = error(gemv(x, *repacked[0]), ref)
                 ms = bench_graph([functools.partial(gemv, x, *c) for c in repacked])
-                print(f"  mma {warps} warps x {tiles} tiles, {rows_a} rows, {programs}/SM: "
+                print(f"  mma {warps} warps x {tiles} tiles, {rows_a} rows, {programs}/SM, "
+                      f"{ring} stages: "
                       f"{ms * 1e3:.1f} us ({nbytes / ms / 1e6:.0f} GB/s, err {err:.1e})",
                       flush=True)
         del copies, repacked
@@ -114,6 +120,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
     parser.add_argument("--configs", default="4x1,4x2", help="warps x tiles, ...")
     parser.add_argument("--per-sm", default="4,8", help="programs an SM the splits aim at")
+    parser.add_argument("--stages", default="0",
+                        help="0 (the next group in registers), or shared-memory ring sizes")
     args = parser.parse_args()
     if args.sass:
         os.environ["TRITON_INTERPRET"] = "0"
@@ -121,7 +129,8 @@ def main() -> None:
     else:
         configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
         time_gpu([int(r) for r in args.rows.split(",")], configs,
-                 [int(p) for p in args.per_sm.split(",")])
+                 [int(p) for p in args.per_sm.split(",")],
+                 [int(s) for s in args.stages.split(",")])
 
 
 if __name__ == "__main__":
