@@ -24,6 +24,10 @@ sum_k (q_k - z) x_k = A / u - (1 / u + z) S, times the scale, is folded into a f
 (awq_gemv's algebra, with the products exact in the tensor core's float32). Splits of K add
 their partial sums in awq.py's split-sum launch (SwiGLU there too).
 
+A program's next group of weights waits in registers; with `stages` it comes instead through a
+ring of groups in shared memory that cp.async fills STAGES - 1 groups ahead, more bytes in
+flight an SM for fewer registers (not yet timed: the default stays the registers).
+
 Under PDL a program loads its first group's weights, then waits for the previous kernel, and
 lets the next kernel launch only after its loop. Letting it launch at the wait, as echo's
 Triton kernels do, made a Llama-3.1-8B AWQ step 3.235 ms against 2.639 (an H100; 2.946 without
