@@ -347,7 +347,6 @@ def _awq_mma_kernel(
             async_copy.async_copy_global_to_shared(ring.index(stage),
                                                    rq_ptr + w_offs + ahead * (GROUP * 2))
             async_copy.commit_group()
-        words = gl.zeros([TILES, WARPS, 8, STEPS, 4], gl.int32, w_layout)
     else:
         words = gl.load(rq_ptr + w_offs + first * (GROUP * 2))
     if USE_PDL:  # pdl.wait_for_inputs' wait (a triton.jit Gluon cannot call)
@@ -366,7 +365,6 @@ def _awq_mma_kernel(
             async_copy.commit_group()
             async_copy.wait_group(STAGES - 1)
             words = ring.index(i % STAGES).load(w_layout)
-            words_next = words
         else:
             words_next = gl.load(rq_ptr + w_offs + nxt * (GROUP * 2))
         xb_next = gl.load(x_ptr + x_offs + nxt * (GROUP // 2), mask=x_mask, other=0)
@@ -387,7 +385,8 @@ def _awq_mma_kernel(
         z = ((gl.load(qzeros_ptr + group * n_packed + cn // 8) >> z_shift) & 0xF).to(gl.float32)
         total += gl.expand_dims(s, 1) * (acc * INV_U
                                          - gl.expand_dims(INV_U + z, 1) * gl.expand_dims(x_sum, 0))
-        words = words_next
+        if STAGES == 0:
+            words = words_next
         xb = xb_next
     if USE_PDL:  # the next kernel launches now, not at the wait (module docstring)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
