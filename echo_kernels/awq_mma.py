@@ -66,10 +66,11 @@ MMA_MAX_ROWS = 64
 GEMM_MAX_ROWS = 128
 _GEMM_TILE = (128, 16, 8)  # rows, 16-column tiles, warps a program
 _MAGIC = {torch.bfloat16: 0x3F803F80, torch.float16: 0x3C003C00}  # 1.0 in both halves
-# (warps, 16-column tiles a warp, programs an SM the splits aim at): one row wanted one tile a
-# warp and ~8 programs an SM (gate_up 25.8 us, down 15.0, qkv 9.5), more rows two tiles and 4
-_ONE_ROW = (4, 1, 8)
-_ROWS = (4, 2, 4)
+# (warps, 16-column tiles a warp, programs an SM the splits aim at, stages): one row wanted one
+# tile a warp and ~8 programs an SM (gate_up 25.8 us, down 15.0, qkv 9.5), more rows two tiles
+# and 4; the weights in registers (stages 0) until the shared-memory ring is timed
+_ONE_ROW = (4, 1, 8, 0)
+_ROWS = (4, 2, 4, 0)
 _DEQUANTIZE_WARPS = 4
 
 
@@ -400,20 +401,22 @@ def _awq_mma_kernel(
 def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                  group_size: int, *, warps: int | None = None, tiles: int | None = None,
                  per_sm: int | None = None, rows: int | None = None,
-                 split_k: int | None = None, stages: int = 0,
+                 split_k: int | None = None, stages: int | None = None,
                  swiglu: bool = False) -> torch.Tensor:
     """x [M, K] (fp16/bf16, CUDA) @ the repacked AWQ weight [K, N] -> [M, N] in x's dtype;
     swiglu: silu(gate) * up of the product's halves, [M, N / 2]. A program takes `rows` rows
     (8, 16 or 32; each reads its weights again, from the L2 when they run together) and WARPS x
     TILES 16-column tiles; split_k (None: enough for per_sm programs an SM) K ranges; stages:
     0 keeps the next group's weights in registers, 2 or more a ring of that many groups in
-    shared memory filled by cp.async (more bytes in flight an SM; the probe times both)."""
+    shared memory filled by cp.async (more bytes in flight an SM; the probe times both). None:
+    the settings of _ONE_ROW or _ROWS."""
     m, k = x.shape
     n = rq.shape[0] * 16
     assert rq.shape[1] * CHUNK == k and x.dtype in _MAGIC
     assert x.stride(1) == 1 and x.stride(0) % 2 == 0 and x.data_ptr() % 16 == 0
-    one_row = _ONE_ROW if m == 1 else _ROWS
-    warps, tiles, per_sm = (warps or one_row[0], tiles or one_row[1], per_sm or one_row[2])
+    defaults = _ONE_ROW if m == 1 else _ROWS
+    warps, tiles, per_sm = (warps or defaults[0], tiles or defaults[1], per_sm or defaults[2])
+    stages = defaults[3] if stages is None else stages
     rows = rows or (8 if m <= 16 else 32)
     assert n % (16 * warps * tiles) == 0, f"N={n} is not a multiple of {16 * warps * tiles}"
     assert stages == 0 or stages >= 2, f"stages={stages}: 0, or a ring of 2 or more"
