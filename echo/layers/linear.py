@@ -131,15 +131,15 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight) if kernel is None else kernel(x, self.weight)
 
     def _awq_matmul(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
-        """The AWQ product through awq_mma_linear for a repacked layer, else the tuned awq_gemv
-        for x's rows or awq_linear; swiglu: SwiGLU of its halves, inside the kernel (off the
-        GPU after the reference)."""
+        """The AWQ product through the kernel start-up tuning gave x's rows, else awq_mma_linear
+        for a repacked layer or awq_linear; swiglu: SwiGLU of its halves, inside the kernel (off
+        the GPU after the reference)."""
         args = (self.qweight, self.qzeros, self.scales, self.quant.group_size)
-        if self.awq_repacked:
+        kernel = _tuned(self.small_m_kernels, x)
+        if kernel is None and self.awq_repacked:
             from echo_kernels.awq_mma import awq_mma_linear
 
             return awq_mma_linear(x.contiguous(), *args, swiglu=swiglu)
-        kernel = _tuned(self.small_m_kernels, x)
         if kernel is None and not x.is_cuda:
             from echo_kernels.reference import awq_linear_ref
 

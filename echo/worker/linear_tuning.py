@@ -7,7 +7,8 @@ runner measures instead of guessing: for each distinct (N, K) it times F.linear 
 tiles over all the layers of that shape (the weights a decode step really streams, past the L2)
 and gives those layers the GEMV only where it is faster by a margin. AWQ layers get the same
 treatment with awq_gemv's default tiles in cuBLAS's place and a few other tiles as the
-candidates, per (N, K, group size). Where a layer's neighbours can move into its kernel, the
+candidates, per (N, K, group size); layers repacked for the tensor cores with awq_mma_gemv's
+defaults against a few other settings. Where a layer's neighbours can move into its kernel, the
 tiles that do so are timed too: SwiGLU after gate/up, and the RMSNorm before qkv, gate/up and
 a mixture of experts' router (one rank), each against the separate launches. Every time is
 taken behind the kernel that precedes such a layer in a decode step (cuda_graph_timer's lead),
@@ -41,6 +42,10 @@ GEMV_CANDIDATES = ((8, 512, False, 4), (8, 512, True, 4), (4, 512, False, 4), (4
 # and 8-16 programs an SM (docs/benchmarks.md AWQ, 090b1e5); the default is 512, 8, 8, 3
 AWQ_GEMV_CANDIDATES = ((1024, 8, 8, 3), (512, 16, 8, 3), (1024, 16, 8, 3), (512, 8, 16, 3),
                        (1024, 8, 16, 3), (512, 16, 16, 3), (512, 8, 4, 3), (512, 8, 8, 5))
+# (warps, 16-column tiles a warp, programs an SM, stages) of awq_mma_gemv beside its default
+# (4, 1, 8, 0): the probe's next best at one row on an H100 (docs/benchmarks.md AWQ, 2026-12-06).
+# The shared-memory ring (stages > 0) joins once its GPU tests have run
+AWQ_MMA_CANDIDATES = ((4, 1, 4, 0), (4, 1, 16, 0), (4, 2, 4, 0), (4, 2, 8, 0), (8, 1, 8, 0))
 MIN_GAIN = 1.03  # a candidate must be at least 3% faster: noise must not flip a choice
 # A tile over the whole of K with prefetch loads a program's entire share of the weight before
 # the PDL wait, while the short kernel before it (a norm, the split merge, SwiGLU) still runs:
@@ -62,7 +67,7 @@ Timer = Callable[..., float]  # timer(fn, x, operands, lead="norm")
 class ShapeChoice:
     shape: tuple[int, int]  # (N, K)
     num_layers: int
-    baseline_us: float  # cuBLAS, or awq_gemv's default tiles for AWQ layers
+    baseline_us: float  # cuBLAS, or the AWQ kernel's defaults for AWQ layers
     best_us: float
     tile: tuple | None  # a candidate; None: the baseline stays
     awq_group: int | None = None  # the group size of AWQ layers
@@ -70,6 +75,7 @@ class ShapeChoice:
     swiglu: bool = False  # the tile computes SwiGLU itself (swiglu_kernels)
     normed: bool = False  # layers timed with the RMSNorm before them
     norm_inside: bool = False  # the tile computes that norm itself (normed_kernels)
+    repacked: bool = False  # AWQ layers in the tensor-core layout (awq_mma_gemv's settings)
 
     def describe(self) -> str:
         n, k = self.shape
@@ -79,8 +85,13 @@ class ShapeChoice:
         if self.normed:
             name, baseline, pick = f"norm + {name}", f"norm + {baseline}", f"norm + {pick}"
         if self.awq_group is not None:
-            name, baseline, pick = f"AWQ {n}x{k} group {self.awq_group}", "awq_gemv", "default"
-        if self.tile and self.awq_group is None:
+            kernel = "awq_mma" if self.repacked else "awq_gemv"
+            name, baseline, pick = f"AWQ {n}x{k} group {self.awq_group}", kernel, "default"
+        if self.tile and self.repacked:
+            warps, tiles, per_sm, stages = self.tile
+            pick = (f"awq_mma {warps} warps x {tiles} tiles {per_sm} programs an SM {stages} "
+                    f"stages {self.best_us:.1f} us")
+        elif self.tile and self.awq_group is None:
             block_n, block_k, prefetch, num_warps = self.tile
             pick = (f"small_m_linear {block_n}x{block_k}{' prefetch' if prefetch else ''} "
                     f"{num_warps} warps{', norm inside' if self.norm_inside else ''}"
@@ -127,6 +138,19 @@ def awq_default(x, qweight, qzeros, scales, group_size) -> torch.Tensor:
     return awq_linear(x, qweight, qzeros, scales, group_size)
 
 
+def awq_mma(warps: int, tiles: int, per_sm: int, stages: int) -> Matmul:
+    from echo_kernels.awq_mma import awq_mma_gemv
+
+    return functools.partial(awq_mma_gemv, warps=warps, tiles=tiles, per_sm=per_sm,
+                             stages=stages)
+
+
+def awq_mma_default(x, rq, qzeros, scales, group_size) -> torch.Tensor:
+    from echo_kernels.awq_mma import awq_mma_linear
+
+    return awq_mma_linear(x, rq, qzeros, scales, group_size)
+
+
 def normed_gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int,
                 swiglu: bool = False) -> Callable:
     """small_m_normed_linear with a preload tile's rows and warps (its tile covers K)."""
@@ -152,9 +176,12 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
                          awq_candidates: Sequence[tuple] = AWQ_GEMV_CANDIDATES,
                          make_awq_kernel: Callable[..., Matmul] = awq_gemv,
                          make_normed_kernel: Callable[..., Callable] = normed_gemv,
+                         mma_candidates: Sequence[tuple] = AWQ_MMA_CANDIDATES,
+                         make_mma_kernel: Callable[..., Matmul] = awq_mma,
                          ) -> list[ShapeChoice]:
     """Set `small_m_kernels[1]` on every bias-free linear layer whose shape a candidate wins
-    by MIN_GAIN over the baseline (cuBLAS; awq_linear's default for AWQ layers). Dense gate/up
+    by MIN_GAIN over the baseline (cuBLAS; awq_linear's default for AWQ layers, awq_mma_linear's
+    for those repacked for the tensor cores, against awq_mma_gemv's settings). Dense gate/up
     layers are timed with SwiGLU after them, against the same tiles with SwiGLU inside
     (`make_kernel(*tile, swiglu=True)`, to `swiglu_kernels[1]`). Dense layers of one rank that
     follow a norm (qkv, gate/up, a router: `follows_norm`) are timed with the RMSNorm before
@@ -162,19 +189,21 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
     (`make_normed_kernel(*tile, swiglu=gated)`, to `normed_kernels[1]`)."""
     by_shape: dict[tuple, list[LinearBase]] = defaultdict(list)
     for module in model.modules():
-        # (a repacked AWQ layer has one kernel: awq_mma's, with its own settings)
-        if isinstance(module, LinearBase) and module.bias is None and not module.awq_repacked:
+        if isinstance(module, LinearBase) and module.bias is None:
             dense = module.quant is None
             gated = isinstance(module, GateUpParallelLinear) and dense
             normed = dense and module.tp.size == 1 and module.follows_norm
-            by_shape[(*_shape(module), gated, normed)].append(module)
+            by_shape[(*_shape(module), gated, normed, module.awq_repacked)].append(module)
     choices = []
-    for (n, k, group, gated, normed), layers in by_shape.items():
+    for (n, k, group, gated, normed, repacked), layers in by_shape.items():
         operands = [_operands(layer) for layer in layers]
         like = operands[0][0] if group is None else operands[0][2]  # weight or scales
         x = torch.randn(1, k, dtype=like.dtype, device=like.device)
         if group is None:
             baseline, tiles, make = F.linear, candidates(k), make_kernel
+        elif repacked:  # a program's columns must divide N
+            baseline, make = awq_mma_default, make_mma_kernel
+            tiles = [tile for tile in mma_candidates if n % (16 * tile[0] * tile[1]) == 0]
         else:  # awq_gemv's block_k must divide the group
             baseline, make = awq_default, make_awq_kernel
             tiles = [tile for tile in awq_candidates if group % tile[1] == 0]
@@ -205,7 +234,7 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
         choices.append(ShapeChoice((n, k), len(layers), baseline_us,
                                    best_us if best else baseline_us, best and best.tile, group,
                                    gated, bool(best and best.swiglu), normed,
-                                   bool(best and best.normed)))
+                                   bool(best and best.normed), repacked))
     return choices
 
 
@@ -248,7 +277,9 @@ def _shape(layer: LinearBase) -> tuple[int, int, int | None]:
     """(N, K, the AWQ group size or None)."""
     if layer.quant is None:
         return (*layer.weight.shape, None)
-    return layer.scales.shape[1], layer.qweight.shape[0], layer.quant.group_size
+    # AutoAWQ's qweight [K, N / 8]; the tensor-core layout's [N / 16, K / 64, 32, 4]
+    k = layer.qweight.shape[1] * 64 if layer.awq_repacked else layer.qweight.shape[0]
+    return layer.scales.shape[1], k, layer.quant.group_size
 
 
 def _operands(layer: LinearBase) -> Operands:

@@ -56,9 +56,12 @@ def fake_timer(times):
     seen = []
 
     def timer(fn, x, operands, lead="norm"):
-        weight = operands[0][0]  # the weight [N, K], or AWQ's qweight [K, N / 8]
+        # the weight [N, K], AWQ's qweight [K, N / 8] or the tensor cores' [N/16, K/64, 32, 4]
+        weight = operands[0][0]
         seen.append((tuple(weight.shape), len(operands)))
-        assert x.shape == (1, weight.shape[1] if len(operands[0]) == 1 else weight.shape[0])
+        k = (weight.shape[1] if len(operands[0]) == 1 else
+             weight.shape[1] * 64 if weight.dim() == 4 else weight.shape[0])
+        assert x.shape == (1, k)
         around = []
         while isinstance(fn, functools.partial):
             around.append(fn.func.__name__)
@@ -242,6 +245,52 @@ def test_awq_gate_up_swiglu_runs_in_the_tuned_kernel():
     one, two = torch.randn(1, 32), torch.randn(2, 32)
     assert torch.allclose(layer.swiglu(one), silu_and_mul(awq_linear_ref(one, *args)) + 2000.0)
     assert torch.allclose(layer.swiglu(two), silu_and_mul(awq_linear_ref(two, *args)))
+
+
+def test_repacked_awq_layers_take_faster_tensor_core_settings_by_shape():
+    """Layers in the tensor-core layout (repacked here on the CPU, as use_awq_tensor_cores does
+    on a GPU) are timed against awq_mma_linear's default, over the settings whose columns a
+    program divide N; the winner runs one-row inputs, other rows the default path."""
+    from echo_kernels.awq_mma import awq_dequantize_repacked, repack_awq
+
+    group = AwqConfig(group_size=64)
+    layers = {n: ColumnParallelLinear(128, n, quant=group) for n in (128, 256)}
+    original = {}
+    for seed, (n, layer) in enumerate(layers.items()):
+        qweight, qzeros, scales = awq_tensors(128, n, 64, "cpu", seed)
+        original[n] = (qweight, qzeros, scales.float(), 64)
+        layer.qweight = torch.nn.Parameter(repack_awq(qweight, 64), requires_grad=False)
+        layer.qzeros.data, layer.scales.data = qzeros, scales.float()
+        layer.awq_repacked = True
+    net = torch.nn.ModuleDict({str(n): layer for n, layer in layers.items()})
+
+    def mma_kernel_for(*tile):
+        def kernel(x, rq, qzeros, scales, group_size, swiglu=False):
+            dense = awq_dequantize_repacked(rq, qzeros, scales, group_size, x.dtype)
+            return x @ dense.t() + 1000.0
+
+        kernel.tile = tile
+        return kernel
+
+    small, wide = (4, 1, 4, 0), (4, 4, 8, 0)  # 256 columns a program: N = 128 cannot take it
+    # keyed by the repacked qweight's shape [N / 16, K / 64, 32, 4]
+    times = {((8, 2, 32, 4), "cublas"): 10.0, ((8, 2, 32, 4), small): 10.0 / 1.02,
+             ((16, 2, 32, 4), "cublas"): 10.0, ((16, 2, 32, 4), small): 9.5,
+             ((16, 2, 32, 4), wide): 8.0}
+    timer, _ = fake_timer(times)
+    choices = tune_one_row_linears(net, timer, mma_candidates=[small, wide],
+                                   make_mma_kernel=mma_kernel_for)
+    by_shape = {c.shape: c for c in choices}
+    assert by_shape[(128, 128)].tile is None  # 2% faster: the default stays
+    won = by_shape[(256, 128)]
+    assert won.repacked and won.tile == wide and won.best_us == 8.0
+    assert "AWQ 256x128 group 64 (1 layers): awq_mma 10.0 us -> awq_mma 4 warps x 4 tiles 8 " \
+        "programs an SM 0 stages 8.0 us" in won.describe()
+    one, two = torch.randn(1, 128), torch.randn(2, 128)
+    torch.testing.assert_close(layers[256](one), awq_linear_ref(one, *original[256]) + 1000.0)
+    for n in (128, 256):  # two rows, and the untuned shape: the repacked layout's default path
+        torch.testing.assert_close(layers[n](two), awq_linear_ref(two, *original[n]))
+    assert layers[128].small_m_kernels == {}
 
 
 @pytest.mark.gpu
