@@ -343,10 +343,12 @@ def _awq_mma_kernel(
         ring = gl.allocate_shared_memory(
             gl.int32, [STAGES, TILES, WARPS, 8, STEPS, 4],
             gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[3, 4, 2, 1, 0]))
+        # (copies past the split's last group are predicated off: no traffic, an empty group)
         for stage in gl.static_range(STAGES - 1):
-            ahead = gl.minimum(first + stage, end - 1)
-            async_copy.async_copy_global_to_shared(ring.index(stage),
-                                                   rq_ptr + w_offs + ahead * (GROUP * 2))
+            ahead = first + stage
+            async_copy.async_copy_global_to_shared(
+                ring.index(stage), rq_ptr + w_offs + gl.minimum(ahead, end - 1) * (GROUP * 2),
+                mask=w_offs * 0 + ahead < end)
             async_copy.commit_group()
     else:
         words = gl.load(rq_ptr + w_offs + first * (GROUP * 2))
@@ -360,9 +362,11 @@ def _awq_mma_kernel(
         if STAGES > 0:
             # refill the stage the last group was read from, then wait for this group's
             i = group - first
-            ahead = gl.minimum(group + STAGES - 1, end - 1)
-            async_copy.async_copy_global_to_shared(ring.index((i + STAGES - 1) % STAGES),
-                                                   rq_ptr + w_offs + ahead * (GROUP * 2))
+            ahead = group + STAGES - 1
+            async_copy.async_copy_global_to_shared(
+                ring.index((i + STAGES - 1) % STAGES),
+                rq_ptr + w_offs + gl.minimum(ahead, end - 1) * (GROUP * 2),
+                mask=w_offs * 0 + ahead < end)
             async_copy.commit_group()
             async_copy.wait_group(STAGES - 1)
             words = ring.index(i % STAGES).load(w_layout)
