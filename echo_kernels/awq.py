@@ -307,6 +307,19 @@ def _awq_gemv_kernel(
                  mask=(cols < N) & (row + 1 < M))
 
 
+@triton.jit
+def gemm_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of this program: programs in runs of GROUP_M row tiles down each
+    column of tiles, so that consecutive programs reuse one weight tile (dequantized again by
+    each, but read from memory once)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    per_run = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = pid // per_run * GROUP_M
+    run_rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + pid % per_run % run_rows, pid % per_run // run_rows
+
+
 # NOTE: M is the batch's token count; left to specialise (M == 1, M % 16 == 0) a prefill of a new
 # length could compile the kernel again mid-serving. Its value only bounds masks
 @triton.jit(do_not_specialize=["M"])
@@ -334,15 +347,7 @@ def _awq_gemm_kernel(
 ):
     wait_for_inputs(USE_PDL)
     PACKS: tl.constexpr = BLOCK_N // 8
-    # programs in runs of GROUP_M row tiles down each column of tiles: consecutive programs
-    # reuse one weight tile (dequantized again by each, but read from memory once)
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    per_run = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = pid // per_run * GROUP_M
-    run_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + pid % per_run % run_rows
-    pid_n = pid % per_run // run_rows
+    pid_m, pid_n = gemm_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     shifts = _nibble_shifts()
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M

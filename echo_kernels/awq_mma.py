@@ -49,7 +49,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from echo_kernels.activation import silu_and_mul
-from echo_kernels.awq import _GEMM_PROGRAMS_PER_SM, _launch_split, _num_splits, nibble_shift
+from echo_kernels.awq import (
+    _GEMM_PROGRAMS_PER_SM,
+    _launch_split,
+    _num_splits,
+    gemm_tile,
+    nibble_shift,
+)
 from echo_kernels.device import sm_count
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 from echo_kernels.reference import awq_unpack_ref
@@ -184,14 +190,7 @@ def _awq_gemm_repacked_kernel(
 ):
     wait_for_inputs(USE_PDL)
     BLOCK_N: tl.constexpr = 16 * TILES
-    # as awq._awq_gemm_kernel: runs of GROUP_M row tiles down each column of tiles
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    per_run = GROUP_M * (N // BLOCK_N)
-    first_m = pid // per_run * GROUP_M
-    run_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + pid % per_run % run_rows
-    pid_n = pid % per_run // run_rows
+    pid_m, pid_n = gemm_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     split = tl.program_id(1)

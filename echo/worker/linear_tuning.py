@@ -277,9 +277,9 @@ def _shape(layer: LinearBase) -> tuple[int, int, int | None]:
     """(N, K, the AWQ group size or None)."""
     if layer.quant is None:
         return (*layer.weight.shape, None)
-    # AutoAWQ's qweight [K, N / 8]; the tensor-core layout's [N / 16, K / 64, 32, 4]
-    k = layer.qweight.shape[1] * 64 if layer.awq_repacked else layer.qweight.shape[0]
-    return layer.scales.shape[1], k, layer.quant.group_size
+    # from the zeros [K / group, N / 8], whichever layout qweight is in
+    group = layer.quant.group_size
+    return layer.scales.shape[1], layer.qzeros.shape[0] * group, group
 
 
 def _operands(layer: LinearBase) -> Operands:
