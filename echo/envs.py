@@ -138,6 +138,13 @@ def awq_tensor_cores() -> bool:
     return os.environ.get("ECHO_AWQ_MMA", "1") == "1"
 
 
+def awq_sum_inside() -> bool:
+    """The tensor-core AWQ GEMV adds its splits' partial sums in its own launch, the last split
+    of a column block to finish doing it, instead of a second launch (ECHO_AWQ_SUM_INSIDE,
+    default 0 until timed)."""
+    return os.environ.get("ECHO_AWQ_SUM_INSIDE", "0") == "1"
+
+
 def api_key() -> str | None:
     """The key `echo serve` requires when --api-key is not given (ECHO_API_KEY)."""
     return os.environ.get("ECHO_API_KEY") or None

@@ -274,7 +274,46 @@ def _x_layout(rows, group, warps):
         warp_bases=[[0, 0, 0] for _ in bits(warps)], block_bases=[], shape=[rows, 4, group // 8])
 
 
-@gluon.jit(do_not_specialize=["M", "groups_per_split"])
+@gluon.constexpr_function
+def _sum_rows(splits, bm):
+    """Rows _sum_splits adds at a time: up to 1,024 partials, 8 registers a thread at 4 warps
+    (awq_mma's loop needs 64)."""
+    return max(1, min(8, 1024 // (splits * bm)))
+
+
+@gluon.jit
+def _sum_splits(partial_ptr, out_ptr, row0, rows, col0, N, stride_os, num_splits,
+                SPLITS: gl.constexpr, BM: gl.constexpr, WARPS: gl.constexpr,
+                SWIGLU: gl.constexpr):
+    """out[row0 + r, col0 + c] = the sum in split order of the partials [num_splits, M, N]
+    (r < rows, c < BM); SWIGLU: silu(gate) * up, gate at column col0 + c and up N / 2 further,
+    out [M, N / 2], gate and up rounded to out's dtype first as awq.py's split sum does. A few
+    rows at a time, every split's partials of them loaded at once (one memory latency)."""
+    R: gl.constexpr = _sum_rows(SPLITS, BM)
+    layout: gl.constexpr = gl.BlockedLayout([SPLITS, 1, 1], [1, 1, 32], [1, 1, WARPS],
+                                            [2, 1, 0])
+    out_layout: gl.constexpr = gl.SliceLayout(0, layout)  # [R, BM] after the sum
+    r = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(1, out_layout)), 1)
+    c = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout)), 0)
+    s = gl.expand_dims(gl.expand_dims(
+        gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout))), 1), 2)
+    dtype: gl.constexpr = out_ptr.dtype.element_ty
+    width = N // 2 if SWIGLU else N
+    for r0 in range(0, rows, R):
+        row_ok = r0 + r < rows
+        ok = (s < num_splits) & gl.expand_dims(row_ok, 0)
+        src = (partial_ptr + s.to(gl.int64) * stride_os
+               + gl.expand_dims((row0 + r0 + r) * N + col0 + c, 0))
+        total = gl.sum(gl.load(src, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+        if SWIGLU:
+            up = gl.sum(gl.load(src + N // 2, mask=ok, other=0.0, cache_modifier=".cg"),
+                        axis=0).to(dtype).to(gl.float32)
+            gate = total.to(dtype).to(gl.float32)
+            act = (gate / (1.0 + gl.exp2(-gate * 1.4426950408889634))).to(dtype)
+            total = act.to(gl.float32) * up
+        gl.store(out_ptr + (row0 + r0 + r) * width + col0 + c, total.to(dtype), mask=row_ok)
+
+@gluon.jit(do_not_specialize=["M", "groups_per_split", "num_splits"])
 def _awq_mma_kernel(
     x_ptr,  # [M, K] as int32 pairs of halves
     rq_ptr,  # [N / 16, K / 64, 32, 4] int32
@@ -283,6 +322,9 @@ def _awq_mma_kernel(
     out_ptr,  # [M, N] in x's dtype, or [num_splits, M, N] float32 partial sums
     M, N, K, n_packed, stride_xm, stride_om, stride_os, groups_per_split,
     magic,  # 1.0 in both halves of an int32 (_MAGIC)
+    arrivals_ptr,  # SUM_SPLITS: int32 arrival counts, zero, and zero again when it returns
+    sum_ptr,  # SUM_SPLITS: [M, N] (or [M, N / 2] with SWIGLU) in x's dtype
+    num_splits,
     GROUP: gl.constexpr,  # a multiple of 64
     WARPS: gl.constexpr,
     TILES: gl.constexpr,  # 16-column tiles a warp
@@ -291,6 +333,9 @@ def _awq_mma_kernel(
     USE_PDL: gl.constexpr,
     STAGES: gl.constexpr,  # 0: the next group's weights in registers; else a ring of STAGES
     # groups in shared memory, filled by cp.async STAGES - 1 groups ahead
+    SUM_SPLITS: gl.constexpr,  # 0, or num_splits rounded up to a power of two: the last
+    # split of a column block to finish adds the partial sums (no split-sum launch)
+    SWIGLU: gl.constexpr,  # with SUM_SPLITS: store silu(gate) * up of the product's halves
 ):
     BM: gl.constexpr = 16 * WARPS * TILES
     STEPS: gl.constexpr = GROUP // 16
@@ -399,20 +444,46 @@ def _awq_mma_kernel(
            + gl.expand_dims(cn, 1))
     gl.store(out, total.to(out_ptr.dtype.element_ty),
              mask=(gl.expand_dims(cm, 0) < rows) & (gl.expand_dims(cn, 1) < N))
+    if SUM_SPLITS > 0:
+        # column blocks b and b + blocks / 2 hold SwiGLU's gate and up of the same outputs:
+        # they count as one
+        blocks = gl.num_programs(0) // 2 if SWIGLU else gl.num_programs(0)
+        counter = arrivals_ptr + gl.program_id(2) * blocks + pid_n % blocks
+        gl.thread_barrier()  # every thread's stores before the arrival (the atomic releases them)
+        arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == (2 * num_splits if SWIGLU else num_splits) - 1:
+            gl.store(counter, 0)  # for the next launch: nobody else counts here in this one
+            _sum_splits(out_ptr, sum_ptr, row0, gl.minimum(rows, ROWS), (pid_n % blocks) * BM,
+                        N, stride_os, num_splits, SUM_SPLITS, BM, WARPS, SWIGLU)
+
+
+def _registers(warps: int, per_sm: int) -> int:
+    """A thread's registers at which per_sm programs fit an SM's 64K, but not below the 64 the
+    one-row loop takes: the sum of the splits would otherwise take 72-80 (offline sm_90) and
+    leave one program of eight out of the first wave."""
+    return max(64, 65536 // (32 * warps * per_sm) // 8 * 8)
+
+
+def arrival_counts(n: int, device: torch.device) -> torch.Tensor:
+    """Zeroed arrival counts for awq_mma_gemv of an N-column weight at any setting and up to
+    MMA_MAX_ROWS rows: a layer holds one (a count per column block and row block)."""
+    return torch.zeros(n // 16 * triton.cdiv(MMA_MAX_ROWS, 8), dtype=torch.int32, device=device)
 
 
 def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                 group_size: int, *, warps: int | None = None, tiles: int | None = None,
-                 per_sm: int | None = None, rows: int | None = None,
-                 split_k: int | None = None, stages: int | None = None,
-                 swiglu: bool = False) -> torch.Tensor:
+                 group_size: int, arrivals: torch.Tensor | None = None, *,
+                 warps: int | None = None, tiles: int | None = None, per_sm: int | None = None,
+                 rows: int | None = None, split_k: int | None = None,
+                 stages: int | None = None, swiglu: bool = False) -> torch.Tensor:
     """x [M, K] (fp16/bf16, CUDA) @ the repacked AWQ weight [K, N] -> [M, N] in x's dtype;
     swiglu: silu(gate) * up of the product's halves, [M, N / 2]. A program takes `rows` rows
     (8, 16 or 32; each reads its weights again, from the L2 when they run together) and WARPS x
     TILES 16-column tiles; split_k (None: enough for per_sm programs an SM) K ranges; stages:
     0 keeps the next group's weights in registers, 2 or more a ring of that many groups in
     shared memory filled by cp.async (more bytes in flight an SM; the probe times both). None:
-    the settings of _ONE_ROW or _ROWS."""
+    the settings of _ONE_ROW or _ROWS. arrivals (arrival_counts(N), zero between calls, as each
+    call leaves it): the last split of a column block to finish adds the splits' partial sums,
+    instead of a second launch."""
     m, k = x.shape
     n = rq.shape[0] * 16
     assert rq.shape[1] * CHUNK == k and x.dtype in _MAGIC
@@ -431,15 +502,29 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
     num_splits = triton.cdiv(groups, per_split)
 
     pdl = pdl_options(x.device)
+    block = 16 * warps * tiles
+    fused = arrivals is not None and num_splits > 1
+    if fused:
+        assert not swiglu or n // 2 % block == 0, f"N / 2={n // 2} splits a {block}-column block"
+        counts = n // block // (2 if swiglu else 1) * triton.cdiv(m, rows)
+        assert arrivals.dtype == torch.int32 and arrivals.numel() >= counts, \
+            f"arrivals: {counts} int32 counts needed, got {arrivals.numel()} {arrivals.dtype}"
 
-    def launch(target: torch.Tensor, stride_split: int) -> None:
-        _awq_mma_kernel[(n // (16 * warps * tiles), num_splits, triton.cdiv(m, rows))](
+    def launch(target: torch.Tensor, stride_split: int, total: torch.Tensor | None = None):
+        _awq_mma_kernel[(n // block, num_splits, triton.cdiv(m, rows))](
             x.view(torch.int32), rq, qzeros, scales, target, m, n, k, n // 8, x.stride(0), n,
-            stride_split, per_split, _MAGIC[x.dtype], GROUP=group_size, WARPS=warps,
+            stride_split, per_split, _MAGIC[x.dtype], rq if arrivals is None else arrivals,
+            target if total is None else total, num_splits, GROUP=group_size, WARPS=warps,
             TILES=tiles, ROWS=rows, BF16=x.dtype == torch.bfloat16, USE_PDL=pdl["launch_pdl"],
-            STAGES=stages, launch_pdl=pdl["launch_pdl"], num_warps=warps)
+            STAGES=stages, SUM_SPLITS=triton.next_power_of_2(num_splits) if fused else 0,
+            SWIGLU=swiglu, launch_pdl=pdl["launch_pdl"], num_warps=warps,
+            maxnreg=_registers(warps, per_sm) if fused else None)
 
-    return _launch_split(launch, num_splits, m, n, x, pdl, swiglu)
+    if not fused:
+        return _launch_split(launch, num_splits, m, n, x, pdl, swiglu)
+    total = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
+    launch(torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device), m * n, total)
+    return total
 
 
 def awq_gemm_repacked(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor,
@@ -471,12 +556,13 @@ def awq_gemm_repacked(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor,
 
 
 def awq_mma_linear(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor,
-                   scales: torch.Tensor, group_size: int, swiglu: bool = False) -> torch.Tensor:
+                   scales: torch.Tensor, group_size: int, arrivals: torch.Tensor | None = None,
+                   swiglu: bool = False) -> torch.Tensor:
     """awq_linear for the repacked weight, fp16/bf16: the tensor-core GEMV up to MMA_MAX_ROWS
-    rows, awq_gemm_repacked up to GEMM_MAX_ROWS; past that (float32 x too) the dense weight
-    (awq_dequantize_repacked) and cuBLAS."""
+    rows (arrivals as there), awq_gemm_repacked up to GEMM_MAX_ROWS; past that (float32 x too)
+    the dense weight (awq_dequantize_repacked) and cuBLAS."""
     if x.shape[0] <= MMA_MAX_ROWS and x.dtype in _MAGIC:
-        return awq_mma_gemv(x, rq, qzeros, scales, group_size, swiglu=swiglu)
+        return awq_mma_gemv(x, rq, qzeros, scales, group_size, arrivals, swiglu=swiglu)
     if x.shape[0] <= GEMM_MAX_ROWS and x.dtype in _MAGIC:
         return awq_gemm_repacked(x, rq, qzeros, scales, group_size, swiglu=swiglu)
     y = x @ awq_dequantize_repacked(rq, qzeros, scales, group_size, x.dtype).t()

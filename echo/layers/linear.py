@@ -48,6 +48,8 @@ class LinearBase(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.quant = quant
         self.awq_repacked = False  # qweight in awq_mma's layout (use_awq_tensor_cores)
+        # with it, zeroed arrival counts: awq_mma_gemv's splits add their sums in its launch
+        self.register_buffer("awq_arrivals", None, persistent=False)
         if quant is None:
             self.weight = self._param((output_size, input_size), torch.get_default_dtype(),
                                       output_dim=0, input_dim=1)
@@ -106,12 +108,12 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy_checked(param.data, loaded)
 
-    def use_awq_tensor_cores(self) -> bool:
+    def use_awq_tensor_cores(self, sum_inside: bool = True) -> bool:
         """After loading: repack an AWQ layer's qweight on a CUDA device for the tensor-core
         kernels, where its shape allows (groups of 64 inputs or more, 128 outputs a block) and
         the GPU has mma_v2's bf16 m16n8k16 (compute capability 8.0, Ampere, or newer). Whether
-        it did."""
-        from echo_kernels.awq_mma import CHUNK, OUTPUT_BLOCK, repack_awq
+        it did. sum_inside: the GEMV's splits add their sums in its launch (arrival counts)."""
+        from echo_kernels.awq_mma import CHUNK, OUTPUT_BLOCK, arrival_counts, repack_awq
 
         group = self.quant.group_size if self.quant is not None else 0
         if (self.quant is None or self.awq_repacked or not self.qweight.is_cuda
@@ -119,6 +121,8 @@ class LinearBase(nn.Module):
                 or group % CHUNK or self.output_size % OUTPUT_BLOCK):
             return False
         self.qweight = nn.Parameter(repack_awq(self.qweight.data, group), requires_grad=False)
+        if sum_inside:
+            self.awq_arrivals = arrival_counts(self.output_size, self.qweight.device)
         self.awq_repacked = True
         return True
 
@@ -134,7 +138,7 @@ class LinearBase(nn.Module):
         """The AWQ product through the kernel start-up tuning gave x's rows, else awq_mma_linear
         for a repacked layer or awq_linear; swiglu: SwiGLU of its halves, inside the kernel (off
         the GPU after the reference)."""
-        args = (self.qweight, self.qzeros, self.scales, self.quant.group_size)
+        args = self.awq_operands()
         kernel = _tuned(self.small_m_kernels, x)
         if kernel is None and self.awq_repacked:
             from echo_kernels.awq_mma import awq_mma_linear
@@ -148,6 +152,12 @@ class LinearBase(nn.Module):
         if kernel is None:
             from echo_kernels import awq_linear as kernel
         return kernel(x.contiguous(), *args, swiglu=swiglu)
+
+    def awq_operands(self) -> tuple:
+        """An AWQ kernel's arguments after x: (qweight, qzeros, scales, group_size), and the
+        arrival counts when repacked."""
+        operands = (self.qweight, self.qzeros, self.scales, self.quant.group_size)
+        return (*operands, self.awq_arrivals) if self.awq_repacked else operands
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None:

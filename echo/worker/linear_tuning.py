@@ -145,10 +145,10 @@ def awq_mma(warps: int, tiles: int, per_sm: int, stages: int) -> Matmul:
                              stages=stages)
 
 
-def awq_mma_default(x, rq, qzeros, scales, group_size) -> torch.Tensor:
+def awq_mma_default(x, rq, qzeros, scales, group_size, arrivals=None) -> torch.Tensor:
     from echo_kernels.awq_mma import awq_mma_linear
 
-    return awq_mma_linear(x, rq, qzeros, scales, group_size)
+    return awq_mma_linear(x, rq, qzeros, scales, group_size, arrivals)
 
 
 def normed_gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int,
@@ -285,7 +285,7 @@ def _shape(layer: LinearBase) -> tuple[int, int, int | None]:
 def _operands(layer: LinearBase) -> Operands:
     if layer.quant is None:
         return (layer.weight,)
-    return layer.qweight, layer.qzeros, layer.scales, layer.quant.group_size
+    return layer.awq_operands()
 
 
 def cuda_graph_timer(fn: Matmul, x: torch.Tensor, operands: list[Operands],

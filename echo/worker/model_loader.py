@@ -137,7 +137,7 @@ def build_model(config: ModelConfig, device: torch.device, tp: TPGroup = SINGLE,
     if config.arch.quantization is not None and awq_tensor_cores and envs.awq_tensor_cores():
         for module in model.modules():
             if isinstance(module, LinearBase):
-                module.use_awq_tensor_cores()
+                module.use_awq_tensor_cores(envs.awq_sum_inside())
     return model.eval()
 
 

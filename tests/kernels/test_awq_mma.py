@@ -2,6 +2,8 @@
 definition, the dequantization from it against the reference (CPU: the interpreter), and the
 Gluon GEMV against the reference (GPU only: Gluon has no interpreter)."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,7 @@ from echo.layers.quantization import AwqConfig
 from echo_kernels.awq_mma import (
     GEMM_MAX_ROWS,
     MMA_MAX_ROWS,
+    arrival_counts,
     awq_dequantize_repacked,
     awq_gemm_repacked,
     awq_mma_gemv,
@@ -128,6 +131,34 @@ def test_mma_gemv_knobs_and_swiglu(options):
     gate, up = ref.chunk(2, dim=-1)
     want = F.silu(gate) * up
     torch.testing.assert_close(glu.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("m,options", [(1, dict(split_k=3)), (5, dict(split_k=4, tiles=2)),
+                                       (13, dict(split_k=2, stages=3)),
+                                       (40, dict(split_k=4, rows=32))])
+def test_mma_gemv_sums_its_splits_inside(m, options, swiglu):
+    """With arrival counts the last split of a column block adds the partial sums (SwiGLU
+    too): the reference's values, the same as the split-sum launch's up to rounding, the same
+    again on a second call (the counts are left zero, and the sum's order is fixed)."""
+    k, n, group_size = 512, 512, 64
+    qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda", seed=m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    rq = repack_awq(qweight, group_size)
+    arrivals = arrival_counts(n, x.device)
+    ref = awq_linear_ref(x.float(), qweight, qzeros, scales, group_size)
+    if swiglu:
+        gate, up = ref.chunk(2, dim=-1)
+        ref = F.silu(gate) * up
+    run = functools.partial(awq_mma_gemv, x, rq, qzeros, scales, group_size, swiglu=swiglu,
+                            **options)
+    fused = run(arrivals=arrivals)
+    tol = 2e-2 if swiglu else 8e-3
+    torch.testing.assert_close(fused.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    torch.testing.assert_close(fused, run())
+    assert not arrivals.any()
+    assert torch.equal(run(arrivals=arrivals), fused)
 
 
 @pytest.mark.gpu

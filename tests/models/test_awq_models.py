@@ -188,13 +188,17 @@ def test_two_steps_of_awq_logits_on_the_cpu(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_tensor_core_layout_logits_match_transformers(tmp_path):
-    """In fp16 on the GPU every layer repacked: 27 rows through awq_mma_gemv, 92 through
+@pytest.mark.parametrize("sum_inside", ["0", "1"])
+def test_gpu_tensor_core_layout_logits_match_transformers(tmp_path, monkeypatch, sum_inside):
+    """In fp16 on the GPU every layer repacked: 27 rows through awq_mma_gemv (its splits
+    summed by a second launch, or inside it: ECHO_AWQ_SUM_INSIDE), 92 through
     awq_gemm_repacked, against transformers' float32 model holding the dequantized weights (a
     tolerance of fp16's scale, far under what a misplaced weight or input gives)."""
+    monkeypatch.setenv("ECHO_AWQ_SUM_INSIDE", sum_inside)
     layers = two_step_logits_against_transformers(*tensor_core_shaped_awq_model(tmp_path),
                                                   "cuda", "float16", 2e-2)
     assert len(layers) == 8 and all(m.awq_repacked for m in layers)
+    assert all((m.awq_arrivals is not None) == (sum_inside == "1") for m in layers)
 
 
 @pytest.mark.gpu

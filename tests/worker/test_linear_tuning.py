@@ -265,7 +265,7 @@ def test_repacked_awq_layers_take_faster_tensor_core_settings_by_shape():
     net = torch.nn.ModuleDict({str(n): layer for n, layer in layers.items()})
 
     def mma_kernel_for(*tile):
-        def kernel(x, rq, qzeros, scales, group_size, swiglu=False):
+        def kernel(x, rq, qzeros, scales, group_size, arrivals=None, swiglu=False):
             dense = awq_dequantize_repacked(rq, qzeros, scales, group_size, x.dtype)
             return x @ dense.t() + 1000.0
 

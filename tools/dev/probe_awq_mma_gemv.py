@@ -24,9 +24,14 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from echo_kernels.awq_mma import _awq_mma_kernel, awq_mma_gemv, repack_awq  # noqa: E402
+from echo_kernels.awq_mma import (  # noqa: E402
+    _awq_mma_kernel,
+    arrival_counts,
+    awq_mma_gemv,
+    repack_awq,
+)
 
-SASS_CONFIGS = [(4, 1, 8), (4, 2, 8), (4, 4, 8), (4, 1, 16), (4, 2, 16), (4, 1, 32)]
+SASS_CONFIGS = [(4, 1, 8), (4, 2, 8), (4, 2, 32)]
 
 
 def sass() -> None:
@@ -38,17 +43,19 @@ def sass() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     names = ["x_ptr", "rq_ptr", "qzeros_ptr", "scales_ptr", "out_ptr", "M", "N", "K", "n_packed",
-             "stride_xm", "stride_om", "stride_os", "groups_per_split", "magic"]
-    types = ["*i32", "*i32", "*i32", "*fp16", "*fp32"] + ["i32"] * 9
+             "stride_xm", "stride_om", "stride_os", "groups_per_split", "magic", "arrivals_ptr",
+             "sum_ptr", "num_splits"]
+    types = ["*i32", "*i32", "*i32", "*fp16", "*fp32"] + ["i32"] * 9 + ["*i32", "*fp16", "i32"]
     bin_dir = Path(triton.__file__).parent / "backends/nvidia/bin"
-    for warps, tiles, rows in SASS_CONFIGS:
-        sig = dict(zip(names, types)) | {"GROUP": "constexpr", "WARPS": "constexpr",
-                                         "TILES": "constexpr", "ROWS": "constexpr",
-                                         "BF16": "constexpr", "USE_PDL": "constexpr",
-                                         "STAGES": "constexpr"}
-        consts = {(14,): 128, (15,): warps, (16,): tiles, (17,): rows, (18,): True, (19,): True,
-                  (20,): 0}
-        attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11)}
+    for (warps, tiles, rows), (splits, swiglu) in itertools.product(
+            SASS_CONFIGS, [(0, False), (16, False), (16, True)]):
+        sig = dict(zip(names, types)) | {name: "constexpr" for name in (
+            "GROUP", "WARPS", "TILES", "ROWS", "BF16", "USE_PDL", "STAGES", "SUM_SPLITS",
+            "SWIGLU")}
+        consts = {(17,): 128, (18,): warps, (19,): tiles, (20,): rows, (21,): True, (22,): True,
+                  (23,): 0, (24,): splits, (25,): swiglu}
+        attrs = {(i,): [["tt.divisibility", 16]]
+                 for i in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15)}
         src = GluonASTSource(fn=_awq_mma_kernel, signature=sig, constexprs=consts,
                              attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -61,20 +68,22 @@ def sass() -> None:
         text = subprocess.run([bin_dir / "cuobjdump", "-sass", path], capture_output=True,
                               text=True).stdout
         lines = re.findall(r"/\*([0-9a-f]{4})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*)", text)
-        # the loop: from the target of the last backward branch to that branch
-        branch = max(i for i, (_, _, op, rest) in enumerate(lines)
-                     if op == "BRA" and int(rest.split()[0], 16) < int(lines[i][0], 16))
+        # the loop: the longest from a backward branch's target to that branch
+        branch = max((i for i, (_, _, op, rest) in enumerate(lines)
+                      if op == "BRA" and int(rest.split()[0], 16) < int(lines[i][0], 16)),
+                     key=lambda i: int(lines[i][0], 16) - int(lines[i][3].split()[0], 16))
         start = int(lines[branch][3].split()[0], 16)
         loop = [op.split(".")[0] for addr, _, op, _ in lines[:branch + 1] if int(addr, 16) >= start]
         weights = 16 * 128 * tiles // 32  # a lane's weights a group
-        print(f"{warps} warps x {tiles} tiles, {rows} rows: "
+        print(f"{warps} warps x {tiles} tiles, {rows} rows, sum of {splits} splits "
+              f"{'with SwiGLU ' if swiglu else ''}inside: "
               f"{regs.group(1) if regs else '?'} registers, "
               f"loop {len(loop)} instructions, {len(loop) / weights:.2f} a weight; "
               f"{dict(collections.Counter(loop).most_common(12))}")
 
 
 def time_gpu(rows: list[int], configs: list[tuple[int, int]], per_sm: list[int],
-             stages: list[int]) -> None:
+             stages: list[int], fused: list[int]) -> None:
     """Each shape and row count (bf16 x): awq_linear, then every (warps, tiles, rows, programs
     an SM, stages) of the probe, in CUDA graphs over weight copies beyond the L2, with the
     largest error of each against the float32 reference relative to its largest value."""
@@ -97,17 +106,20 @@ def time_gpu(rows: list[int], configs: list[tuple[int, int]], per_sm: list[int],
             base_err = error(awq.awq_linear(x, *copies[0], AWQ_GROUP), ref)
             print(f"{name} {n}x{k} M={m} bf16: awq_linear {base * 1e3:.1f} us "
                   f"({nbytes / base / 1e6:.0f} GB/s, err {base_err:.1e})", flush=True)
-            for (warps, tiles), rows_a, programs, ring in itertools.product(
-                    configs, [8] if m <= 8 else [8, 16, 32], per_sm, stages):
+            arrivals = [arrival_counts(n, x.device) for _ in repacked]
+            for (warps, tiles), rows_a, programs, ring, inside in itertools.product(
+                    configs, [8] if m <= 8 else [8, 16, 32], per_sm, stages, fused):
                 if n % (16 * warps * tiles) or rows_a > max(m, 8):
                     continue
                 gemv = functools.partial(awq_mma_gemv, group_size=AWQ_GROUP, warps=warps,
                                          tiles=tiles, per_sm=programs, rows=rows_a,
                                          stages=ring)
-                err = error(gemv(x, *repacked[0]), ref)
-                ms = bench_graph([functools.partial(gemv, x, *c) for c in repacked])
+                calls = [functools.partial(gemv, x, *c, arrivals=a if inside else None)
+                         for c, a in zip(repacked, arrivals)]
+                err = error(calls[0](), ref)
+                ms = bench_graph(calls)
                 print(f"  mma {warps} warps x {tiles} tiles, {rows_a} rows, {programs}/SM, "
-                      f"{ring} stages: "
+                      f"{ring} stages, split sum {'inside' if inside else 'launched'}: "
                       f"{ms * 1e3:.1f} us ({nbytes / ms / 1e6:.0f} GB/s, err {err:.1e})",
                       flush=True)
         del copies, repacked
@@ -122,6 +134,8 @@ def main() -> None:
     parser.add_argument("--per-sm", default="4,8", help="programs an SM the splits aim at")
     parser.add_argument("--stages", default="0",
                         help="0 (the next group in registers), or shared-memory ring sizes")
+    parser.add_argument("--fused-sum", default="0",
+                        help="0: the split sum launched; 1: added by the last split inside")
     args = parser.parse_args()
     if args.sass:
         os.environ["TRITON_INTERPRET"] = "0"
@@ -130,7 +144,8 @@ def main() -> None:
         configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
         time_gpu([int(r) for r in args.rows.split(",")], configs,
                  [int(p) for p in args.per_sm.split(",")],
-                 [int(s) for s in args.stages.split(",")])
+                 [int(s) for s in args.stages.split(",")],
+                 [int(f) for f in args.fused_sum.split(",")])
 
 
 if __name__ == "__main__":
