@@ -22,7 +22,9 @@ keep AutoAWQ's layout (awq.py).
 Per group the tensor cores give A = sum_k w'_k x_k and, with a tile of ones, S = sum_k x_k;
 sum_k (q_k - z) x_k = A / u - (1 / u + z) S, times the scale, is folded into a float32 total
 (awq_gemv's algebra, with the products exact in the tensor core's float32). Splits of K add
-their partial sums in awq.py's split-sum launch (SwiGLU there too).
+their partial sums in awq.py's split-sum launch (SwiGLU there too), or, given a layer's
+arrival counts, inside the GEMV's launch: each split stores its partials and counts its
+arrival (acq_rel), and the last of a column block adds them.
 
 A program's next group of weights waits in registers; with `stages` it comes instead through a
 ring of groups in shared memory that cp.async fills STAGES - 1 groups ahead, more bytes in
@@ -276,22 +278,33 @@ def _x_layout(rows, group, warps):
 
 @gluon.constexpr_function
 def _sum_rows(splits, bm):
-    """Rows _sum_splits adds at a time: up to 1,024 partials, 8 registers a thread at 4 warps
-    (awq_mma's loop needs 64)."""
+    """Rows _sum_splits adds at a time: up to 1,024 partials, 8 a thread at 4 warps (the
+    one-row loop needs 64 registers)."""
     return max(1, min(8, 1024 // (splits * bm)))
+
+
+@gluon.constexpr_function
+def _sum_layout(splits, bm, warps):
+    """[splits, rows, bm] over the threads without copies across warps: a warp's lanes over
+    min(32, bm / warps) columns and the rest of its lanes over the splits (their sum then
+    partly a shuffle)."""
+    columns = min(32, max(1, bm // warps))
+    lanes = 32 // columns
+    return gl.BlockedLayout([max(1, splits // lanes), 1, 1], [lanes, 1, columns],
+                            [1, 1, warps], [2, 0, 1])
 
 
 @gluon.jit
 def _sum_splits(partial_ptr, out_ptr, row0, rows, col0, N, stride_os, num_splits,
                 SPLITS: gl.constexpr, BM: gl.constexpr, WARPS: gl.constexpr,
                 SWIGLU: gl.constexpr):
-    """out[row0 + r, col0 + c] = the sum in split order of the partials [num_splits, M, N]
-    (r < rows, c < BM); SWIGLU: silu(gate) * up, gate at column col0 + c and up N / 2 further,
-    out [M, N / 2], gate and up rounded to out's dtype first as awq.py's split sum does. A few
-    rows at a time, every split's partials of them loaded at once (one memory latency)."""
+    """out[row0 + r, col0 + c] = the sum over splits of the partials [num_splits, M, N]
+    (r < rows, c < BM), in an order fixed by the shapes; SWIGLU: silu(gate) * up, gate at
+    column col0 + c and up N / 2 further, out [M, N / 2], gate and up rounded to out's dtype
+    first as awq.py's split sum does. A few rows at a time, every split's partials of them
+    loaded at once (one memory latency)."""
     R: gl.constexpr = _sum_rows(SPLITS, BM)
-    layout: gl.constexpr = gl.BlockedLayout([SPLITS, 1, 1], [1, 1, 32], [1, 1, WARPS],
-                                            [2, 1, 0])
+    layout: gl.constexpr = _sum_layout(SPLITS, BM, WARPS)
     out_layout: gl.constexpr = gl.SliceLayout(0, layout)  # [R, BM] after the sum
     r = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(1, out_layout)), 1)
     c = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout)), 0)
@@ -457,11 +470,11 @@ def _awq_mma_kernel(
                         N, stride_os, num_splits, SUM_SPLITS, BM, WARPS, SWIGLU)
 
 
-def _registers(warps: int, per_sm: int) -> int:
-    """A thread's registers at which per_sm programs fit an SM's 64K, but not below the 64 the
-    one-row loop takes: the sum of the splits would otherwise take 72-80 (offline sm_90) and
-    leave one program of eight out of the first wave."""
-    return max(64, 65536 // (32 * warps * per_sm) // 8 * 8)
+def max_registers(sum_inside: bool, rows: int, tiles: int) -> int | None:
+    """maxnreg for awq_mma_gemv: with the sum inside, the 64 registers of the loop over one
+    tile a warp at 8 rows, at which 8 programs of 4 warps fit an SM (the sum would take 72-80,
+    offline sm_90, and leave one of eight out of the first wave); else ptxas's choice."""
+    return 64 if sum_inside and rows == 8 and tiles == 1 else None
 
 
 def arrival_counts(n: int, device: torch.device) -> torch.Tensor:
@@ -503,9 +516,9 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
 
     pdl = pdl_options(x.device)
     block = 16 * warps * tiles
-    fused = arrivals is not None and num_splits > 1
+    # SwiGLU's gate and up blocks pair up only where N / 2 holds whole blocks
+    fused = arrivals is not None and num_splits > 1 and not (swiglu and n // 2 % block)
     if fused:
-        assert not swiglu or n // 2 % block == 0, f"N / 2={n // 2} splits a {block}-column block"
         counts = n // block // (2 if swiglu else 1) * triton.cdiv(m, rows)
         assert arrivals.dtype == torch.int32 and arrivals.numel() >= counts, \
             f"arrivals: {counts} int32 counts needed, got {arrivals.numel()} {arrivals.dtype}"
@@ -518,7 +531,7 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
             TILES=tiles, ROWS=rows, BF16=x.dtype == torch.bfloat16, USE_PDL=pdl["launch_pdl"],
             STAGES=stages, SUM_SPLITS=triton.next_power_of_2(num_splits) if fused else 0,
             SWIGLU=swiglu, launch_pdl=pdl["launch_pdl"], num_warps=warps,
-            maxnreg=_registers(warps, per_sm) if fused else None)
+            maxnreg=max_registers(fused, rows, tiles))
 
     if not fused:
         return _launch_split(launch, num_splits, m, n, x, pdl, swiglu)

@@ -61,8 +61,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         # row count -> a kernel that beat the default for this shape (worker/linear_tuning.py):
-        # fn(x, weight) in place of cuBLAS, or fn(x, qweight, qzeros, scales, group_size) in
-        # place of awq_linear
+        # fn(x, weight) in place of cuBLAS, or fn(x, *awq_operands()) in place of awq_linear
         self.small_m_kernels: dict[int, Callable] = {}
         # row count -> fn(x, residual, norm weight, eps, weight) -> (self(RMSNorm(x +
         # residual)), x + residual) in one launch (normed)
@@ -108,7 +107,7 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy_checked(param.data, loaded)
 
-    def use_awq_tensor_cores(self, sum_inside: bool = True) -> bool:
+    def use_awq_tensor_cores(self, sum_inside: bool = False) -> bool:
         """After loading: repack an AWQ layer's qweight on a CUDA device for the tensor-core
         kernels, where its shape allows (groups of 64 inputs or more, 128 outputs a block) and
         the GPU has mma_v2's bf16 m16n8k16 (compute capability 8.0, Ampere, or newer). Whether

@@ -11,6 +11,7 @@ from test_awq import awq_tensors
 
 from echo.layers.linear import GateUpParallelLinear
 from echo.layers.quantization import AwqConfig
+from echo_kernels import awq_mma
 from echo_kernels.awq_mma import (
     GEMM_MAX_ROWS,
     MMA_MAX_ROWS,
@@ -133,15 +134,28 @@ def test_mma_gemv_knobs_and_swiglu(options):
     torch.testing.assert_close(glu.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
+def count_split_sum_launches(monkeypatch) -> list:
+    """One entry a call of awq.py's split-sum launcher from awq_mma_gemv."""
+    calls = []
+    launch_split = awq_mma._launch_split
+
+    def counted(*args, **kwargs):
+        calls.append(args[1])  # the split count
+        return launch_split(*args, **kwargs)
+
+    monkeypatch.setattr(awq_mma, "_launch_split", counted)
+    return calls
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("m,options", [(1, dict(split_k=3)), (5, dict(split_k=4, tiles=2)),
                                        (13, dict(split_k=2, stages=3)),
                                        (40, dict(split_k=4, rows=32))])
-def test_mma_gemv_sums_its_splits_inside(m, options, swiglu):
+def test_mma_gemv_sums_its_splits_inside(m, options, swiglu, monkeypatch):
     """With arrival counts the last split of a column block adds the partial sums (SwiGLU
-    too): the reference's values, the same as the split-sum launch's up to rounding, the same
-    again on a second call (the counts are left zero, and the sum's order is fixed)."""
+    too), no split-sum launch: the reference's values, the split-sum launch's up to rounding,
+    the same again on a second call (the counts are left zero, and the sum's order is fixed)."""
     k, n, group_size = 512, 512, 64
     qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda", seed=m)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -153,18 +167,40 @@ def test_mma_gemv_sums_its_splits_inside(m, options, swiglu):
         ref = F.silu(gate) * up
     run = functools.partial(awq_mma_gemv, x, rq, qzeros, scales, group_size, swiglu=swiglu,
                             **options)
+    launches = count_split_sum_launches(monkeypatch)
     fused = run(arrivals=arrivals)
+    assert launches == []
     tol = 2e-2 if swiglu else 8e-3
     torch.testing.assert_close(fused.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
-    torch.testing.assert_close(fused, run())
     assert not arrivals.any()
     assert torch.equal(run(arrivals=arrivals), fused)
+    torch.testing.assert_close(fused, run())
+    assert launches == [options["split_k"]]
 
 
 @pytest.mark.gpu
-def test_a_gate_up_layer_repacked_at_load_keeps_its_outputs():
+def test_swiglu_blocks_that_do_not_pair_take_the_split_sum_launch(monkeypatch):
+    """N / 2 = 192 is not a whole number of 128-column blocks: gate and up blocks cannot share
+    a count, so the split sum is launched as without arrival counts, and right."""
+    k, n, group_size = 256, 384, 64
+    qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda")
+    x = torch.randn(3, k, device="cuda", dtype=torch.bfloat16)
+    arrivals = arrival_counts(n, x.device)
+    launches = count_split_sum_launches(monkeypatch)
+    glu = awq_mma_gemv(x, repack_awq(qweight, group_size), qzeros, scales, group_size, arrivals,
+                       tiles=2, split_k=2, swiglu=True)
+    assert launches == [2] and not arrivals.any()
+    gate, up = awq_linear_ref(x.float(), qweight, qzeros, scales, group_size).chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    torch.testing.assert_close(glu.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sum_inside", [False, True])
+def test_a_gate_up_layer_repacked_at_load_keeps_its_outputs(sum_inside):
     """LinearBase.use_awq_tensor_cores: the same layer's product and SwiGLU, AutoAWQ's layout
-    against the repacked one, at one row, a few, past MMA_MAX_ROWS (awq_gemm_repacked) and past
+    against the repacked one (its GEMV's splits summed by a launch, or inside with the layer's
+    arrival counts), at one row, a few, past MMA_MAX_ROWS (awq_gemm_repacked) and past
     GEMM_MAX_ROWS (the dense weight)."""
     k, intermediate, group_size = 256, 128, 64
     qweight, qzeros, scales = awq_tensors(k, 2 * intermediate, group_size, "cuda")
@@ -181,8 +217,9 @@ def test_a_gate_up_layer_repacked_at_load_keeps_its_outputs():
     rows = (1, 6, MMA_MAX_ROWS + 16, GEMM_MAX_ROWS + 5)
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in rows]
     before = [(layer.matmul(x).float(), layer.swiglu(x).float()) for x in xs]
-    assert layer.use_awq_tensor_cores() and layer.qweight.shape == (2 * intermediate // 16,
-                                                                    k // 64, 32, 4)
+    assert layer.use_awq_tensor_cores(sum_inside)
+    assert layer.qweight.shape == (2 * intermediate // 16, k // 64, 32, 4)
+    assert (layer.awq_arrivals is not None) == sum_inside
     for x, (product, glu) in zip(xs, before):
         for got, want in ((layer.matmul(x).float(), product), (layer.swiglu(x).float(), glu)):
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())

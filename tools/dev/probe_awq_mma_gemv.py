@@ -28,10 +28,12 @@ from echo_kernels.awq_mma import (  # noqa: E402
     _awq_mma_kernel,
     arrival_counts,
     awq_mma_gemv,
+    max_registers,
     repack_awq,
 )
 
-SASS_CONFIGS = [(4, 1, 8), (4, 2, 8), (4, 2, 32)]
+# (warps, tiles, rows, stages)
+SASS_CONFIGS = [(4, 1, 8, 0), (4, 1, 8, 3), (8, 1, 8, 0), (4, 2, 8, 0), (4, 2, 32, 0)]
 
 
 def sass() -> None:
@@ -47,24 +49,25 @@ def sass() -> None:
              "sum_ptr", "num_splits"]
     types = ["*i32", "*i32", "*i32", "*fp16", "*fp32"] + ["i32"] * 9 + ["*i32", "*fp16", "i32"]
     bin_dir = Path(triton.__file__).parent / "backends/nvidia/bin"
-    for (warps, tiles, rows), (splits, swiglu) in itertools.product(
+    for (warps, tiles, rows, stages), (splits, swiglu) in itertools.product(
             SASS_CONFIGS, [(0, False), (16, False), (16, True)]):
         sig = dict(zip(names, types)) | {name: "constexpr" for name in (
             "GROUP", "WARPS", "TILES", "ROWS", "BF16", "USE_PDL", "STAGES", "SUM_SPLITS",
             "SWIGLU")}
         consts = {(17,): 128, (18,): warps, (19,): tiles, (20,): rows, (21,): True, (22,): True,
-                  (23,): 0, (24,): splits, (25,): swiglu}
+                  (23,): stages, (24,): splits, (25,): swiglu}
         attrs = {(i,): [["tt.divisibility", 16]]
                  for i in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15)}
         src = GluonASTSource(fn=_awq_mma_kernel, signature=sig, constexprs=consts,
                              attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": warps})
+                                  options={"num_warps": warps, "maxnreg": max_registers(
+                                      splits > 0, rows, tiles)})
         path = Path("/tmp/probe_awq_mma.cubin")
         path.write_bytes(compiled.asm["cubin"])
         usage = subprocess.run([bin_dir / "cuobjdump", "-res-usage", path], capture_output=True,
                                text=True).stdout
-        regs = re.search(r"REG:(\d+)", usage)
+        regs, spill = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
         text = subprocess.run([bin_dir / "cuobjdump", "-sass", path], capture_output=True,
                               text=True).stdout
         lines = re.findall(r"/\*([0-9a-f]{4})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*)", text)
@@ -75,9 +78,10 @@ def sass() -> None:
         start = int(lines[branch][3].split()[0], 16)
         loop = [op.split(".")[0] for addr, _, op, _ in lines[:branch + 1] if int(addr, 16) >= start]
         weights = 16 * 128 * tiles // 32  # a lane's weights a group
-        print(f"{warps} warps x {tiles} tiles, {rows} rows, sum of {splits} splits "
-              f"{'with SwiGLU ' if swiglu else ''}inside: "
+        print(f"{warps} warps x {tiles} tiles, {rows} rows, {stages} stages, sum of {splits} "
+              f"splits {'with SwiGLU ' if swiglu else ''}inside: "
               f"{regs.group(1) if regs else '?'} registers, "
+              f"{spill.group(1) if spill else '?'} bytes spilled, "
               f"loop {len(loop)} instructions, {len(loop) / weights:.2f} a weight; "
               f"{dict(collections.Counter(loop).most_common(12))}")
 
