@@ -10,7 +10,8 @@ treatment with awq_gemv's default tiles in cuBLAS's place and a few other tiles 
 candidates, per (N, K, group size); layers repacked for the tensor cores with awq_mma_gemv's
 defaults against a few other settings. Where a layer's neighbours can move into its kernel, the
 tiles that do so are timed too: SwiGLU after gate/up, and the RMSNorm before qkv, gate/up and
-a mixture of experts' router (one rank), each against the separate launches. Every time is
+a mixture of experts' router (one rank), each against the separate launches (AWQ gate/up
+layers, whose kernels always apply SwiGLU where they add their splits, are timed so). Every time is
 taken behind the kernel that precedes such a layer in a decode step (cuda_graph_timer's lead),
 since a GEMV that loads its weight before the PDL wait gains only behind a short one. On by
 default on CUDA (ECHO_TUNE_SMALL_M=0 turns it off): with PDL it made batch-1 Llama-3.1-8B and
@@ -71,7 +72,7 @@ class ShapeChoice:
     best_us: float
     tile: tuple | None  # a candidate; None: the baseline stays
     awq_group: int | None = None  # the group size of AWQ layers
-    gated: bool = False  # gate/up layers, timed with SwiGLU after them
+    gated: bool = False  # gate/up layers, timed with SwiGLU after them (AWQ: inside)
     swiglu: bool = False  # the tile computes SwiGLU itself (swiglu_kernels)
     normed: bool = False  # layers timed with the RMSNorm before them
     norm_inside: bool = False  # the tile computes that norm itself (normed_kernels)
@@ -86,7 +87,8 @@ class ShapeChoice:
             name, baseline, pick = f"norm + {name}", f"norm + {baseline}", f"norm + {pick}"
         if self.awq_group is not None:
             kernel = "awq_mma" if self.repacked else "awq_gemv"
-            name, baseline, pick = f"AWQ {n}x{k} group {self.awq_group}", kernel, "default"
+            name, baseline, pick = (f"AWQ {n}x{k} group {self.awq_group}"
+                                    f"{' + SwiGLU' if self.gated else ''}", kernel, "default")
         if self.tile and self.repacked:
             warps, tiles, per_sm, stages = self.tile
             pick = (f"awq_mma {warps} warps x {tiles} tiles {per_sm} programs an SM {stages} "
@@ -132,10 +134,10 @@ def awq_gemv(block_n: int, block_k: int, programs_per_sm: int, num_stages: int) 
                              programs_per_sm=programs_per_sm, num_stages=num_stages)
 
 
-def awq_default(x, qweight, qzeros, scales, group_size) -> torch.Tensor:
+def awq_default(x, qweight, qzeros, scales, group_size, swiglu=False) -> torch.Tensor:
     from echo_kernels.awq import awq_linear
 
-    return awq_linear(x, qweight, qzeros, scales, group_size)
+    return awq_linear(x, qweight, qzeros, scales, group_size, swiglu=swiglu)
 
 
 def awq_mma(warps: int, tiles: int, per_sm: int, stages: int) -> Matmul:
@@ -145,10 +147,11 @@ def awq_mma(warps: int, tiles: int, per_sm: int, stages: int) -> Matmul:
                              stages=stages)
 
 
-def awq_mma_default(x, rq, qzeros, scales, group_size, arrivals=None) -> torch.Tensor:
+def awq_mma_default(x, rq, qzeros, scales, group_size, arrivals=None,
+                    swiglu=False) -> torch.Tensor:
     from echo_kernels.awq_mma import awq_mma_linear
 
-    return awq_mma_linear(x, rq, qzeros, scales, group_size, arrivals)
+    return awq_mma_linear(x, rq, qzeros, scales, group_size, arrivals, swiglu)
 
 
 def normed_gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int,
@@ -191,7 +194,7 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
     for module in model.modules():
         if isinstance(module, LinearBase) and module.bias is None:
             dense = module.quant is None
-            gated = isinstance(module, GateUpParallelLinear) and dense
+            gated = isinstance(module, GateUpParallelLinear)
             normed = dense and module.tp.size == 1 and module.follows_norm
             by_shape[(*_shape(module), gated, normed, module.awq_repacked)].append(module)
     choices = []
@@ -208,9 +211,11 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
             baseline, make = awq_default, make_awq_kernel
             tiles = [tile for tile in awq_candidates if group % tile[1] == 0]
         runs = [_Run(baseline), *(_Run(make(*tile), tile) for tile in tiles)]
-        if gated:
+        if gated and group is None:
             runs = [_Run(_then_swiglu(run.fn), run.tile) for run in runs]
             runs += [_Run(make(*tile, swiglu=True), tile, swiglu=True) for tile in tiles]
+        elif gated:  # an AWQ kernel applies SwiGLU where it adds its splits, as the layer asks
+            runs = [_Run(_with_swiglu(run.fn), run.tile) for run in runs]
         if normed:
             norm = (torch.randn_like(x), torch.ones(k, dtype=x.dtype, device=x.device), 1e-6)
             runs = [_Run(_after_norm(norm, run.fn), run.tile, run.swiglu) for run in runs]
@@ -243,6 +248,16 @@ def _whole_k(tile: tuple, k: int) -> bool:
     inside needs all of a row at once)."""
     _, block_k, prefetch, _ = tile
     return prefetch and block_k >= k
+
+
+def _with_swiglu(matmul: Matmul) -> Matmul:
+    """An AWQ matmul asked for SwiGLU of its halves (a partial: its first argument is the
+    matmul)."""
+    return functools.partial(_matmul_with_swiglu, matmul)
+
+
+def _matmul_with_swiglu(matmul: Matmul, x: torch.Tensor, *operands) -> torch.Tensor:
+    return matmul(x, *operands, swiglu=True)
 
 
 def _then_swiglu(matmul: Matmul) -> Matmul:

@@ -247,6 +247,29 @@ def test_awq_gate_up_swiglu_runs_in_the_tuned_kernel():
     assert torch.allclose(layer.swiglu(two), silu_and_mul(awq_linear_ref(two, *args)))
 
 
+def test_awq_gate_up_layers_are_timed_with_swiglu_inside():
+    """An AWQ gate/up layer runs with SwiGLU where its kernel adds the splits (layer.swiglu),
+    so the tuning times every kernel so, and the winner serves layer.swiglu's one-row calls."""
+    layer = GateUpParallelLinear(32, 8, quant=AwqConfig(group_size=16))
+    qweight, qzeros, scales = awq_tensors(32, 16, 16, "cpu", seed=4)
+    layer.qweight.data, layer.qzeros.data, layer.scales.data = qweight, qzeros, scales.float()
+    tiles = [(1024, 8, 8, 3), (512, 16, 16, 3)]
+    inside = ("_matmul_with_swiglu",)
+    # keyed by qweight's shape [K, N / 8]; a kernel timed without SwiGLU is a KeyError
+    times = {((32, 2), ("cublas", inside)): 10.0, ((32, 2), (tiles[0], inside)): 9.5,
+             ((32, 2), (tiles[1], inside)): 8.0}
+    timer, _ = fake_timer(times)
+    (choice,) = tune_one_row_linears(torch.nn.ModuleDict({"g": layer}), timer, lambda k: (),
+                                     kernel_for, tiles, awq_kernel_for)
+    assert choice.gated and choice.tile == tiles[1] and choice.best_us == 8.0
+    assert "AWQ 16x32 group 16 + SwiGLU (1 layers): awq_gemv 10.0 us -> awq_gemv 16x512" \
+        in choice.describe()
+    args = (qweight, qzeros, scales.float(), 16)
+    one = torch.randn(1, 32)
+    torch.testing.assert_close(layer.swiglu(one),
+                               silu_and_mul(awq_linear_ref(one, *args)) + 2000.0)
+
+
 def test_repacked_awq_layers_take_faster_tensor_core_settings_by_shape():
     """Layers in the tensor-core layout (repacked here on the CPU, as use_awq_tensor_cores does
     on a GPU) are timed against awq_mma_linear's default, over the settings whose columns a
