@@ -2,12 +2,14 @@
 layer shapes, over its settings: the probe that found it (#30).
 
     python tools/dev/probe_awq_mma_gemv.py [--rows 1,4] [--configs 4x1,4x2] [--per-sm 4,8]
-        [--stages 0,3,4]
+        [--stages 0,3,4] [--fused-sum 0,1]
     python tools/dev/probe_awq_mma_gemv.py --sass     # CPU: compile for sm_90, count SASS
 
 GPU: CUDA graphs over weight copies beyond the L2, bf16 x, the largest error of each against
-the float32 reference. --sass compiles the kernel for sm_90 on this machine (no GPU) and counts
-its loop's instructions a weight (awq_gemv's: 3.4). Until c44a437 the kernel lived here
+the float32 reference; --fused-sum 1: the splits added inside the GEMV's launch (arrival
+counts) instead of by a second launch. --sass compiles the kernel for sm_90 on this machine (no
+GPU), with and without the sum inside, and counts its loop's instructions a weight (awq_gemv's:
+3.4), its registers and spills. Until c44a437 the kernel lived here
 (e257d5f, 91b0394: the figures in docs/benchmarks.md, AWQ, 2026-12-06).
 """
 
