@@ -326,6 +326,7 @@ def _sum_splits(partial_ptr, out_ptr, row0, rows, col0, N, stride_os, num_splits
             total = act.to(gl.float32) * up
         gl.store(out_ptr + (row0 + r0 + r) * width + col0 + c, total.to(dtype), mask=row_ok)
 
+
 @gluon.jit(do_not_specialize=["M", "groups_per_split", "num_splits"])
 def _awq_mma_kernel(
     x_ptr,  # [M, K] as int32 pairs of halves
