@@ -69,7 +69,7 @@ def sass() -> None:
         path.write_bytes(compiled.asm["cubin"])
         usage = subprocess.run([bin_dir / "cuobjdump", "-res-usage", path], capture_output=True,
                                text=True).stdout
-        regs, spill = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
+        regs, spill = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
         text = subprocess.run([bin_dir / "cuobjdump", "-sass", path], capture_output=True,
                               text=True).stdout
         lines = re.findall(r"/\*([0-9a-f]{4})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*)", text)
@@ -83,7 +83,7 @@ def sass() -> None:
         print(f"{warps} warps x {tiles} tiles, {rows} rows, {stages} stages, sum of {splits} "
               f"splits {'with SwiGLU ' if swiglu else ''}inside: "
               f"{regs.group(1) if regs else '?'} registers, "
-              f"{spill.group(1) if spill else '?'} bytes spilled, "
+              f"{spill.group(1) if spill else '?'} bytes of stack (spills), "
               f"loop {len(loop)} instructions, {len(loop) / weights:.2f} a weight; "
               f"{dict(collections.Counter(loop).most_common(12))}")
 
