@@ -174,7 +174,10 @@ def test_mma_gemv_sums_its_splits_inside(m, options, swiglu, monkeypatch):
     torch.testing.assert_close(fused.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
     assert not arrivals.any()
     assert torch.equal(run(arrivals=arrivals), fused)
-    torch.testing.assert_close(fused, run())
+    # the launch adds in another order: a gate a rounding step apart moves silu's output by
+    # more than bf16's default tolerance where the gate is large and negative
+    torch.testing.assert_close(fused.float(), run().float(), rtol=tol,
+                               atol=tol * ref.abs().max().item())
     assert launches == [options["split_k"]]
 
 
