@@ -169,8 +169,8 @@ stage_commands() {
       multiturn_round "$dir" 2 128 192
       $PY tools/dev/kv_offload_verdict.py "$dir" ;;
     merge-in-launch)  # #27, #28, #30: decode attention merging its own key splits (its
-      # last split to arrive, 8 splits a step) against a merge launch after it; batch 1,
-      # alternately
+      # last split to arrive, the splits that saw keys a few at once) against a merge launch
+      # after it; batch 1, alternately; last Qwen3-0.6B with graphs for 32K keys (128 splits)
       timeout 240 $PY -m pytest -m gpu -q -p no:cacheprovider -k "gpu_decode" \
         tests/kernels/test_paged_attention.py 2>&1 | tail -2
       timeout 120 $PY -m pytest -m gpu -q -p no:cacheprovider -k merging \
@@ -182,6 +182,12 @@ stage_commands() {
             --model $model --max-model-len 2048 --iters 2 --num-scheduler-steps 8 \
             --json "$dir/latency_${model}_merge$merge.json" 2>&1 | tail -1
         done
+      done
+      for merge in 0 1; do
+        echo "qwen3-0.6b --max-model-len 32768 ECHO_ATTN_MERGE_IN_LAUNCH=$merge"
+        ECHO_ATTN_MERGE_IN_LAUNCH=$merge timeout 300 $PY tools/bench_latency.py \
+          --model qwen3-0.6b --max-model-len 32768 --iters 2 --num-scheduler-steps 8 \
+          --json "$dir/latency_qwen3-0.6b_32k_merge$merge.json" 2>&1 | tail -1
       done ;;
     structured)  # #25: the constrained decode step, the core's grammar work, and a profile
       local tok=${TOKENIZER:+--tokenizer $TOKENIZER}  # a folder with SmolLM2's tokenizer files

@@ -91,6 +91,8 @@ def _paged_attention_kernel(
     ORDERED: tl.constexpr,  # one tile per sequence, taken in seq_order's order
     SPLIT: tl.constexpr,
     MERGED: tl.constexpr,  # SPLIT: the last split of a tile to arrive merges its partials
+    MERGE_ROWS: tl.constexpr,  # MERGED: rows and splits merge_split_rows takes a step
+    MERGE_SPLITS: tl.constexpr,
     IS_INT8_KV: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,  # K/V offsets from the block_base'th block may pass +-2^31
     FUSED_ROPE: tl.constexpr,  # decode: rotate q/k (after the q/k norm) and store K/V here
@@ -195,12 +197,12 @@ def _paged_attention_kernel(
             arrivals = counts_ptr + kv_head * tl.num_programs(1) + tl.program_id(1)
             if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
                 tl.store(arrivals, 0)  # for the next launch: every split has arrived
-                # 8 splits of ROWS rows a step: 4,096 partials, 128 registers of a one-warp
-                # decode program (shared memory, not registers, bounds those an SM)
-                MERGE_ROWS: tl.constexpr = 4096 // (8 * HEAD_DIM)  # head_dim <= 512
+                # only the splits that saw keys: a graph captured for max_model_len gives a
+                # short context many empty ones
                 merge_split_rows(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
-                                 q_start, kv_head, num_heads, q_len * GROUP, num_splits, GROUP,
-                                 HEAD_DIM, MERGE_ROWS, 8)
+                                 q_start, kv_head, num_heads, q_len * GROUP, num_splits,
+                                 tl.minimum(num_splits, tl.cdiv(ctx_len, split_len)), GROUP,
+                                 HEAD_DIM, MERGE_ROWS, MERGE_SPLITS)
     else:
         # a padded sequence (no keys) writes zeros, not 0/0
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -287,6 +289,21 @@ def max_num_splits(max_seqlen_k: int, config: TileConfig) -> int:
     """The most key splits a context of max_seqlen_k keys gets."""
     min_len = config.block_n if interpreting() else _MIN_SPLIT_LEN
     return min(triton.cdiv(max_seqlen_k, min_len), _MAX_SPLITS)
+
+
+# partials the last split to arrive loads at once when it merges: 2,048 floats, 64 registers
+# of a one-warp decode program (its other values take ~130; shared memory, not registers,
+# bounds the programs an SM)
+_MERGE_STEP = 2048
+
+
+def merge_step(group: int, head_dim: int) -> tuple[int, int]:
+    """(rows, splits) merge_split_rows takes a step: a decode token's GQA group if it fits
+    beside 8 splits, and as many splits as the rest of _MERGE_STEP holds (under the
+    interpreter an eighth of it, so that the tests' small heads take several steps)."""
+    step = _MERGE_STEP // 8 if interpreting() else _MERGE_STEP
+    rows = max(1, min(triton.next_power_of_2(group), step // (8 * head_dim)))
+    return rows, max(1, step // (rows * head_dim))
 
 
 @dataclass(frozen=True)
@@ -436,6 +453,7 @@ def paged_attention(
     if plan.fused_rope:
         assert rope.k.stride(2) == 1 and rope.v.stride(2) == 1
         assert rope.cos_sin_cache.shape[1] == head_dim and rope.cos_sin_cache.stride(1) == 1
+    merge_rows, merge_splits_a_step = merge_step(group, head_dim)
     grid = (num_kv_heads, plan.num_tiles, num_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, k_scale, v_scale, block_table, cu_seqlens_q, seq_lens,
@@ -452,7 +470,8 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, ONE_TILE_PER_SEQ=plan.one_tile,
         ORDERED=plan.ordered,
-        SPLIT=split, MERGED=plan.merged, IS_INT8_KV=is_int8, WIDE_OFFSETS=wide,
+        SPLIT=split, MERGED=plan.merged, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits_a_step,
+        IS_INT8_KV=is_int8, WIDE_OFFSETS=wide,
         FUSED_ROPE=plan.fused_rope, IS_NEOX=rope.is_neox, HAS_NORM=has_norm,
         **pdl_options(q.device),
         **config.launch_options(),

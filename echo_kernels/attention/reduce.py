@@ -48,12 +48,13 @@ def _merge_splits_kernel(
 
 @triton.jit
 def merge_split_rows(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, q_start, kv_head,
-                     num_heads, num_rows, num_splits, GROUP: tl.constexpr,
+                     num_heads, num_rows, num_splits, active, GROUP: tl.constexpr,
                      HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr):
     """Write the merged outputs of a tile's num_rows rows (row r: token q_start + r // GROUP,
-    head kv_head * GROUP + r % GROUP) from their partials, ROWS rows and SPLITS splits a step,
-    each step's partials loaded at once: a split at a time cost one memory latency a split
-    (785c2e6 made a Qwen3-0.6B step slower so). Loads bypass L1: other SMs wrote them."""
+    head kv_head * GROUP + r % GROUP) from their partials (num_splits a row, the first `active`
+    of which saw keys), ROWS rows and SPLITS splits a step, each step's partials loaded at once:
+    a split at a time cost one memory latency a split (785c2e6 made a Qwen3-0.6B step slower
+    so). Loads bypass L1: other SMs wrote them."""
     offs_d = tl.arange(0, HEAD_DIM)
     splits = tl.arange(0, SPLITS)
     for r0 in range(0, num_rows, ROWS):
@@ -66,8 +67,8 @@ def merge_split_rows(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, q
         m = tl.full([ROWS], M_FLOOR, tl.float32)
         l_sum = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-        for s0 in range(0, num_splits, SPLITS):
-            ok = row_ok[:, None] & (s0 + splits < num_splits)[None, :]
+        for s0 in range(0, active, SPLITS):
+            ok = row_ok[:, None] & (s0 + splits < active)[None, :]
             part = first[:, None] + s0 + splits[None, :]  # [ROWS, SPLITS]
             m_s = tl.load(part_ml_ptr + part * 2, mask=ok, other=M_FLOOR, cache_modifier=".cg")
             l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")

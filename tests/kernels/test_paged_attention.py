@@ -62,14 +62,31 @@ def test_decode_merged_by_the_last_split(paged_batch, monkeypatch, kv_dtype, num
 
 
 def test_decode_merged_over_more_splits_than_a_merge_step(paged_batch, monkeypatch):
-    # the last split merges 8 splits a step: 10 splits of 32 keys take two steps, the second
-    # rescaling what the first added
+    # under the interpreter the last split merges 8 splits of one row a step (merge_step): 10
+    # splits of 32 keys take two steps, and a key scoring far above the rest in the ninth
+    # split makes the second step rescale what the first added
+    assert paged.merge_step(2, 32) == (1, 8)
     b = paged_batch([1, 1], [300, 45], 4, 2, 32, 16, torch.float32)
+    block = b.block_table[0, 270 // 16].item()
+    b.k_cache[block, 270 % 16, 0] = b.q[0, 0] * 8  # query head 0 reads KV head 0
     _merge_launches_refused(monkeypatch)
     counts = torch.zeros(2 * 2, dtype=torch.int32, device=b.q.device)
     assert paged.plan_launch(2, 2, 2, 2, 32, False, 1, 300, False, b.q.device, 10,
                              has_split_counts=True).num_splits == 10
     assert_close(b.run(num_splits=10, split_counts=counts), b.reference(),
+                 CPU_ATOL[torch.float32])
+    assert not counts.any()
+
+
+def test_merged_runs_of_several_tokens(paged_batch, monkeypatch):
+    # runs of 1-4 tokens (a speculative step's verification) still fit one tile a sequence:
+    # the last split merges every row of the run, a token's GQA group after another
+    b = paged_batch([3, 1, 4], [97, 3, 40], 4, 2, 32, 16, torch.float32)
+    assert paged.plan_launch(8, 3, 2, 2, 32, False, 4, 97, False, b.q.device, 3,
+                             has_split_counts=True).merged
+    _merge_launches_refused(monkeypatch)
+    counts = torch.zeros(2 * 3, dtype=torch.int32, device=b.q.device)
+    assert_close(b.run(num_splits=3, split_counts=counts), b.reference(),
                  CPU_ATOL[torch.float32])
     assert not counts.any()
 
