@@ -322,6 +322,7 @@ def _sum_splits(partial_ptr, out_ptr, row0, rows, col0, N, stride_os, num_splits
             up = gl.sum(gl.load(src + N // 2, mask=ok, other=0.0, cache_modifier=".cg"),
                         axis=0).to(dtype).to(gl.float32)
             gate = total.to(dtype).to(gl.float32)
+            # activation.silu_times (a triton.jit Gluon cannot call)
             act = (gate / (1.0 + gl.exp2(-gate * 1.4426950408889634))).to(dtype)
             total = act.to(gl.float32) * up
         gl.store(out_ptr + (row0 + r0 + r) * width + col0 + c, total.to(dtype), mask=row_ok)

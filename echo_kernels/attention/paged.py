@@ -453,7 +453,8 @@ def paged_attention(
     if plan.fused_rope:
         assert rope.k.stride(2) == 1 and rope.v.stride(2) == 1
         assert rope.cos_sin_cache.shape[1] == head_dim and rope.cos_sin_cache.stride(1) == 1
-    merge_rows, merge_splits_a_step = merge_step(group, head_dim)
+    # (a launch that does not merge compiles the same whatever they are: keep them fixed)
+    merge_rows, merge_splits_a_step = merge_step(group, head_dim) if plan.merged else (1, 1)
     grid = (num_kv_heads, plan.num_tiles, num_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, k_scale, v_scale, block_table, cu_seqlens_q, seq_lens,
