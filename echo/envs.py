@@ -37,13 +37,6 @@ def kv_early_loads() -> bool:
     return os.environ.get("ECHO_KV_EARLY_LOADS", "1") == "1"
 
 
-def attention_merge_in_launch() -> bool:
-    """Whether decode attention whose keys are split merges them in its own launch (the last
-    split to arrive), where a merge launch follows it otherwise (ECHO_ATTN_MERGE_IN_LAUNCH=1;
-    echo_kernels/attention/paged.py). Off until timed on a GPU."""
-    return os.environ.get("ECHO_ATTN_MERGE_IN_LAUNCH", "0") == "1"
-
-
 def kv_joined_load_blocks() -> int | None:
     """With early loads, the most blocks a joined load and the copies queued before it may
     hold (ECHO_KV_JOINED_LOAD_BLOCKS; unset: the KV cache manager's JOINED_LOAD_MAX_BLOCKS), so

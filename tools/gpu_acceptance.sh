@@ -3,13 +3,13 @@
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
 # Stages: tests (or tests-kernels, then tests-rest), kernels latency batch1 offline profile
 # profile-tail serving int8-pool kv-offload kv-offload-repeat structured awq awq-mma
-# awq-mma-steps moe persistent persistent-models persistent-awq merge-in-launch, and tp and
-# profile-tp (two GPUs). Rough minutes on an H200:
+# awq-mma-steps moe persistent persistent-models persistent-awq, and tp and profile-tp (two
+# GPUs). Rough minutes on an H200:
 # tests 14 (two calls: tests-kernels 7, tests-rest 7, on a machine just started), kernels 2,
 # latency 3, batch1 4 (3.5 on an H100), offline 5, profile 5, profile-tail 2, serving 4,
 # int8-pool 2, kv-offload 7, kv-offload-repeat 3, structured 4, awq 8, awq-mma 5 and
 # awq-mma-steps 5 (guesses: their parts ran on an H100 in 2-4 minutes each), moe 6, persistent 6,
-# persistent-models 8, persistent-awq 8 and merge-in-launch 5 (guesses: not yet run), tp 6 (plus start-up): pick
+# persistent-models 8 and persistent-awq 8 (a guess: not yet run), tp 6 (plus start-up): pick
 # what fits the device budget. Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the
 # device tool returns few files), and the key lines are printed. Every process started here is ended here, by PID.
 # The probes' runs: tools/dev/gpu_probes.sh.
@@ -168,27 +168,6 @@ stage_commands() {
       # moved by ~40 ms between calls on 2026-12-05)
       multiturn_round "$dir" 2 128 192
       $PY tools/dev/kv_offload_verdict.py "$dir" ;;
-    merge-in-launch)  # #27, #28, #30: decode attention merging its own key splits (its
-      # last split to arrive, the splits that saw keys a few at once) against a merge launch
-      # after it; batch 1, alternately; last Qwen3-0.6B with graphs for 32K keys (128 splits)
-      timeout 240 $PY -m pytest -m gpu -q -p no:cacheprovider -k "gpu_decode" \
-        tests/kernels/test_paged_attention.py 2>&1 | tail -2
-      timeout 120 $PY -m pytest -m gpu -q -p no:cacheprovider -k merging \
-        tests/worker/test_gpu_runner.py 2>&1 | tail -2
-      for model in qwen3-0.6b stories110m qwen3-0.6b qwen3-30b-a3b llama-3.1-8b-awq; do
-        for merge in 0 1; do
-          echo "$model ECHO_ATTN_MERGE_IN_LAUNCH=$merge"
-          ECHO_ATTN_MERGE_IN_LAUNCH=$merge timeout 300 $PY tools/bench_latency.py \
-            --model $model --max-model-len 2048 --iters 2 --num-scheduler-steps 8 \
-            --json "$dir/latency_${model}_merge$merge.json" 2>&1 | tail -1
-        done
-      done
-      for merge in 0 1; do
-        echo "qwen3-0.6b --max-model-len 32768 ECHO_ATTN_MERGE_IN_LAUNCH=$merge"
-        ECHO_ATTN_MERGE_IN_LAUNCH=$merge timeout 300 $PY tools/bench_latency.py \
-          --model qwen3-0.6b --max-model-len 32768 --iters 2 --num-scheduler-steps 8 \
-          --json "$dir/latency_qwen3-0.6b_32k_merge$merge.json" 2>&1 | tail -1
-      done ;;
     structured)  # #25: the constrained decode step, the core's grammar work, and a profile
       local tok=${TOKENIZER:+--tokenizer $TOKENIZER}  # a folder with SmolLM2's tokenizer files
       $PY tools/dev/probe_grammar_step.py $tok 2>&1 | tail -1

@@ -25,10 +25,6 @@ class AttentionMetadata:
     # [num_seqs] int32, the sequences by descending seq_lens: decode attention starts the longest
     # first when its programs take more than one wave (None: batch order)
     seq_order: torch.Tensor | None = None
-    # int32 zeros, one per (KV head, sequence) at least: decode attention whose keys are split
-    # counts its splits' arrivals in them and the last merges (no merge launch); every launch
-    # leaves them zero (None: a merge launch)
-    split_counts: torch.Tensor | None = None
     # host copies for backends that loop over sequences (the torch reference)
     query_lens_cpu: tuple[int, ...] = ()
     seq_lens_cpu: tuple[int, ...] = ()

@@ -38,4 +38,4 @@ class TritonAttentionBackend(AttentionBackend):
         return paged_attention(q, cache.k, cache.v, meta.block_table, meta.cu_seqlens_q,
                                meta.seq_lens, meta.max_seqlen_q, meta.max_seqlen_k, self.scale,
                                cache.k_scale, cache.v_scale, seq_order=meta.seq_order,
-                               new_kv=new_kv, split_counts=meta.split_counts)
+                               new_kv=new_kv)

@@ -129,16 +129,6 @@ class ModelRunner:
         draft = self.drafter.bytes_per_block() if self.drafter is not None else 0
         return self.kv_cache_spec.bytes_per_block() + draft
 
-    def split_counters(self) -> int:
-        """Counters for decode attention to merge its own key splits (AttentionMetadata.
-        split_counts): one per KV head and sequence, for the target and the draft model."""
-        if not envs.attention_merge_in_launch():
-            return 0
-        heads = self.num_kv_heads
-        if self.drafter is not None:
-            heads = max(heads, self.drafter.kv_cache_spec.num_kv_heads)
-        return self.config.scheduler.max_num_seqs * heads
-
     def determine_num_blocks(self) -> int:
         return startup.determine_num_blocks(self)
 
@@ -160,7 +150,7 @@ class ModelRunner:
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len + 1, max_blocks,
                                       self.config.cache.block_size, self.config.model.seed)
         self.buffers = StepBuffers(sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks,
-                                   self.device, self.split_counters())
+                                   self.device)
         self.persistent = startup.persistent_decoder(self)
         self.graphs = startup.prepare_step_path(self)
         if sched.num_scheduler_steps > 1:

@@ -182,8 +182,7 @@ def warm_up_kernel_variants(runner) -> None:
     rope = attn.rope_inputs(torch.zeros(1, dtype=torch.long, device=runner.device))
     warm_up_paged_attention(attn.num_heads, cache.k, cache.v, cache.k_scale, cache.v_scale,
                             runner.config.scheduler.max_model_len, runner.dtype,
-                            qk_norm=rope.q_norm_weight is not None,
-                            merge_in_launch=runner.buffers.split_counts is not None)
+                            qk_norm=rope.q_norm_weight is not None)
     warm_up_varlen_attention(attn.num_heads, runner.num_kv_heads, runner.head_dim,
                              runner.dtype, runner.device)
     # the sampler reads the LM head's logits, or float32 ones after filters and penalties

@@ -56,12 +56,8 @@ def packed_layout(num_tokens: int, num_seqs: int, width: int) -> tuple[list[int]
 
 class StepBuffers:
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 device: torch.device, split_counters: int = 0):
+                 device: torch.device):
         self.device = device
-        # AttentionMetadata.split_counts (none: 0); every launch leaves them zero, so one set
-        # serves every layer, step and graph in stream order
-        self.split_counts = (torch.zeros(split_counters, dtype=torch.int32, device=device)
-                             if split_counters else None)
         self.max_blocks_per_seq = max_blocks_per_seq
         pin = device.type == "cuda"
         self._by_kernel = copies_by_kernel(device)
@@ -162,7 +158,7 @@ class StepBuffers:
         ids, positions_d, slots_d, cu_d, seq_lens_d, order_d, table_d = device_views
         attention = AttentionMetadata(slot_mapping=slots_d, block_table=table_d,
                                       cu_seqlens_q=cu_d, seq_lens=seq_lens_d, seq_order=order_d,
-                                      split_counts=self.split_counts, **meta)
+                                      **meta)
         return ids, positions_d, attention
 
     def _views_of(self, tokens: int, rows: int, width: int):

@@ -1,14 +1,11 @@
 """Attention over the paged KV cache for any batch: decode, chunked prefill, prefill over a cached
-prefix, and mixes of them, in one launch (plus a merge launch when the keys are split, unless the
-launch merges them itself).
+prefix, and mixes of them, in one launch (plus a merge launch when the keys are split).
 
 Each program handles one (KV head, query tile, key split). Query tiles pack the GQA group (see
 common.py), so a decode token fills GROUP rows and K/V are read once per KV head. When the query
 tiles alone cannot fill the GPU (decode, short chunks over long contexts), the keys are split into
 `num_splits` equal chunks (flash decoding); programs then write unnormalised partials and
-reduce.merge_splits combines them. Given a counter per (KV head, tile), a launch with one tile per
-sequence merges them itself: each split counts its arrival and the last to arrive merges, which
-takes the merge launch out of a decode step's chain (one launch a layer, ~1.2 µs at batch 1).
+reduce.merge_splits combines them.
 """
 
 from dataclasses import dataclass
@@ -28,7 +25,7 @@ from echo_kernels.attention.common import (
     interpreting,
     query_rows,
 )
-from echo_kernels.attention.reduce import merge_split_rows, merge_splits
+from echo_kernels.attention.reduce import merge_splits
 from echo_kernels.cache import checked_cache_scales, store_cache_rows
 from echo_kernels.device import sm_count
 from echo_kernels.pdl import pdl_options, wait_for_inputs
@@ -52,7 +49,6 @@ def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, HEAD_DIM] (not SPLIT)
     part_acc_ptr,  # [num_tokens, num_heads, num_splits, HEAD_DIM] float32 (SPLIT)
     part_ml_ptr,  # [num_tokens, num_heads, num_splits, 2] float32: max, sum (SPLIT)
-    counts_ptr,  # [num_kv_heads * num_tiles] int32 zeros: arrivals of a tile's splits (MERGED)
     num_seqs,
     num_heads,
     num_splits,
@@ -90,9 +86,6 @@ def _paged_attention_kernel(
     ONE_TILE_PER_SEQ: tl.constexpr,  # every run fits one tile: tile index == sequence index
     ORDERED: tl.constexpr,  # one tile per sequence, taken in seq_order's order
     SPLIT: tl.constexpr,
-    MERGED: tl.constexpr,  # SPLIT: the last split of a tile to arrive merges its partials
-    MERGE_ROWS: tl.constexpr,  # MERGED: rows and splits merge_split_rows takes a step
-    MERGE_SPLITS: tl.constexpr,
     IS_INT8_KV: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,  # K/V offsets from the block_base'th block may pass +-2^31
     FUSED_ROPE: tl.constexpr,  # decode: rotate q/k (after the q/k norm) and store K/V here
@@ -192,17 +185,6 @@ def _paged_attention_kernel(
                  mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
-        if MERGED:
-            tl.debug_barrier()  # every thread's partials before the arrival (it releases them)
-            arrivals = counts_ptr + kv_head * tl.num_programs(1) + tl.program_id(1)
-            if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                tl.store(arrivals, 0)  # for the next launch: every split has arrived
-                # only the splits that saw keys: a graph captured for max_model_len gives a
-                # short context many empty ones
-                merge_split_rows(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
-                                 q_start, kv_head, num_heads, q_len * GROUP, num_splits,
-                                 tl.minimum(num_splits, tl.cdiv(ctx_len, split_len)), GROUP,
-                                 HEAD_DIM, MERGE_ROWS, MERGE_SPLITS)
     else:
         # a padded sequence (no keys) writes zeros, not 0/0
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -291,21 +273,6 @@ def max_num_splits(max_seqlen_k: int, config: TileConfig) -> int:
     return min(triton.cdiv(max_seqlen_k, min_len), _MAX_SPLITS)
 
 
-# partials the last split to arrive loads at once when it merges: 2,048 floats, 64 registers
-# of a one-warp decode program (its other values take ~130; shared memory, not registers,
-# bounds the programs an SM)
-_MERGE_STEP = 2048
-
-
-def merge_step(group: int, head_dim: int) -> tuple[int, int]:
-    """(rows, splits) merge_split_rows takes a step: a decode token's GQA group if it fits
-    beside 8 splits, and as many splits as the rest of _MERGE_STEP holds (under the
-    interpreter an eighth of it, so that the tests' small heads take several steps)."""
-    step = _MERGE_STEP // 8 if interpreting() else _MERGE_STEP
-    rows = max(1, min(triton.next_power_of_2(group), step // (8 * head_dim)))
-    return rows, max(1, step // (rows * head_dim))
-
-
 @dataclass(frozen=True)
 class LaunchPlan:
     """How paged_attention launches a batch: its tiles and the kernel's compile-time flags."""
@@ -315,24 +282,20 @@ class LaunchPlan:
     ordered: bool
     num_splits: int
     fused_rope: bool = False  # the decode launch rotates q/k and stores K/V itself
-    merged: bool = False  # split keys merged by the launch's last split (no merge launch)
 
     @property
     def variant(self) -> tuple:
         """What Triton compiles a separate kernel for (with the cache's dtype and offsets, and
         the rotation's flags)."""
-        return (self.config, self.one_tile, self.ordered, self.num_splits > 1, self.fused_rope,
-                self.merged)
+        return self.config, self.one_tile, self.ordered, self.num_splits > 1, self.fused_rope
 
 
 def plan_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, head_dim: int,
                 is_int8: bool, max_seqlen_q: int, max_seqlen_k: int, has_seq_order: bool,
                 device: torch.device, num_splits: int | None = None,
-                config: TileConfig | None = None, has_new_kv: bool = False,
-                has_split_counts: bool = False) -> LaunchPlan:
+                config: TileConfig | None = None, has_new_kv: bool = False) -> LaunchPlan:
     """paged_attention's launch for a batch (host-side, from sizes and bounds only).
-    has_new_kv: the step's K/V come with the call (NewKV) instead of already in the cache;
-    has_split_counts: so do counters for the launch to merge its own splits."""
+    has_new_kv: the step's K/V come with the call (NewKV) instead of already in the cache."""
     if config is None:
         config = batch_tile_config(max_seqlen_q, num_tokens, num_seqs, group, head_dim, is_int8)
     one_tile = max_seqlen_q * group <= config.block_m
@@ -350,9 +313,7 @@ def plan_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, h
                and num_tiles * num_kv_heads * num_splits > wave)
     # one token per sequence whose GQA group fits a tile: that tile's programs rotate it
     fused_rope = has_new_kv and one_tile and max_seqlen_q == 1
-    # a tile per sequence: the counters, one per (KV head, sequence), are bounded by the batch
-    merged = has_split_counts and one_tile and num_splits > 1
-    return LaunchPlan(config, num_tiles, one_tile, ordered, num_splits, fused_rope, merged)
+    return LaunchPlan(config, num_tiles, one_tile, ordered, num_splits, fused_rope)
 
 
 @dataclass(frozen=True)
@@ -388,7 +349,6 @@ def paged_attention(
     num_splits: int | None = None,
     config: TileConfig | None = None,
     new_kv: NewKV | None = None,
-    split_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query run over its paged context.
 
@@ -405,9 +365,6 @@ def paged_attention(
     paged_attention first rotates (after Qwen3's q/k norm) and stores, as rotary_embedding
     would; when every sequence has one query token and its GQA group fits a tile (decode), in
     the attention launch itself: the program that reads the token's own key stores it.
-    split_counts: int32 zeros, at least num_kv_heads x num_seqs of them; with them a launch of
-    one tile per sequence whose keys are split merges them itself (its last split to arrive),
-    instead of a merge launch after it, and leaves them zero again.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -423,7 +380,7 @@ def paged_attention(
 
     plan = plan_launch(num_tokens, num_seqs, num_kv_heads, group, head_dim, is_int8,
                        max_seqlen_q, max_seqlen_k, seq_order is not None, q.device, num_splits,
-                       config, new_kv is not None, split_counts is not None)
+                       config, new_kv is not None)
     if new_kv is not None and not plan.fused_rope:
         rotary_embedding(new_kv.positions, q, new_kv.k, new_kv.cos_sin_cache, new_kv.is_neox,
                          new_kv.q_norm_weight, new_kv.k_norm_weight, new_kv.eps, v=new_kv.v,
@@ -438,14 +395,6 @@ def paged_attention(
                               device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    if plan.merged:
-        if not (split_counts.dtype == torch.int32 and split_counts.is_contiguous()
-                and split_counts.numel() >= num_kv_heads * plan.num_tiles):
-            raise ValueError(f"split_counts must be {num_kv_heads * plan.num_tiles}+ contiguous "
-                             f"int32 zeros, got {split_counts.dtype} "
-                             f"{tuple(split_counts.shape)}")
-    else:
-        split_counts = seq_lens  # unused
 
     block_base, wide = cache_offsets(k_cache)
     rope = new_kv if plan.fused_rope else NewKV(q, q, q, q, q)  # placeholders, never read
@@ -453,12 +402,10 @@ def paged_attention(
     if plan.fused_rope:
         assert rope.k.stride(2) == 1 and rope.v.stride(2) == 1
         assert rope.cos_sin_cache.shape[1] == head_dim and rope.cos_sin_cache.stride(1) == 1
-    # (a launch that does not merge compiles the same whatever they are: keep them fixed)
-    merge_rows, merge_splits_a_step = merge_step(group, head_dim) if plan.merged else (1, 1)
     grid = (num_kv_heads, plan.num_tiles, num_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, k_scale, v_scale, block_table, cu_seqlens_q, seq_lens,
-        seq_order if plan.ordered else seq_lens, out, part_acc, part_ml, split_counts,
+        seq_order if plan.ordered else seq_lens, out, part_acc, part_ml,
         num_seqs, num_heads, num_splits, softmax_scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -471,12 +418,11 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, ONE_TILE_PER_SEQ=plan.one_tile,
         ORDERED=plan.ordered,
-        SPLIT=split, MERGED=plan.merged, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits_a_step,
-        IS_INT8_KV=is_int8, WIDE_OFFSETS=wide,
+        SPLIT=split, IS_INT8_KV=is_int8, WIDE_OFFSETS=wide,
         FUSED_ROPE=plan.fused_rope, IS_NEOX=rope.is_neox, HAS_NORM=has_norm,
         **pdl_options(q.device),
         **config.launch_options(),
     )
-    if split and not plan.merged:
+    if split:
         merge_splits(part_acc, part_ml, out)
     return out

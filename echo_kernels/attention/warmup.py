@@ -38,12 +38,11 @@ class WarmupLaunch:
 
 
 def paged_attention_warmups(num_heads: int, num_kv_heads: int, head_dim: int, is_int8: bool,
-                            device: torch.device, has_new_kv: bool = False,
-                            has_split_counts: bool = False) -> list[WarmupLaunch]:
+                            device: torch.device, has_new_kv: bool = False
+                            ) -> list[WarmupLaunch]:
     """One dummy launch per paged_attention variant (host-side: nothing runs). has_new_kv: the
     model gives paged_attention the step's K/V to rotate and store (NewKV), so its decode
-    batches take the fused launch; has_split_counts: split counters, so its launches of one
-    tile per sequence merge their own splits."""
+    batches take the fused launch."""
     group = num_heads // num_kv_heads
     launches = []
     for first, last, config in tile_classes(head_dim, is_int8):
@@ -69,11 +68,8 @@ def paged_attention_warmups(num_heads: int, num_kv_heads: int, head_dim: int, is
                 max_q = 1 if one_tile else config.block_m // group + 1
                 max_k = splits * config.block_n
                 plan = plan_launch(num_seqs, num_seqs, num_kv_heads, group, head_dim, is_int8,
-                                   max_q, max_k, True, device, splits, config, fused,
-                                   has_split_counts)
-                merged = has_split_counts and one_tile and splits > 1
-                assert plan.variant == (config, one_tile, ordered, splits > 1, fused,
-                                        merged), plan
+                                   max_q, max_k, True, device, splits, config, fused)
+                assert plan.variant == (config, one_tile, ordered, splits > 1, fused), plan
                 launches.append(WarmupLaunch(plan, num_seqs, max_q, max_k))
     return launches
 
@@ -81,21 +77,17 @@ def paged_attention_warmups(num_heads: int, num_kv_heads: int, head_dim: int, is
 def warm_up_paged_attention(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                             max_seqlen_k: int, dtype: torch.dtype,
-                            qk_norm: bool | None = None, merge_in_launch: bool = False
-                            ) -> None:
+                            qk_norm: bool | None = None) -> None:
     """Launch every paged_attention variant over this cache (queries of `dtype`) once, reading
     cache block 0, and the split merge for every padded split count up to max_seqlen_k's.
     qk_norm: the model gives paged_attention its K/V (NewKV), with q/k norm weights or not;
-    None: it does not. merge_in_launch: the engine gives decode attention split counters
-    (AttentionMetadata.split_counts)."""
+    None: it does not."""
     _, _, num_kv_heads, head_dim = k_cache.shape
     is_int8 = k_cache.dtype == torch.int8
     device = k_cache.device
     for launch in paged_attention_warmups(num_heads, num_kv_heads, head_dim, is_int8, device,
-                                          qk_norm is not None, merge_in_launch):
+                                          qk_norm is not None):
         n = launch.num_seqs
-        counts = (torch.zeros(num_kv_heads * n, dtype=torch.int32, device=device)
-                  if launch.plan.merged else None)
         seqs = torch.arange(n + 1, dtype=torch.int32, device=device)
         new_kv = None
         if launch.plan.fused_rope:  # stores nothing: every slot is -1
@@ -109,8 +101,7 @@ def warm_up_paged_attention(num_heads: int, k_cache: torch.Tensor, v_cache: torc
                         seqs, torch.ones(n, dtype=torch.int32, device=device),
                         launch.max_seqlen_q, launch.max_seqlen_k, 1.0, k_scale, v_scale,
                         seq_order=seqs[:-1], num_splits=launch.plan.num_splits,
-                        config=launch.plan.config, new_kv=new_kv,
-                        split_counts=counts)
+                        config=launch.plan.config, new_kv=new_kv)
     most_splits = max(max_num_splits(max_seqlen_k, config)
                       for _, _, config in tile_classes(head_dim, is_int8))
     for pad in (2**i for i in range(1, triton.next_power_of_2(most_splits).bit_length())):

@@ -35,20 +35,18 @@ def as_on_an_h200(monkeypatch):
 @pytest.mark.parametrize("heads, kv_heads, head_dim, is_int8",
                          [(32, 8, 128, False), (32, 8, 128, True), (16, 1, 128, False),
                           (40, 8, 64, True), (32, 1, 128, False), (64, 2, 128, True)])
-@pytest.mark.parametrize("has_new_kv,has_split_counts", [(True, True), (True, False),
-                                                         (False, False)])
+@pytest.mark.parametrize("has_new_kv", [True, False])
 def test_every_plan_of_a_real_batch_is_warmed_up(as_on_an_h200, heads, kv_heads, head_dim,
-                                                 is_int8, has_new_kv, has_split_counts):
+                                                 is_int8, has_new_kv):
     device = torch.device("cuda")  # only for the SM count above; nothing is launched
     variants = {launch.plan.variant for launch in
-                paged_attention_warmups(heads, kv_heads, head_dim, is_int8, device, has_new_kv,
-                                        has_split_counts)}
+                paged_attention_warmups(heads, kv_heads, head_dim, is_int8, device, has_new_kv)}
     seen = set()
     for q_lens, max_k, ordered in itertools.product(batches(), (300, 4096, 32768),
                                                     (True, False)):
         plan = plan_launch(sum(q_lens), len(q_lens), kv_heads, heads // kv_heads, head_dim,
                            is_int8, max(q_lens), max(max_k, max(q_lens)), ordered, device,
-                           has_new_kv=has_new_kv, has_split_counts=has_split_counts)
+                           has_new_kv=has_new_kv)
         assert plan.variant in variants, (q_lens, max_k, ordered, plan)
         seen.add(plan.variant)
     # and reach every variant: the warm-up compiles none for nothing (with GQA groups of 16
@@ -57,23 +55,20 @@ def test_every_plan_of_a_real_batch_is_warmed_up(as_on_an_h200, heads, kv_heads,
 
 
 # a model that gives attention no K/V (fp16 cache), and one that does, with the q/k norm (int8)
-# and split counters
-@pytest.mark.parametrize("kv_dtype,qk_norm,merged", [(torch.float16, None, False),
-                                                     (torch.int8, True, True)])
-def test_warm_up_runs_every_variant(device, paged_batch, kv_dtype, qk_norm, merged):
+@pytest.mark.parametrize("kv_dtype,qk_norm", [(torch.float16, None), (torch.int8, True)])
+def test_warm_up_runs_every_variant(device, paged_batch, kv_dtype, qk_norm):
     batch = paged_batch([1], [40], 4, 2, 32, 16, torch.float16, kv_dtype=kv_dtype)
     caches = [c if c is None else c.clone() for c in
               (batch.k_cache, batch.v_cache, batch.k_scale, batch.v_scale)]
-    warm_up_paged_attention(4, *caches, 256, torch.float16, qk_norm, merged)
+    warm_up_paged_attention(4, *caches, 256, torch.float16, qk_norm)
     for cache, before in zip(caches, (batch.k_cache, batch.v_cache, batch.k_scale,
                                       batch.v_scale), strict=True):
         assert cache is None or torch.equal(cache.nan_to_num(), before.nan_to_num())  # no store
     launches = paged_attention_warmups(4, 2, 32, kv_dtype == torch.int8, torch.device(device),
-                                       qk_norm is not None, merged)
+                                       qk_norm is not None)
     # two tile classes, each with one tile per sequence or not (ordered or not), split or not;
     # one-token runs given their K/V also rotate them in the launch
     assert len(launches) == len({launch.plan.variant for launch in launches}) >= 10
     assert any(launch.plan.fused_rope for launch in launches) == (qk_norm is not None)
-    assert any(launch.plan.merged for launch in launches) == merged
     configs = warm_up_varlen_attention(4, 2, 32, torch.float16, torch.device(device))
     assert len(configs) == len(set(configs)) >= 2

@@ -38,89 +38,6 @@ def test_decode_forced_splits(paged_batch, num_splits):
     assert_close(b.run(num_splits=num_splits), b.reference(), CPU_ATOL[torch.float32])
 
 
-def _merge_launches_refused(monkeypatch):
-    def refuse(*args):
-        raise AssertionError("a merge launch after a launch that merges its own splits")
-
-    monkeypatch.setattr(paged, "merge_splits", refuse)
-
-
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
-@pytest.mark.parametrize("num_splits", [2, 5])
-def test_decode_merged_by_the_last_split(paged_batch, monkeypatch, kv_dtype, num_splits):
-    # given counters, the launch's last split of each (KV head, sequence) merges its partials
-    # (5 splits of 32 keys over contexts <= 97: some splits see no key); the counters are zero
-    # again after it, so a second launch over them merges as well
-    b = paged_batch([1, 1, 1], [97, 3, 40], 4, 2, 32, 16, torch.float32, kv_dtype=kv_dtype)
-    _merge_launches_refused(monkeypatch)
-    counts = torch.zeros(2 * 3 + 1, dtype=torch.int32, device=b.q.device)  # one spare
-    for _ in range(2):
-        # int8 K/V: the products run in float16
-        assert_close(b.run(num_splits=num_splits, split_counts=counts), b.reference(),
-                     CPU_ATOL[torch.float16 if kv_dtype == torch.int8 else torch.float32])
-        assert not counts.any()
-
-
-def test_decode_merged_over_more_splits_than_a_merge_step(paged_batch, monkeypatch):
-    # under the interpreter the last split merges 8 splits of one row a step (merge_step): 10
-    # splits of 32 keys take two steps, and a key scoring far above the rest in the ninth
-    # split makes the second step rescale what the first added
-    assert paged.merge_step(2, 32) == (1, 8)
-    b = paged_batch([1, 1], [300, 45], 4, 2, 32, 16, torch.float32)
-    block = b.block_table[0, 270 // 16].item()
-    b.k_cache[block, 270 % 16, 0] = b.q[0, 0] * 8  # query head 0 reads KV head 0
-    _merge_launches_refused(monkeypatch)
-    counts = torch.zeros(2 * 2, dtype=torch.int32, device=b.q.device)
-    assert paged.plan_launch(2, 2, 2, 2, 32, False, 1, 300, False, b.q.device, 10,
-                             has_split_counts=True).num_splits == 10
-    assert_close(b.run(num_splits=10, split_counts=counts), b.reference(),
-                 CPU_ATOL[torch.float32])
-    assert not counts.any()
-
-
-def test_merged_runs_of_several_tokens(paged_batch, monkeypatch):
-    # runs of 1-4 tokens (a speculative step's verification) still fit one tile a sequence:
-    # the last split merges every row of the run, a token's GQA group after another
-    b = paged_batch([3, 1, 4], [97, 3, 40], 4, 2, 32, 16, torch.float32)
-    assert paged.plan_launch(8, 3, 2, 2, 32, False, 4, 97, False, b.q.device, 3,
-                             has_split_counts=True).merged
-    _merge_launches_refused(monkeypatch)
-    counts = torch.zeros(2 * 3, dtype=torch.int32, device=b.q.device)
-    assert_close(b.run(num_splits=3, split_counts=counts), b.reference(),
-                 CPU_ATOL[torch.float32])
-    assert not counts.any()
-
-
-def test_decode_merged_in_seq_order(paged_batch, monkeypatch):
-    # past one wave the programs take their sequence from seq_order; each counts its arrival
-    # at its own grid place
-    ctx = [5, 70, 33, 1, 64, 17, 90, 2, 48, 31, 16, 65]
-    b = paged_batch([1] * len(ctx), ctx, 4, 2, 32, 16, torch.float16)
-    order = torch.tensor(sorted(range(len(ctx)), key=lambda s: -ctx[s]), dtype=torch.int32)
-    plan = paged.plan_launch(12, 12, 2, 2, 32, False, 1, 90, True, b.q.device, 3,
-                             has_split_counts=True)
-    assert plan.ordered and plan.merged
-    _merge_launches_refused(monkeypatch)
-    counts = torch.zeros(2 * len(ctx), dtype=torch.int32, device=b.q.device)
-    assert_close(b.run(seq_order=order, num_splits=3, split_counts=counts), b.reference(),
-                 CPU_ATOL[torch.float16])
-    assert not counts.any()
-
-
-def test_split_counts_checked(paged_batch):
-    b = paged_batch([1, 1, 1], [97, 3, 40], 4, 2, 32, 16, torch.float32)
-    for counts in (torch.zeros(5, dtype=torch.int32), torch.zeros(6, dtype=torch.int64)):
-        with pytest.raises(ValueError, match="split_counts"):
-            b.run(num_splits=2, split_counts=counts.to(b.q.device))
-    # a batch with several tiles a sequence keeps its merge launch: its counters go unused
-    mixed = paged_batch([1, 12, 2], [20, 12, 33], 4, 2, 32, 16, torch.float32)
-    assert not paged.plan_launch(15, 3, 2, 2, 32, False, 12, 33, False, b.q.device, 2,
-                                 has_split_counts=True).one_tile
-    counts = torch.zeros(1, dtype=torch.int32, device=b.q.device)
-    assert_close(mixed.run(num_splits=2, split_counts=counts), mixed.reference(),
-                 CPU_ATOL[torch.float32])
-
-
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_with_a_late_dominant_key(paged_batch, num_splits):
     # a key scoring far above every earlier one arrives in a late tile: decode tiles rescale the
@@ -280,21 +197,16 @@ def _assert_caches_match(got, want, atol: float) -> None:
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
 @pytest.mark.parametrize("heads", [(6, 2), (4, 1)])  # groups of 3 and 4
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("is_neox,norm,merged", [(True, True, True), (False, False, False)])
-def test_decode_given_new_kv(paged_batch, kv_dtype, heads, num_splits, is_neox, norm, merged):
+@pytest.mark.parametrize("is_neox,norm", [(True, True), (False, False)])
+def test_decode_given_new_kv(paged_batch, kv_dtype, heads, num_splits, is_neox, norm):
     # the attention launch rotates q and the new keys itself and stores K/V: the split whose
-    # keys end with the token's own stores it; one sequence's token is padding (slot -1).
-    # merged: the launch also merges its splits
+    # keys end with the token's own stores it; one sequence's token is padding (slot -1)
     b = paged_batch([1, 1, 1, 1], [97, 3, 40, 1], *heads, 32, 16, torch.float32,
                     kv_dtype=kv_dtype)
     plan = paged.plan_launch(4, 4, heads[1], heads[0] // heads[1], 32, kv_dtype == torch.int8,
-                             1, 97, False, b.q.device, num_splits, has_new_kv=True,
-                             has_split_counts=merged)
-    assert plan.fused_rope and plan.merged == (merged and num_splits > 1)
-    counts = torch.zeros(4 * heads[1], dtype=torch.int32, device=b.q.device) if merged else None
-    separate, given = _with_new_kv(b, is_neox, norm, padded_seq=2, num_splits=num_splits,
-                                   split_counts=counts)
-    assert counts is None or not counts.any()
+                             1, 97, False, b.q.device, num_splits, has_new_kv=True)
+    assert plan.fused_rope
+    separate, given = _with_new_kv(b, is_neox, norm, padded_seq=2, num_splits=num_splits)
     assert_close(given[0], separate[0], 1e-5)
     _assert_caches_match(given[1:], separate[1:], 1e-5)
 
@@ -339,18 +251,10 @@ def test_gpu_decode(paged_batch, heads, head_dim, block_size):
                     seed=rng.randint(0, 1000))
     order = torch.tensor(longest_first(np.array(ctx)), device="cuda")
     assert_close(b.run(seq_order=order), b.reference(), GPU_ATOL)
-    counts = torch.zeros(heads[1] * len(ctx), dtype=torch.int32, device="cuda")
-    for _ in range(2):  # splits merged by the launch, longest first; the counters reset
-        assert_close(b.run(seq_order=order, num_splits=3, split_counts=counts), b.reference(),
-                     GPU_ATOL)
-        assert not counts.any()
-    # a batch of one long context goes through many splits and the merge (a launch, or the
-    # last split's)
+    # a batch of one long context goes through many splits and the merge
     b = paged_batch([1], [8191], *heads, head_dim, block_size, torch.bfloat16,
                     num_blocks=max(POOL, 8191 // block_size + 16))
     assert_close(b.run(), b.reference(), GPU_ATOL)
-    assert_close(b.run(split_counts=counts), b.reference(), GPU_ATOL)
-    assert not counts.any()
 
 
 @pytest.mark.gpu

@@ -80,28 +80,6 @@ def test_pdl_gives_the_same_tokens(tiny_qwen3, monkeypatch):
     assert [o.outputs[0].token_ids for o in pdl] == [o.outputs[0].token_ids for o in plain]
 
 
-def test_attention_merging_its_own_splits_gives_the_same_tokens(tiny_qwen3, monkeypatch):
-    # ECHO_ATTN_MERGE_IN_LAUNCH: decode attention's last split merges the others (graphs are
-    # captured for max_model_len, so a decode's keys are split); a counter left non-zero would
-    # merge early in a later launch, and a missing merge leaves the output unwritten
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    prompts = [prompt * 8 for prompt in PROMPTS]  # contexts past one split
-
-    def generate(merge: str):
-        monkeypatch.setenv("ECHO_ATTN_MERGE_IN_LAUNCH", merge)
-        llm = gpu_llm(tiny_qwen3, num_scheduler_steps=4)
-        try:
-            counts = llm.engine.executor.runner.buffers.split_counts
-            assert (counts is not None) == (merge == "1")
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            assert counts is None or not counts.any()
-            return [o.outputs[0].token_ids for o in outs]
-        finally:
-            llm.shutdown()
-
-    assert generate("1") == generate("0")
-
-
 @pytest.mark.parametrize("steps", [1, 8])
 def test_step_copies_by_kernel_give_the_same_tokens(tiny_qwen3, monkeypatch, steps):
     # the step's inputs, sampling parameters and sampled tokens moved by kernels through

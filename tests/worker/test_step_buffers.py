@@ -45,15 +45,6 @@ def test_load_fills_metadata_and_pads_graph_batches():
     assert meta.cu_seqlens_q.tolist() == [0, 2, 4, 6, 8] and meta.max_seqlen_q == 2
     assert meta.slot_mapping.tolist()[-2:] == [-1, -1] and meta.block_table.shape == (4, 3)
     assert positions.tolist()[-2:] == [0, 1] and ids.tolist() == [0, 1, 2, 3, 4, 5, 0, 0]
-    assert meta.split_counts is None  # no counters asked for: attention launches its merge
-
-
-def test_split_counters_are_one_set_of_int32_zeros_in_every_step():
-    buffers = StepBuffers(max_num_tokens=8, max_num_seqs=4, max_blocks_per_seq=3,
-                          device=torch.device("cpu"), split_counters=12)
-    metas = [buffers.load_padding(n, 64)[2] for n in (1, 4)]
-    assert metas[0].split_counts is metas[1].split_counts is buffers.split_counts
-    assert buffers.split_counts.dtype == torch.int32 and buffers.split_counts.tolist() == [0] * 12
 
 
 def test_packed_fields_sit_where_the_shape_puts_them():
