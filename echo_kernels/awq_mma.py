@@ -26,9 +26,8 @@ their partial sums in awq.py's split-sum launch (SwiGLU there too), or, given a 
 arrival counts, inside the GEMV's launch: each split stores its partials and counts its
 arrival (acq_rel), and the last of a column block adds them.
 
-A program's next group of weights waits in registers; with `stages` it comes instead through a
-ring of groups in shared memory that cp.async fills STAGES - 1 groups ahead, more bytes in
-flight an SM for fewer registers (not yet timed: the default stays the registers).
+A program's next group of weights waits in registers while the current one is summed (a ring
+of groups in shared memory filled by cp.async was 35-60% slower: docs/benchmarks.md, AWQ).
 
 Under PDL a program loads its first group's weights, then waits for the previous kernel, and
 lets the next kernel launch only after its loop. Letting it launch at the wait, as echo's
@@ -48,7 +47,7 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from echo_kernels.activation import silu_and_mul
 from echo_kernels.awq import (
@@ -74,11 +73,10 @@ MMA_MAX_ROWS = 64
 GEMM_MAX_ROWS = 128
 _GEMM_TILE = (128, 16, 8)  # rows, 16-column tiles, warps a program
 _MAGIC = {torch.bfloat16: 0x3F803F80, torch.float16: 0x3C003C00}  # 1.0 in both halves
-# (warps, 16-column tiles a warp, programs an SM the splits aim at, stages): one row wanted one
-# tile a warp and ~8 programs an SM (gate_up 25.8 us, down 15.0, qkv 9.5), more rows two tiles
-# and 4; the weights in registers (stages 0) until the shared-memory ring is timed
-_ONE_ROW = (4, 1, 8, 0)
-_ROWS = (4, 2, 4, 0)
+# (warps, 16-column tiles a warp, programs an SM the splits aim at): one row wanted one tile a
+# warp and ~8 programs an SM (gate_up 25.8 us, down 15.0, qkv 9.5), more rows two tiles and 4
+_ONE_ROW = (4, 1, 8)
+_ROWS = (4, 2, 4)
 _DEQUANTIZE_WARPS = 4
 
 
@@ -346,8 +344,6 @@ def _awq_mma_kernel(
     ROWS: gl.constexpr,  # rows of x a program: 8, 16 or 32 (mma_v2's N)
     BF16: gl.constexpr,
     USE_PDL: gl.constexpr,
-    STAGES: gl.constexpr,  # 0: the next group's weights in registers; else a ring of STAGES
-    # groups in shared memory, filled by cp.async STAGES - 1 groups ahead
     SUM_SPLITS: gl.constexpr,  # 0, or num_splits rounded up to a power of two: the last
     # split of a column block to finish adds the partial sums (no split-sum launch)
     SWIGLU: gl.constexpr,  # with SUM_SPLITS: store silu(gate) * up of the product's halves
@@ -395,42 +391,15 @@ def _awq_mma_kernel(
     first = split * groups_per_split
     end = gl.minimum(first + groups_per_split, K // GROUP)
     total = gl.zeros([BM, ROWS], gl.float32, mma)
-    # weights before the PDL wait: the first group in registers, or the ring's first STAGES - 1
-    if STAGES > 0:
-        # a lane's words of a group contiguous (a stage's dims [tile // WARPS, warp, l, step,
-        # t], step fastest): each lane copies its own 16-byte runs and reads back only those
-        ring = gl.allocate_shared_memory(
-            gl.int32, [STAGES, TILES, WARPS, 8, STEPS, 4],
-            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[3, 4, 2, 1, 0]))
-        # (copies past the split's last group are predicated off: no traffic, an empty group)
-        for stage in gl.static_range(STAGES - 1):
-            ahead = first + stage
-            async_copy.async_copy_global_to_shared(
-                ring.index(stage), rq_ptr + w_offs + gl.minimum(ahead, end - 1) * (GROUP * 2),
-                mask=w_offs * 0 + ahead < end)
-            async_copy.commit_group()
-    else:
-        words = gl.load(rq_ptr + w_offs + first * (GROUP * 2))
+    words = gl.load(rq_ptr + w_offs + first * (GROUP * 2))  # before the PDL wait
     if USE_PDL:  # pdl.wait_for_inputs' wait (a triton.jit Gluon cannot call)
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
     xb = gl.load(x_ptr + x_offs + first * (GROUP // 2), mask=x_mask, other=0)
     for group in range(first, end):
-        # the next group's x (and in registers its weights) in flight while this one is summed
+        # the next group's weights and x in flight while this one is summed
         nxt = gl.minimum(group + 1, end - 1)
-        if STAGES > 0:
-            # refill the stage the last group was read from, then wait for this group's
-            i = group - first
-            ahead = group + STAGES - 1
-            async_copy.async_copy_global_to_shared(
-                ring.index((i + STAGES - 1) % STAGES),
-                rq_ptr + w_offs + gl.minimum(ahead, end - 1) * (GROUP * 2),
-                mask=w_offs * 0 + ahead < end)
-            async_copy.commit_group()
-            async_copy.wait_group(STAGES - 1)
-            words = ring.index(i % STAGES).load(w_layout)
-        else:
-            words_next = gl.load(rq_ptr + w_offs + nxt * (GROUP * 2))
+        words_next = gl.load(rq_ptr + w_offs + nxt * (GROUP * 2))
         xb_next = gl.load(x_ptr + x_offs + nxt * (GROUP // 2), mask=x_mask, other=0)
         # pairs (n3, h) = (0, 0), (1, 0), (0, 1), (1, 1) at nibbles 0-3 (k0 = 0) and 4-7
         a = gl.join(gl.join(_weight_pair(words, magic, 0, BF16),
@@ -449,8 +418,7 @@ def _awq_mma_kernel(
         z = ((gl.load(qzeros_ptr + group * n_packed + cn // 8) >> z_shift) & 0xF).to(gl.float32)
         total += gl.expand_dims(s, 1) * (acc * INV_U
                                          - gl.expand_dims(INV_U + z, 1) * gl.expand_dims(x_sum, 0))
-        if STAGES == 0:
-            words = words_next
+        words = words_next
         xb = xb_next
     if USE_PDL:  # the next kernel launches now, not at the wait (module docstring)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
@@ -489,13 +457,11 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
                  group_size: int, arrivals: torch.Tensor | None = None, *,
                  warps: int | None = None, tiles: int | None = None, per_sm: int | None = None,
                  rows: int | None = None, split_k: int | None = None,
-                 stages: int | None = None, swiglu: bool = False) -> torch.Tensor:
+                 swiglu: bool = False) -> torch.Tensor:
     """x [M, K] (fp16/bf16, CUDA) @ the repacked AWQ weight [K, N] -> [M, N] in x's dtype;
     swiglu: silu(gate) * up of the product's halves, [M, N / 2]. A program takes `rows` rows
     (8, 16 or 32; each reads its weights again, from the L2 when they run together) and WARPS x
-    TILES 16-column tiles; split_k (None: enough for per_sm programs an SM) K ranges; stages:
-    0 keeps the next group's weights in registers, 2 or more a ring of that many groups in
-    shared memory filled by cp.async (more bytes in flight an SM; the probe times both). None:
+    TILES 16-column tiles; split_k (None: enough for per_sm programs an SM) K ranges. None:
     the settings of _ONE_ROW or _ROWS. arrivals (arrival_counts(N), zero between calls, as each
     call leaves it): the last split of a column block to finish adds the splits' partial sums,
     instead of a second launch."""
@@ -505,10 +471,8 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
     assert x.stride(1) == 1 and x.stride(0) % 2 == 0 and x.data_ptr() % 16 == 0
     defaults = _ONE_ROW if m == 1 else _ROWS
     warps, tiles, per_sm = (warps or defaults[0], tiles or defaults[1], per_sm or defaults[2])
-    stages = defaults[3] if stages is None else stages
     rows = rows or (8 if m <= 16 else 32)
     assert n % (16 * warps * tiles) == 0, f"N={n} is not a multiple of {16 * warps * tiles}"
-    assert stages == 0 or stages >= 2, f"stages={stages}: 0, or a ring of 2 or more"
     groups = k // group_size
     programs = n // (16 * warps * tiles) * triton.cdiv(m, rows)
     if split_k is None:
@@ -531,7 +495,7 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
             stride_split, per_split, _MAGIC[x.dtype], rq if arrivals is None else arrivals,
             target if total is None else total, num_splits, GROUP=group_size, WARPS=warps,
             TILES=tiles, ROWS=rows, BF16=x.dtype == torch.bfloat16, USE_PDL=pdl["launch_pdl"],
-            STAGES=stages, SUM_SPLITS=triton.next_power_of_2(num_splits) if fused else 0,
+            SUM_SPLITS=triton.next_power_of_2(num_splits) if fused else 0,
             SWIGLU=swiglu, launch_pdl=pdl["launch_pdl"], num_warps=warps,
             maxnreg=max_registers(fused, rows, tiles))
 

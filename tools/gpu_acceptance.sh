@@ -224,25 +224,24 @@ stage_commands() {
         grep -E "one-row linear|decode" "$dir/latency_$1.log" | tail -6
       done ;;
     awq-mma)  # #30: the tensor-core AWQ layout (ECHO_AWQ_MMA, default 1): its GPU tests, the
-      # GEMV's register prefetch against shared-memory rings (stages) at 1 and 4 rows, its
-      # splits summed by a launch or inside, its GEMM at 64-128 rows against awq_gemm and the
-      # dense weight
+      # GEMV's settings at 1 and 4 rows with its splits summed by a launch or inside, its GEMM
+      # at 64-128 rows against awq_gemm and the dense weight
       timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_awq_mma.py \
         2>&1 | tail -2
       timeout 200 $PY tools/dev/probe_awq_mma_gemv.py --rows 1,4 --configs 4x1,4x2 --per-sm 8,4 \
-        --stages 0,3 --fused-sum 0,1 2>&1 | tee "$dir/probe_awq_mma_gemv.log" \
+        --fused-sum 0,1 2>&1 | tee "$dir/probe_awq_mma_gemv.log" \
         | grep -E "awq_linear|mma"
       timeout 200 $PY tools/dev/probe_awq_gemm_rows.py --rows 64,128 2>&1 \
         | tee "$dir/probe_awq_gemm_rows.log" ;;
     awq-mma-steps)  # #30: Llama-3.1-8B AWQ steps at batch 1-96 and Qwen3-8B AWQ offline with
       # the tensor-core layout and without, alternately; at batch 1 and 4 also the tensor-core
-      # GEMV's splits summed inside (ECHO_AWQ_SUM_INSIDE=1)
+      # GEMV's splits summed by a second launch (ECHO_AWQ_SUM_INSIDE=0, "launch")
       local batch mma
       for batch in 1 4 16 96; do
-        for mma in 0 1 sum; do
-          [ "$mma" = sum ] && [ "$batch" -gt 4 ] && continue
+        for mma in 0 1 launch; do
+          [ "$mma" = launch ] && [ "$batch" -gt 4 ] && continue
           echo "batch $batch, ECHO_AWQ_MMA=$mma"
-          ECHO_AWQ_MMA=${mma/sum/1} ECHO_AWQ_SUM_INSIDE=$([ "$mma" = sum ] && echo 1 || echo 0) \
+          ECHO_AWQ_MMA=${mma/launch/1} ECHO_AWQ_SUM_INSIDE=$([ "$mma" = launch ] && echo 0 || echo 1) \
             timeout 150 $PY tools/bench_latency.py --model llama-3.1-8b-awq \
             --max-model-len 2048 --iters 2 --num-scheduler-steps 8 --batch-size $batch \
             --json "$dir/latency_b${batch}_mma$mma.json" 2>&1 | grep -E "decode"
