@@ -116,12 +116,9 @@ def test_mma_linear_matches_reference(m, k, n, group_size, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [dict(split_k=1), dict(split_k=3), dict(warps=4, tiles=2),
                                      dict(rows=16), dict(rows=32), dict(split_k=4),
-                                     dict(warps=4, tiles=2, rows=16), dict(ahead=2),
-                                     dict(ahead=2, split_k=1), dict(ahead=2, split_k=3),
-                                     dict(ahead=2, warps=4, tiles=2, rows=32)])
+                                     dict(warps=4, tiles=2, rows=16)])
 def test_mma_gemv_knobs_and_swiglu(options):
-    """Settings against the reference, also splits of one group (split_k=4), and two groups
-    ahead over splits of four groups, two, and (the default split here) one."""
+    """Settings against the reference, also a split of one group (split_k=4)."""
     k, n, group_size = 512, 256, 128
     qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda")
     x = torch.randn(5, k, device="cuda", dtype=torch.bfloat16)
@@ -150,7 +147,7 @@ def count_split_sum_launches(monkeypatch) -> list:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("swiglu", [False, True])
-@pytest.mark.parametrize("m,options", [(1, dict(split_k=3)), (5, dict(split_k=4, tiles=2, ahead=2)),
+@pytest.mark.parametrize("m,options", [(1, dict(split_k=3)), (5, dict(split_k=4, tiles=2)),
                                        (13, dict(split_k=2, rows=16)),
                                        (40, dict(split_k=4, rows=32))])
 def test_mma_gemv_sums_its_splits_inside(m, options, swiglu, monkeypatch):
