@@ -3,13 +3,14 @@
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
 # Stages: tests (or tests-kernels, then tests-rest), kernels latency batch1 offline profile
 # profile-tail serving int8-pool kv-offload kv-offload-repeat structured awq awq-mma
-# awq-mma-steps moe persistent persistent-models persistent-awq, and tp and profile-tp (two
-# GPUs). Rough minutes on an H200:
+# awq-mma-steps moe persistent persistent-models persistent-awq ab-latency, and tp and
+# profile-tp (two GPUs). Rough minutes on an H200:
 # tests 14 (two calls: tests-kernels 7, tests-rest 7, on a machine just started), kernels 2,
 # latency 3, batch1 4 (3.5 on an H100), offline 5, profile 5, profile-tail 2, serving 4,
 # int8-pool 2, kv-offload 7, kv-offload-repeat 3, structured 4, awq 8, awq-mma 5 and
 # awq-mma-steps 5 (guesses: their parts ran on an H100 in 2-4 minutes each), moe 6, persistent 6,
-# persistent-models 8 and persistent-awq 8 (a guess: not yet run), tp 6 (plus start-up): pick
+# persistent-models 8 and persistent-awq 8 (a guess: not yet run), ab-latency 1 a model and
+# tree (a guess), tp 6 (plus start-up): pick
 # what fits the device budget. Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the
 # device tool returns few files), and the key lines are printed. Every process started here is ended here, by PID.
 # The probes' runs: tools/dev/gpu_probes.sh.
@@ -271,6 +272,26 @@ stage_commands() {
         persistent_latency "$dir" $model "" "--persistent-decode" \
           "--num-scheduler-steps 8 --persistent-decode"
       done ;;
+    ab-latency)  # this tree against another commit's, batch 1, alternately, twice each:
+      # AB_BASE (a `git archive` tar of it, made beside this tree before the call, e.g.
+      # `git archive -o .gpu/base.tar REV` and carried in .gpu), AB_MODELS (default
+      # llama-3.1-8b-awq), AB_STEPS (steps a launch, default 8); AB_TESTS: test paths or ids
+      # (no spaces inside one) for this tree's GPU tests, run first
+      local base=/tmp/ab-base model tree
+      # shellcheck disable=SC2086
+      [ -n "${AB_TESTS:-}" ] && timeout 300 $PY -m pytest -m gpu -q -p no:cacheprovider \
+        --tb=line -rfE $AB_TESTS 2>&1 | tail -4
+      rm -rf $base && mkdir -p $base && tar -xf "${AB_BASE:?a git archive tar}" -C $base
+      for model in ${AB_MODELS:-llama-3.1-8b-awq}; do
+        for tree in base this base this; do
+          echo "$model, $tree tree"
+          (if [ $tree = base ]; then cd $base || exit; fi
+           PYTHONPATH=/tmp/site:$PWD timeout 150 $PY tools/bench_latency.py --model $model \
+             --max-model-len 2048 --iters 2 --num-scheduler-steps "${AB_STEPS:-8}" \
+             2>&1 | tee -a "$dir/latency_${model}_$tree.log" | grep -E "one-row|decode")
+        done
+      done
+      rm -rf $base ;;
     *)
       echo "unknown stage $stage" >&2; return 2 ;;
   esac
