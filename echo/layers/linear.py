@@ -107,7 +107,7 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy_checked(param.data, loaded)
 
-    def use_awq_tensor_cores(self, sum_inside: bool = False) -> bool:
+    def use_awq_tensor_cores(self, sum_inside: bool) -> bool:
         """After loading: repack an AWQ layer's qweight on a CUDA device for the tensor-core
         kernels, where its shape allows (groups of 64 inputs or more, 128 outputs a block) and
         the GPU has mma_v2's bf16 m16n8k16 (compute capability 8.0, Ampere, or newer). Whether
