@@ -1,14 +1,15 @@
 """The batch-1 decode attention launch alone (fused RoPE and K/V store, the keys split, the
-merge), at preset shapes and contexts, over key-tile stage counts: how long is the launch a
-layer pays, and do fewer pipeline stages (a shorter prologue for a one-warp program, see
-tools/dev/sass_chain.py) pay at short contexts without losing at long ones?
+merge), at preset shapes and contexts, over key-tile stage counts and warps: how long is the
+launch a layer pays, and do fewer pipeline stages (a shorter prologue for a one-warp program,
+see tools/dev/sass_chain.py) or a second warp (half the instructions each, an exchange through
+shared memory a tile) pay at short contexts without losing at long ones?
 
     python tools/dev/probe_decode_attention.py [--models qwen3-0.6b,llama-3.1-8b]
-        [--contexts 256,1024,4096] [--stages 4,3,2] [--max-seqlen-k 2048]
+        [--contexts 256,1024,4096] [--stages 4,3,2] [--warps 1,2] [--max-seqlen-k 2048]
 
 CUDA graphs over copies of the cache beyond the L2 (tools/bench_kernels.bench_graph), the
 split count the engine's graph gets for --max-seqlen-k keys (raised to the context where that
-is longer). The first stage count's output is the reference for the others.
+is longer). The first setting's output is the reference for the others.
 """
 
 import argparse
@@ -70,7 +71,8 @@ def time_case(model: str, ctx: int, max_k: int, configs: list[TileConfig]) -> li
         first = result if first is None else first
         error = ((result - first).abs().max() / first.abs().max()).item()
         us = bench_graph([call(inp, config) for inp in inputs]) * 1e3
-        lines.append(f"{model} ctx {ctx} (graph bound {max_k}) stages {config.num_stages}: "
+        lines.append(f"{model} ctx {ctx} (graph bound {max_k}) stages {config.num_stages}, "
+                     f"{config.num_warps} warps: "
                      f"{us:.2f} us a launch with its merge, error {error:.1e}")
     return lines
 
@@ -80,14 +82,15 @@ def main() -> None:
     parser.add_argument("--models", default="qwen3-0.6b,llama-3.1-8b,qwen3-30b-a3b")
     parser.add_argument("--contexts", default="256,1024,4096")
     parser.add_argument("--stages", default="4,3,2")
+    parser.add_argument("--warps", default="1,2")
     parser.add_argument("--max-seqlen-k", type=int, default=2048)
     args = parser.parse_args()
     for model in args.models.split(","):
         head_dim = shapes(model)[2]
         default = tile_config(1, head_dim)
-        configs = [TileConfig(default.block_m, default.block_n, default.num_warps, int(s),
+        configs = [TileConfig(default.block_m, default.block_n, int(w), int(s),
                               default.maxnreg, default.programs_per_sm)
-                   for s in args.stages.split(",")]
+                   for w in args.warps.split(",") for s in args.stages.split(",")]
         for ctx in map(int, args.contexts.split(",")):
             for line in time_case(model, ctx, max(ctx, args.max_seqlen_k), configs):
                 print(line, flush=True)
