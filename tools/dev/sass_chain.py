@@ -137,6 +137,8 @@ def chain(sass: str) -> list[Step]:
     for addr, guard, op, rest in re.findall(
             r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass):
         operands = [o.strip() for o in rest.split(",")] if rest.strip() else []
+        if operands[:1] == ["PT"]:  # SHFL's unused predicate result: its register comes next
+            operands = operands[1:]
         base = op.split(".")[0]
         has_dest = base not in _NO_DEST and operands and re.match(r"(U?R|U?P)\d+", operands[0])
         sources = operands[1:] if has_dest else operands
