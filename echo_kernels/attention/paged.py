@@ -124,9 +124,9 @@ def _paged_attention_kernel(
     if FUSED_ROPE:
         # decode: the rows are the heads of the run's one token, q as the model left it
         pos = tl.load(positions_ptr + q_start).to(tl.int64)
-        q = _rotated_group(q_ptr, q_start * stride_qt + kv_head * GROUP * stride_qh, stride_qh,
-                           row_ok, cos_sin_ptr, stride_cos, pos, q_norm_ptr, rope_eps, GROUP,
-                           BLOCK_M, HEAD_DIM, IS_NEOX, HAS_NORM)
+        head0 = q_start.to(tl.int64) * stride_qt + kv_head * GROUP * stride_qh
+        q = _rotated_group(q_ptr, head0, stride_qh, row_ok, cos_sin_ptr, stride_cos, pos,
+                           q_norm_ptr, rope_eps, GROUP, BLOCK_M, HEAD_DIM, IS_NEOX, HAS_NORM)
     else:
         q_ptrs = q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh
         q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -150,10 +150,6 @@ def _paged_attention_kernel(
         # that a one-warp program runs even when it has no tile for them)
         full_hi = kv_lo
         masked_hi = kv_hi
-    else:
-        full_hi, masked_hi = causal_bounds(row0, q_len, ctx_len, kv_lo, kv_hi, True, GROUP,
-                                           BLOCK_M, BLOCK_N)
-    if FUSED_ROPE:
         # the program whose keys end with the token's own stores its K/V, then reads them back
         # with the rest (the barrier makes its threads' stores visible to each other)
         if (kv_lo <= ctx_len - 1) & (ctx_len - 1 < kv_hi):
@@ -164,6 +160,9 @@ def _paged_attention_kernel(
                           stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, IS_NEOX, HAS_NORM,
                           IS_INT8_KV)
         tl.debug_barrier()
+    else:
+        full_hi, masked_hi = causal_bounds(row0, q_len, ctx_len, kv_lo, kv_hi, True, GROUP,
+                                           BLOCK_M, BLOCK_N)
 
     kv_shift = block_base.to(tl.int64) * stride_kb + kv_head * stride_kh
     k_base = k_cache_ptr + kv_shift
