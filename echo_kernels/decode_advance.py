@@ -3,8 +3,9 @@ kernel: each sampled token becomes its row's next input, the position, context l
 sample index grow by one, and the next KV slot is read off the block table.
 
 Why a kernel: in PyTorch the same update is ~16 element-wise launches of a few rows each, every
-one a launch latency in the sampling graph (and none of them PDL-aware), ~15-20 us a step where
-a stories110M-sized step is ~290 us (docs/benchmarks.md, Decode latency at batch 1).
+one a launch latency in the sampling graph (and none of them PDL-aware); a kernel profile put
+sampling and this update at ~19-24 us of a stories110M step of ~320 (docs/benchmarks.md,
+Decode latency at batch 1).
 reference.advance_decode_ref is its PyTorch twin and what the CPU runs.
 """
 
