@@ -43,15 +43,14 @@ def sass() -> None:
     """Compile for sm_90 on this machine and count the loop's instructions."""
     import collections
     import re
-    import subprocess
 
+    from sass_chain import cuobjdump, resources
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     names = ["x_ptr", "rq_ptr", "qzeros_ptr", "scales_ptr", "out_ptr", "M", "N", "K", "n_packed",
              "stride_xm", "stride_om", "stride_os", "groups_per_split", "magic", "arrivals_ptr",
              "sum_ptr", "num_splits"]
     types = ["*i32", "*i32", "*i32", "*fp16", "*fp32"] + ["i32"] * 9 + ["*i32", "*fp16", "i32"]
-    bin_dir = Path(triton.__file__).parent / "backends/nvidia/bin"
     for (warps, tiles, rows), (splits, swiglu) in itertools.product(
             SASS_CONFIGS, [(0, False), (16, False), (16, True)]):
         sig = dict(zip(names, types)) | {name: "constexpr" for name in (
@@ -65,13 +64,8 @@ def sass() -> None:
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": warps, "maxnreg": max_registers(
                                       splits > 0, rows, tiles)})
-        path = Path("/tmp/probe_awq_mma.cubin")
-        path.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([bin_dir / "cuobjdump", "-res-usage", path], capture_output=True,
-                               text=True).stdout
-        regs, spill = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
-        text = subprocess.run([bin_dir / "cuobjdump", "-sass", path], capture_output=True,
-                              text=True).stdout
+        regs, spill = resources(compiled.asm["cubin"])
+        text = cuobjdump(compiled.asm["cubin"], "-sass")
         lines = re.findall(r"/\*([0-9a-f]{4})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*)", text)
         # the loop: the longest from a backward branch's target to that branch
         branch = max((i for i, (_, _, op, rest) in enumerate(lines)
@@ -82,8 +76,7 @@ def sass() -> None:
         weights = 16 * 128 * tiles // 32  # a lane's weights a group
         print(f"{warps} warps x {tiles} tiles, {rows} rows, sum of {splits} "
               f"splits {'with SwiGLU ' if swiglu else ''}inside: "
-              f"{regs.group(1) if regs else '?'} registers, "
-              f"{spill.group(1) if spill else '?'} bytes of stack (spills), "
+              f"{regs} registers, {spill} bytes of stack (spills), "
               f"loop {len(loop)} instructions, {len(loop) / weights:.2f} a weight; "
               f"{dict(collections.Counter(loop).most_common(12))}")
 

@@ -13,7 +13,6 @@ is longer). The first setting's output is the reference for the others.
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 import torch  # noqa: E402
 from bench_kernels import bench_graph, paged_decode_inputs  # noqa: E402
+from sass_chain import preset_attention  # noqa: E402
 
 from echo_kernels.attention.common import TileConfig, tile_config  # noqa: E402
 from echo_kernels.attention.paged import NewKV, paged_attention  # noqa: E402
@@ -30,17 +30,8 @@ BLOCK_SIZE = 16
 L2_BYTES = 128 << 20  # K/V copies in rotation: at least this much
 
 
-def shapes(model: str) -> tuple[int, int, int, bool]:
-    """(heads, KV heads, head_dim, q/k norm) of a preset."""
-    config = json.loads((ROOT / "echo/models/presets" / f"{model}.json").read_text())
-    heads = config["num_attention_heads"]
-    return (heads, config["num_key_value_heads"],
-            config.get("head_dim") or config["hidden_size"] // heads,
-            config["architectures"][0].startswith("Qwen3"))
-
-
 def time_case(model: str, ctx: int, max_k: int, configs: list[TileConfig]) -> list[str]:
-    heads, kv_heads, head_dim, norm = shapes(model)
+    heads, kv_heads, head_dim, norm = preset_attention(model)
     dtype = torch.bfloat16
     kv_bytes = ctx * kv_heads * head_dim * 2 * 2
     inputs = [paged_decode_inputs(1, ctx, (heads, kv_heads), head_dim, BLOCK_SIZE)
@@ -86,7 +77,7 @@ def main() -> None:
     parser.add_argument("--max-seqlen-k", type=int, default=2048)
     args = parser.parse_args()
     for model in args.models.split(","):
-        head_dim = shapes(model)[2]
+        head_dim = preset_attention(model)[2]
         default = tile_config(1, head_dim)
         configs = [TileConfig(default.block_m, default.block_n, int(w), int(s),
                               default.maxnreg, default.programs_per_sm)

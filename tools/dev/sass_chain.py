@@ -39,7 +39,7 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
            torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
            torch.uint8: "u8"}
 # loads whose result waits for a global memory round trip
-_GLOBAL_LOADS = ("LDG", "LD", "ATOMG", "ATOM", "RED")
+_GLOBAL_LOADS = ("LDG", "LD", "ATOMG", "ATOM")
 _NO_DEST = ("ST", "STG", "STS", "STL", "RED", "BAR", "BRA", "EXIT", "LDGSTS", "DEPBAR", "MEMBAR",
             "CCTL", "NOP", "WARPSYNC", "BSYNC", "BSSY", "CALL", "RET", "YIELD", "ERRBAR")
 
@@ -88,6 +88,21 @@ def cuobjdump(cubin: bytes, flag: str) -> str:
     path.write_bytes(cubin)
     tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     return subprocess.run([tool, flag, path], capture_output=True, text=True, check=True).stdout
+
+
+def resources(cubin: bytes) -> tuple[int, int]:
+    """(registers a thread, bytes of stack: spills) of a cubin."""
+    usage = cuobjdump(cubin, "-res-usage")
+    return (int(re.search(r"REG:(\d+)", usage).group(1)),
+            int(re.search(r"STACK:(\d+)", usage).group(1)))
+
+
+def preset_attention(model: str) -> tuple[int, int, int, bool]:
+    """(heads, KV heads, head_dim, Qwen3's q/k norm) of a preset, as the engine reads it."""
+    from echo.models.arch import PRESETS_DIR, arch_from_hf_config, read_config_json
+
+    arch = arch_from_hf_config(read_config_json(PRESETS_DIR / f"{model}.json"))
+    return arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.family.startswith("qwen3")
 
 
 def _registers(operand: str) -> list[str]:
@@ -178,14 +193,12 @@ def critical_path(steps: list[Step]) -> list[Step]:
 def report(cubin: bytes, sass_file: Path | None = None, loads: bool = False) -> None:
     """Registers, spills and the longest chain of global round trips; loads: every global load
     with its depth."""
-    usage = cuobjdump(cubin, "-res-usage")
-    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    regs, stack = resources(cubin)
     sass = cuobjdump(cubin, "-sass")
     if sass_file:
         sass_file.write_text(sass)
     steps = chain(sass)
-    print(f"{regs.group(1)} registers, {stack.group(1)} bytes of stack, "
-          f"{len(steps)} instructions")
+    print(f"{regs} registers, {stack} bytes of stack, {len(steps)} instructions")
     if loads:
         for step in steps:
             if step.op.split(".")[0] in _GLOBAL_LOADS + ("LDGSTS", "STG", "BAR"):
@@ -200,14 +213,10 @@ def report(cubin: bytes, sass_file: Path | None = None, loads: bool = False) -> 
 def paged_decode_args(model: str) -> tuple[object, dict, dict]:
     """_paged_attention_kernel as a batch-1 decode step launches it (fused RoPE and K/V store,
     the keys split), at a preset's attention shapes."""
-    import json
-
     from echo_kernels.attention.common import tile_config
     from echo_kernels.attention.paged import _paged_attention_kernel
 
-    config = json.loads((ROOT / "echo/models/presets" / f"{model}.json").read_text())
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    heads, kv_heads, head_dim, qk_norm = preset_attention(model)
     group, block_size = heads // kv_heads, 16
     tiles = tile_config(group, head_dim)
     bf16, f32, i32 = (torch.empty(1, dtype=t) for t in (torch.bfloat16, torch.float32,
@@ -228,8 +237,7 @@ def paged_decode_args(model: str) -> tuple[object, dict, dict]:
         stride_cos=head_dim, rope_eps=1e-6, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         ONE_TILE_PER_SEQ=True, ORDERED=False, SPLIT=True, IS_INT8_KV=False, WIDE_OFFSETS=False,
-        FUSED_ROPE=True, IS_NEOX=True,
-        HAS_NORM=config["architectures"][0].startswith("Qwen3"), USE_PDL=True)
+        FUSED_ROPE=True, IS_NEOX=True, HAS_NORM=qk_norm, USE_PDL=True)
     return _paged_attention_kernel, args, tiles.launch_options()
 
 
