@@ -155,6 +155,30 @@ def gumbel_sample_ref(logits, temperature, seeds, steps) -> torch.Tensor:
     return torch.where(greedy, logits.argmax(-1), (scaled + gumbel).argmax(-1))
 
 
+def advance_decode_ref(input_ids, positions, slots, seq_lens, sample_steps, tokens,
+                       block_table, block_size: int, max_position: int | None = None) -> None:
+    """In place over the first tokens.shape[0] rows of each: where the row's slot is a real one
+    (>= 0), the token becomes its input, and its position, context length and sample index grow
+    by one; then each row's slot is its position's place in its block table (the block index
+    clamped to the table), or -1 for a padding row or, given max_position, a row at it (whose
+    position stays at max_position - 1)."""
+    rows = tokens.shape[0]
+    input_ids, positions = input_ids[:rows], positions[:rows]
+    slots, seq_lens, sample_steps = slots[:rows], seq_lens[:rows], sample_steps[:rows]
+    real = slots >= 0
+    input_ids.copy_(torch.where(real, tokens, input_ids))
+    positions.add_(real)
+    seq_lens.add_(real)
+    sample_steps.add_(real)
+    index = torch.div(positions, block_size, rounding_mode="floor").clamp_(
+        max=block_table.shape[1] - 1)
+    block = block_table[:rows].gather(1, index[:, None]).squeeze(1).long()
+    if max_position is not None:
+        real &= positions < max_position
+        positions.clamp_(max=max_position - 1)
+    slots.copy_(torch.where(real, block * block_size + positions % block_size, -1))
+
+
 def rejection_sample_ref(logits, draft_ids, cu_rows, temperature, seeds, steps, width: int,
                          draft_probs=None) -> torch.Tensor:
     """Speculative verification (echo_kernels.rejection's arguments and result). A draft d is

@@ -37,26 +37,18 @@ def advance_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor,
     token further, stored at the slot the block table gives that position. Padding rows (slot
     -1: they store nothing) stay as they are, so the same captured graph serves any batch up to
     its size. A row reaching max_position (a draft model's steps past max_model_len) stores
-    nothing from then on."""
-    rows = tokens.shape[0]
-    input_ids, positions = input_ids[:rows], positions[:rows]
-    slots, seq_lens = meta.slot_mapping[:rows], meta.seq_lens[:rows]
-    block_table = meta.block_table
-    real = slots >= 0
-    input_ids.copy_(torch.where(real, tokens, input_ids))
-    positions.add_(real)
-    seq_lens.add_(real)
-    sample_steps[:rows].add_(real)  # the output index the seeds' noise uses
-    # after a launch's last step the position may be past the blocks allocated: that slot is
-    # never used (the next launch loads its own inputs), but the gather must stay in the table
-    index = torch.div(positions, block_size, rounding_mode="floor").clamp_(
-        max=block_table.shape[1] - 1)
-    block = block_table.gather(1, index[:, None])
-    if max_position is not None:
-        real &= positions < max_position
-        positions.clamp_(max=max_position - 1)
-    slots.copy_(torch.where(real, block.squeeze(1).long() * block_size + positions % block_size,
-                            -1))
+    nothing from then on. One kernel on CUDA (echo_kernels.decode_advance), its PyTorch twin
+    elsewhere."""
+    args = (input_ids, positions, meta.slot_mapping, meta.seq_lens, sample_steps, tokens,
+            meta.block_table, block_size, max_position)
+    if tokens.is_cuda:
+        from echo_kernels.decode_advance import advance_decode
+
+        advance_decode(*args)
+    else:
+        from echo_kernels.reference import advance_decode_ref
+
+        advance_decode_ref(*args)
 
 
 def advanced_metadata(meta: AttentionMetadata, steps: int) -> AttentionMetadata:
@@ -90,6 +82,10 @@ class MultiStepDecoder:
         # batch size -> (graph, its sampled tokens): sampling and advance over the forward
         # graph of that size
         self.sample_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if device.type == "cuda":  # eager sampling (no graphs, tensor parallelism) too
+            from echo_kernels.decode_advance import warm_up_advance_decode
+
+            warm_up_advance_decode(device, block_size, max_position)
 
     def sample_and_advance(self, hidden: torch.Tensor, input_ids: torch.Tensor,
                            positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
