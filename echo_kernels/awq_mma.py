@@ -26,15 +26,20 @@ their partial sums in awq.py's split-sum launch (SwiGLU there too), or, given a 
 arrival counts, inside the GEMV's launch: each split stores its partials and counts its
 arrival (acq_rel), and the last of a column block adds them.
 
-A program's next group of weights waits in registers while the current one is summed (a ring
-of groups in shared memory filled by cp.async was 35-60% slower: docs/benchmarks.md, AWQ).
+A program's next group of weights (or next two: `ahead`), x, scales and zeros wait in
+registers while the current one is summed (a ring of groups in shared memory filled by cp.async
+was 35-60% slower: docs/benchmarks.md, AWQ). At one row x comes instead from shared memory,
+where the program puts its split's x with one load after the PDL wait: held in registers, x
+took 16 of the loop's 64 (mma_v2's B operand over 8 rows, one of them real), and under that
+cap ptxas issued the next group's loads after the group's HMMAs, so that every group waited
+for a memory latency (offline sm_90 SASS); with x in shared memory they issue early in the loop.
 
-Under PDL a program loads its first group's weights, then waits for the previous kernel, and
-lets the next kernel launch only after its loop. Letting it launch at the wait, as echo's
-Triton kernels do, made a Llama-3.1-8B AWQ step 3.235 ms against 2.639 (an H100; 2.946 without
-PDL); the likely cause, not profiled: the next kernel's waiting programs hold registers that
-this kernel's programs past the first wave need (8 an SM at 64 registers fill the register
-file).
+Under PDL a program loads its first group's weights, scales and zeros, then waits for the
+previous kernel, and lets the next kernel launch only after its loop. Letting it launch at the
+wait, as echo's Triton kernels do, made a Llama-3.1-8B AWQ step 3.235 ms against 2.639 (an
+H100; 2.946 without PDL); the likely cause, not profiled: the next kernel's waiting programs
+hold registers that this kernel's programs past the first wave need (8 an SM at 64 registers
+fill the register file).
 
 Rows past MMA_MAX_ROWS, up to GEMM_MAX_ROWS, take awq_gemm_repacked (Triton): awq_gemm's tiles
 over this layout, each weight tile dequantized in registers for tl.dot. Past that the weight is
@@ -73,11 +78,16 @@ MMA_MAX_ROWS = 64
 GEMM_MAX_ROWS = 128
 _GEMM_TILE = (128, 16, 8)  # rows, 16-column tiles, warps a program
 _MAGIC = {torch.bfloat16: 0x3F803F80, torch.float16: 0x3C003C00}  # 1.0 in both halves
-# (warps, 16-column tiles a warp, programs an SM the splits aim at): one row wanted one tile a
-# warp and ~8 programs an SM (gate_up 25.8 us, down 15.0, qkv 9.5), more rows two tiles and 4
-_ONE_ROW = (4, 1, 8)
-_ROWS = (4, 2, 4)
+# (warps, 16-column tiles a warp, programs an SM the splits aim at, groups of weights in flight
+# ahead): one row wanted one tile a warp and ~8 programs an SM (gate_up 25.8 us, down 15.0, qkv
+# 9.5), more rows two tiles and 4; two groups ahead at one row, where x is in shared memory
+# (offline sm_90: the next groups' loads issued early in the loop, 64 registers; not yet timed)
+_ONE_ROW = (4, 1, 8, 2)
+_ROWS = (4, 2, 4, 1)
 _DEQUANTIZE_WARPS = 4
+# the most groups of a split whose x (one row) goes through shared memory: 8 KB a program at
+# 128 a group, so that 8 programs an SM keep their shared memory under a third of it
+X_SHARED_GROUPS = 32
 
 
 def repack_awq(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -344,6 +354,10 @@ def _awq_mma_kernel(
     ROWS: gl.constexpr,  # rows of x a program: 8, 16 or 32 (mma_v2's N)
     BF16: gl.constexpr,
     USE_PDL: gl.constexpr,
+    AHEAD: gl.constexpr,  # groups of weights in flight beyond the one being summed: 1 or 2
+    # (2: a split's first two groups loaded before the PDL wait)
+    X_SPLIT: gl.constexpr,  # 0, or (one row) the split's groups rounded up to a power of two:
+    # its x loaded once into shared memory, read from there a group at a time
     SUM_SPLITS: gl.constexpr,  # 0, or num_splits rounded up to a power of two: the last
     # split of a column block to finish adds the partial sums (no split-sum launch)
     SWIGLU: gl.constexpr,  # with SUM_SPLITS: store silu(gate) * up of the product's halves
@@ -391,16 +405,51 @@ def _awq_mma_kernel(
     first = split * groups_per_split
     end = gl.minimum(first + groups_per_split, K // GROUP)
     total = gl.zeros([BM, ROWS], gl.float32, mma)
-    words = gl.load(rq_ptr + w_offs + first * (GROUP * 2))  # before the PDL wait
+    # before the PDL wait: the first group's weights, scales and zeros (and the second's weights)
+    words = gl.load(rq_ptr + w_offs + first * (GROUP * 2))
+    if AHEAD == 2:
+        words_next = gl.load(rq_ptr + w_offs + gl.minimum(first + 1, end - 1) * (GROUP * 2))
+    s = gl.load(scales_ptr + first * N + cn)
+    zq = gl.load(qzeros_ptr + first * n_packed + cn // 8)
     if USE_PDL:  # pdl.wait_for_inputs' wait (a triton.jit Gluon cannot call)
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
-    xb = gl.load(x_ptr + x_offs + first * (GROUP // 2), mask=x_mask, other=0)
+    if X_SPLIT > 0:
+        # one load of the split's x, so that the loop's loads are the weights, scales and zeros
+        # alone, and x holds registers only while its group is summed
+        x_line: gl.constexpr = gl.BlockedLayout([max(1, X_SPLIT * GROUP // 2 // (32 * WARPS))],
+                                                [32], [WARPS], [0])
+        xi = gl.arange(0, X_SPLIT * (GROUP // 2), layout=x_line)
+        xv = gl.load(x_ptr + first * (GROUP // 2) + xi, mask=xi < (end - first) * (GROUP // 2),
+                     other=0)
+        x_smem = gl.allocate_shared_memory(
+            gl.int32, [X_SPLIT, 4, GROUP // 8],
+            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]),
+            gl.reshape(xv, [X_SPLIT, 4, GROUP // 8]))
+        # the same unswizzled bytes as groups of [4, GROUP / 8] (index wants a layout of the
+        # sub-view's rank)
+        x_smem = x_smem._reinterpret(
+            gl.int32, [X_SPLIT, 4, GROUP // 8],
+            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+        gl.thread_barrier()
+    else:
+        xb = gl.load(x_ptr + x_offs + first * (GROUP // 2), mask=x_mask, other=0)
     for group in range(first, end):
-        # the next group's weights and x in flight while this one is summed
+        # the next group's (or next two groups') weights, and its x, scales and zeros, in
+        # flight while this one is summed
         nxt = gl.minimum(group + 1, end - 1)
-        words_next = gl.load(rq_ptr + w_offs + nxt * (GROUP * 2))
-        xb_next = gl.load(x_ptr + x_offs + nxt * (GROUP // 2), mask=x_mask, other=0)
+        if AHEAD == 2:
+            ahead = gl.minimum(group + 2, end - 1)
+            words_after = gl.load(rq_ptr + w_offs + ahead * (GROUP * 2))
+        else:
+            words_next = gl.load(rq_ptr + w_offs + nxt * (GROUP * 2))
+        if X_SPLIT > 0:  # row 0 from shared memory, the other rows of the mma zero
+            x_row = x_smem.index(group - first).load(gl.SliceLayout(0, x_layout))
+            xb = gl.where(x_mask, gl.expand_dims(x_row, 0), 0)
+        else:
+            xb_next = gl.load(x_ptr + x_offs + nxt * (GROUP // 2), mask=x_mask, other=0)
+        s_next = gl.load(scales_ptr + nxt * N + cn)
+        zq_next = gl.load(qzeros_ptr + nxt * n_packed + cn // 8)
         # pairs (n3, h) = (0, 0), (1, 0), (0, 1), (1, 1) at nibbles 0-3 (k0 = 0) and 4-7
         a = gl.join(gl.join(_weight_pair(words, magic, 0, BF16),
                             _weight_pair(words, magic, 4, BF16)),
@@ -414,12 +463,16 @@ def _awq_mma_kernel(
         b = gl.convert_layout(gl.reshape(b, [GROUP, ROWS]), b_layout, assert_trivial=True)
         acc = mma_v2(a, b, gl.zeros([BM, ROWS], gl.float32, mma))
         x_sum = gl.max(mma_v2(ones, b, gl.zeros([16, ROWS], gl.float32, mma)), axis=0)
-        s = gl.load(scales_ptr + group * N + cn).to(gl.float32)
-        z = ((gl.load(qzeros_ptr + group * n_packed + cn // 8) >> z_shift) & 0xF).to(gl.float32)
-        total += gl.expand_dims(s, 1) * (acc * INV_U
-                                         - gl.expand_dims(INV_U + z, 1) * gl.expand_dims(x_sum, 0))
+        z = ((zq >> z_shift) & 0xF).to(gl.float32)
+        total += gl.expand_dims(s.to(gl.float32), 1) * (
+            acc * INV_U - gl.expand_dims(INV_U + z, 1) * gl.expand_dims(x_sum, 0))
         words = words_next
-        xb = xb_next
+        s = s_next
+        zq = zq_next
+        if AHEAD == 2:
+            words_next = words_after
+        if X_SPLIT == 0:
+            xb = xb_next
     if USE_PDL:  # the next kernel launches now, not at the wait (module docstring)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
                                   dtype=gl.int32, is_pure=False, pack=1)
@@ -440,11 +493,13 @@ def _awq_mma_kernel(
                         N, stride_os, num_splits, SUM_SPLITS, BM, WARPS, SWIGLU)
 
 
-def max_registers(sum_inside: bool, rows: int, tiles: int) -> int | None:
+def max_registers(sum_inside: bool, rows: int, tiles: int, ahead: int = 1) -> int | None:
     """maxnreg for awq_mma_gemv: with the sum inside, the 64 registers of the loop over one
-    tile a warp at 8 rows, at which 8 programs of 4 warps fit an SM (the sum would take 72-80,
-    offline sm_90, and leave one of eight out of the first wave); else ptxas's choice."""
-    return 64 if sum_inside and rows == 8 and tiles == 1 else None
+    tile a warp at 8 rows and one group ahead, at which 8 programs of 4 warps fit an SM (the
+    sum would take 72-80, offline sm_90, and leave one of eight out of the first wave); else
+    ptxas's choice. Two groups ahead (offline sm_90, the sum inside): x in registers 80
+    registers, x in shared memory 64 left to ptxas, 24 bytes of spills under the cap."""
+    return 64 if sum_inside and rows == 8 and tiles == 1 and ahead == 1 else None
 
 
 def arrival_counts(n: int, device: torch.device) -> torch.Tensor:
@@ -457,28 +512,37 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
                  group_size: int, arrivals: torch.Tensor | None = None, *,
                  warps: int | None = None, tiles: int | None = None, per_sm: int | None = None,
                  rows: int | None = None, split_k: int | None = None,
+                 ahead: int | None = None, x_shared: bool | None = None,
                  swiglu: bool = False) -> torch.Tensor:
     """x [M, K] (fp16/bf16, CUDA) @ the repacked AWQ weight [K, N] -> [M, N] in x's dtype;
     swiglu: silu(gate) * up of the product's halves, [M, N / 2]. A program takes `rows` rows
     (8, 16 or 32; each reads its weights again, from the L2 when they run together) and WARPS x
-    TILES 16-column tiles; split_k (None: enough for per_sm programs an SM) K ranges. None:
-    the settings of _ONE_ROW or _ROWS. arrivals (arrival_counts(N), zero between calls, as each
-    call leaves it): the last split of a column block to finish adds the splits' partial sums,
-    instead of a second launch."""
+    TILES 16-column tiles; split_k (None: enough for per_sm programs an SM) K ranges; ahead: 1
+    or 2 groups of weights in flight beyond the one being summed (2: more bytes in flight, and a
+    split's first two groups loaded before the PDL wait); x_shared (one row; None: at one row,
+    for splits of up to X_SHARED_GROUPS groups): the split's x loaded once into shared memory.
+    None: the settings of _ONE_ROW or _ROWS. arrivals (arrival_counts(N), zero between calls,
+    as each call leaves it): the last split of a column block to finish adds the splits'
+    partial sums, instead of a second launch."""
     m, k = x.shape
     n = rq.shape[0] * 16
     assert rq.shape[1] * CHUNK == k and x.dtype in _MAGIC
     assert x.stride(1) == 1 and x.stride(0) % 2 == 0 and x.data_ptr() % 16 == 0
     defaults = _ONE_ROW if m == 1 else _ROWS
     warps, tiles, per_sm = (warps or defaults[0], tiles or defaults[1], per_sm or defaults[2])
+    ahead = ahead or defaults[3]
     rows = rows or (8 if m <= 16 else 32)
     assert n % (16 * warps * tiles) == 0, f"N={n} is not a multiple of {16 * warps * tiles}"
+    assert ahead in (1, 2), f"ahead={ahead}: 1 or 2 groups"
     groups = k // group_size
     programs = n // (16 * warps * tiles) * triton.cdiv(m, rows)
     if split_k is None:
         split_k = max(1, per_sm * sm_count(x.device, without_gpu=2) // programs)
     per_split = triton.cdiv(groups, min(split_k, groups))
     num_splits = triton.cdiv(groups, per_split)
+    if x_shared is None:
+        x_shared = m == 1 and per_split <= X_SHARED_GROUPS
+    assert not x_shared or m == 1, "x_shared takes one row"
 
     pdl = pdl_options(x.device)
     block = 16 * warps * tiles
@@ -495,9 +559,10 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
             stride_split, per_split, _MAGIC[x.dtype], rq if arrivals is None else arrivals,
             target if total is None else total, num_splits, GROUP=group_size, WARPS=warps,
             TILES=tiles, ROWS=rows, BF16=x.dtype == torch.bfloat16, USE_PDL=pdl["launch_pdl"],
+            AHEAD=ahead, X_SPLIT=triton.next_power_of_2(per_split) if x_shared else 0,
             SUM_SPLITS=triton.next_power_of_2(num_splits) if fused else 0,
             SWIGLU=swiglu, launch_pdl=pdl["launch_pdl"], num_warps=warps,
-            maxnreg=max_registers(fused, rows, tiles))
+            maxnreg=max_registers(fused, rows, tiles, ahead))
 
     if not fused:
         return _launch_split(launch, num_splits, m, n, x, pdl, swiglu)

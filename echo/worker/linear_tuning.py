@@ -43,9 +43,11 @@ GEMV_CANDIDATES = ((8, 512, False, 4), (8, 512, True, 4), (4, 512, False, 4), (4
 # and 8-16 programs an SM (docs/benchmarks.md AWQ, 090b1e5); the default is 512, 8, 8, 3
 AWQ_GEMV_CANDIDATES = ((1024, 8, 8, 3), (512, 16, 8, 3), (1024, 16, 8, 3), (512, 8, 16, 3),
                        (1024, 8, 16, 3), (512, 16, 16, 3), (512, 8, 4, 3), (512, 8, 8, 5))
-# (warps, 16-column tiles a warp, programs an SM) of awq_mma_gemv beside its default (4, 1, 8):
-# the probe's next best at one row on an H100 (docs/benchmarks.md AWQ, 2026-12-06)
-AWQ_MMA_CANDIDATES = ((4, 1, 4), (4, 1, 16), (4, 2, 4), (4, 2, 8), (8, 1, 8))
+# (warps, 16-column tiles a warp, programs an SM, groups of weights in flight ahead) of
+# awq_mma_gemv beside its default (4, 1, 8, 2): the probe's next best at one row on an H100
+# (docs/benchmarks.md AWQ, 2026-12-06), with one group ahead and with two
+AWQ_MMA_CANDIDATES = ((4, 1, 8, 1), (4, 1, 4, 1), (4, 1, 16, 2), (4, 2, 4, 1), (4, 2, 4, 2),
+                      (4, 2, 8, 2), (8, 1, 8, 2))
 MIN_GAIN = 1.03  # a candidate must be at least 3% faster: noise must not flip a choice
 # A tile over the whole of K with prefetch loads a program's entire share of the weight before
 # the PDL wait, while the short kernel before it (a norm, the split merge, SwiGLU) still runs:
@@ -89,9 +91,9 @@ class ShapeChoice:
             name, baseline, pick = (f"AWQ {n}x{k} group {self.awq_group}"
                                     f"{' + SwiGLU' if self.gated else ''}", kernel, "default")
         if self.tile and self.repacked:
-            warps, tiles, per_sm = self.tile
-            pick = (f"awq_mma {warps} warps x {tiles} tiles {per_sm} programs an SM "
-                    f"{self.best_us:.1f} us")
+            warps, tiles, per_sm, ahead = self.tile
+            pick = (f"awq_mma {warps} warps x {tiles} tiles {per_sm} programs an SM {ahead} "
+                    f"ahead {self.best_us:.1f} us")
         elif self.tile and self.awq_group is None:
             block_n, block_k, prefetch, num_warps = self.tile
             pick = (f"small_m_linear {block_n}x{block_k}{' prefetch' if prefetch else ''} "
@@ -139,10 +141,11 @@ def awq_default(x, qweight, qzeros, scales, group_size, swiglu=False) -> torch.T
     return awq_linear(x, qweight, qzeros, scales, group_size, swiglu=swiglu)
 
 
-def awq_mma(warps: int, tiles: int, per_sm: int) -> Matmul:
+def awq_mma(warps: int, tiles: int, per_sm: int, ahead: int) -> Matmul:
     from echo_kernels.awq_mma import awq_mma_gemv
 
-    return functools.partial(awq_mma_gemv, warps=warps, tiles=tiles, per_sm=per_sm)
+    return functools.partial(awq_mma_gemv, warps=warps, tiles=tiles, per_sm=per_sm,
+                             ahead=ahead)
 
 
 def awq_mma_default(x, rq, qzeros, scales, group_size, arrivals=None,

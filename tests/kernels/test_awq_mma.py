@@ -116,9 +116,12 @@ def test_mma_linear_matches_reference(m, k, n, group_size, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [dict(split_k=1), dict(split_k=3), dict(warps=4, tiles=2),
                                      dict(rows=16), dict(rows=32), dict(split_k=4),
-                                     dict(warps=4, tiles=2, rows=16)])
+                                     dict(warps=4, tiles=2, rows=16), dict(ahead=2),
+                                     dict(ahead=2, split_k=1), dict(ahead=2, split_k=3),
+                                     dict(ahead=2, warps=4, tiles=2, rows=32)])
 def test_mma_gemv_knobs_and_swiglu(options):
-    """Settings against the reference, also a split of one group (split_k=4)."""
+    """Settings against the reference, also splits of one group (split_k=4), and two groups
+    ahead over splits of four groups, two, and (the default split here) one."""
     k, n, group_size = 512, 256, 128
     qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda")
     x = torch.randn(5, k, device="cuda", dtype=torch.bfloat16)
@@ -147,7 +150,7 @@ def count_split_sum_launches(monkeypatch) -> list:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("swiglu", [False, True])
-@pytest.mark.parametrize("m,options", [(1, dict(split_k=3)), (5, dict(split_k=4, tiles=2)),
+@pytest.mark.parametrize("m,options", [(1, dict(split_k=3)), (5, dict(split_k=4, tiles=2, ahead=2)),
                                        (13, dict(split_k=2, rows=16)),
                                        (40, dict(split_k=4, rows=32))])
 def test_mma_gemv_sums_its_splits_inside(m, options, swiglu, monkeypatch):
@@ -177,6 +180,33 @@ def test_mma_gemv_sums_its_splits_inside(m, options, swiglu, monkeypatch):
     torch.testing.assert_close(fused.float(), run().float(), rtol=tol,
                                atol=tol * ref.abs().max().item())
     assert launches == [options["split_k"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ahead", [1, 2])
+@pytest.mark.parametrize("split_k", [1, 3, 5, 12, None])
+@pytest.mark.parametrize("group_size", [64, 128])
+def test_one_row_with_x_in_shared_memory(group_size, split_k, ahead):
+    """One row, x put in shared memory a split at a time (the 10 or 5 groups whole, in splits
+    of 4, 4, 2 or 2, 2, 1, of 2 or 1, of 1, and the default's), its splits summed inside and by
+    the launch: the reference's values, and x in registers' up to the summation order."""
+    k, n = 640, 256
+    qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda", seed=split_k or 0)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    rq = repack_awq(qweight, group_size)
+    ref = awq_linear_ref(x.float(), qweight, qzeros, scales, group_size)
+    tol = dict(rtol=8e-3, atol=8e-3 * ref.abs().max().item())
+    for arrivals in (arrival_counts(n, x.device), None):
+        shared, registers = (awq_mma_gemv(x, rq, qzeros, scales, group_size, arrivals,
+                                          split_k=split_k, ahead=ahead, x_shared=flag)
+                             for flag in (True, False))
+        torch.testing.assert_close(shared.float(), ref, **tol)
+        torch.testing.assert_close(shared.float(), registers.float(), **tol)
+    glu = awq_mma_gemv(x, rq, qzeros, scales, group_size, arrival_counts(n, x.device),
+                       split_k=split_k, ahead=ahead, x_shared=True, swiglu=True)
+    gate, up = ref.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    torch.testing.assert_close(glu.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
 @pytest.mark.gpu

@@ -295,7 +295,7 @@ def test_repacked_awq_layers_take_faster_tensor_core_settings_by_shape():
         kernel.tile = tile
         return kernel
 
-    small, wide = (4, 1, 4), (4, 4, 8)  # 256 columns a program: N = 128 cannot take it
+    small, wide = (4, 1, 4, 1), (4, 4, 8, 2)  # 256 columns a program: N = 128 cannot take it
     # keyed by the repacked qweight's shape [N / 16, K / 64, 32, 4]
     times = {((8, 2, 32, 4), "cublas"): 10.0, ((8, 2, 32, 4), small): 10.0 / 1.02,
              ((16, 2, 32, 4), "cublas"): 10.0, ((16, 2, 32, 4), small): 9.5,
@@ -308,7 +308,7 @@ def test_repacked_awq_layers_take_faster_tensor_core_settings_by_shape():
     won = by_shape[(256, 128)]
     assert won.repacked and won.tile == wide and won.best_us == 8.0
     assert "AWQ 256x128 group 64 (1 layers): awq_mma 10.0 us -> awq_mma 4 warps x 4 tiles 8 " \
-        "programs an SM 8.0 us" in won.describe()
+        "programs an SM 2 ahead 8.0 us" in won.describe()
     one, two = torch.randn(1, 128), torch.randn(2, 128)
     torch.testing.assert_close(layers[256](one), awq_linear_ref(one, *original[256]) + 1000.0)
     for n in (128, 256):  # two rows, and the untuned shape: the repacked layout's default path

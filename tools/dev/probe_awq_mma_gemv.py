@@ -2,7 +2,7 @@
 layer shapes, over its settings: the probe that found it (#30).
 
     python tools/dev/probe_awq_mma_gemv.py [--rows 1,4] [--configs 4x1,4x2] [--per-sm 4,8]
-        [--fused-sum 0,1]
+        [--ahead 1,2] [--x-shared 0,1] [--fused-sum 0,1]
     python tools/dev/probe_awq_mma_gemv.py --sass     # CPU: compile for sm_90, count SASS
 
 GPU: CUDA graphs over weight copies beyond the L2, bf16 x, the largest error of each against
@@ -35,8 +35,9 @@ from echo_kernels.awq_mma import (  # noqa: E402
     repack_awq,
 )
 
-# (warps, tiles, rows)
-SASS_CONFIGS = [(4, 1, 8), (8, 1, 8), (4, 2, 8), (4, 2, 32)]
+# (warps, tiles, rows, groups of weights in flight ahead, a split's groups of x in shared memory)
+SASS_CONFIGS = [(4, 1, 8, 1, 0), (4, 1, 8, 2, 0), (4, 1, 8, 1, 4), (4, 1, 8, 2, 4),
+                (8, 1, 8, 1, 0), (4, 2, 8, 1, 0), (4, 2, 8, 2, 4), (4, 2, 32, 1, 0)]
 
 
 def sass() -> None:
@@ -51,19 +52,20 @@ def sass() -> None:
              "stride_xm", "stride_om", "stride_os", "groups_per_split", "magic", "arrivals_ptr",
              "sum_ptr", "num_splits"]
     types = ["*i32", "*i32", "*i32", "*fp16", "*fp32"] + ["i32"] * 9 + ["*i32", "*fp16", "i32"]
-    for (warps, tiles, rows), (splits, swiglu) in itertools.product(
+    for (warps, tiles, rows, ahead, x_split), (splits, swiglu) in itertools.product(
             SASS_CONFIGS, [(0, False), (16, False), (16, True)]):
         sig = dict(zip(names, types)) | {name: "constexpr" for name in (
-            "GROUP", "WARPS", "TILES", "ROWS", "BF16", "USE_PDL", "SUM_SPLITS", "SWIGLU")}
+            "GROUP", "WARPS", "TILES", "ROWS", "BF16", "USE_PDL", "AHEAD", "X_SPLIT",
+            "SUM_SPLITS", "SWIGLU")}
         consts = {(17,): 128, (18,): warps, (19,): tiles, (20,): rows, (21,): True, (22,): True,
-                  (23,): splits, (24,): swiglu}
+                  (23,): ahead, (24,): x_split, (25,): splits, (26,): swiglu}
         attrs = {(i,): [["tt.divisibility", 16]]
                  for i in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15)}
         src = GluonASTSource(fn=_awq_mma_kernel, signature=sig, constexprs=consts,
                              attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": warps, "maxnreg": max_registers(
-                                      splits > 0, rows, tiles)})
+                                      splits > 0, rows, tiles, ahead)})
         regs, spill = resources(compiled.asm["cubin"])
         text = cuobjdump(compiled.asm["cubin"], "-sass")
         lines = re.findall(r"/\*([0-9a-f]{4})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*)", text)
@@ -74,7 +76,8 @@ def sass() -> None:
         start = int(lines[branch][3].split()[0], 16)
         loop = [op.split(".")[0] for addr, _, op, _ in lines[:branch + 1] if int(addr, 16) >= start]
         weights = 16 * 128 * tiles // 32  # a lane's weights a group
-        print(f"{warps} warps x {tiles} tiles, {rows} rows, sum of {splits} "
+        print(f"{warps} warps x {tiles} tiles, {rows} rows, {ahead} ahead, x of {x_split} "
+              f"groups shared, sum of {splits} "
               f"splits {'with SwiGLU ' if swiglu else ''}inside: "
               f"{regs} registers, {spill} bytes of stack (spills), "
               f"loop {len(loop)} instructions, {len(loop) / weights:.2f} a weight; "
@@ -82,9 +85,9 @@ def sass() -> None:
 
 
 def time_gpu(rows: list[int], configs: list[tuple[int, int]], per_sm: list[int],
-             fused: list[int]) -> None:
+             ahead: list[int], shared: list[int], fused: list[int]) -> None:
     """Each shape and row count (bf16 x): awq_linear, then every (warps, tiles, rows, programs
-    an SM) of the probe, in CUDA graphs over weight copies beyond the L2, with the
+    an SM, groups ahead) of the probe, in CUDA graphs over weight copies beyond the L2, with the
     largest error of each against the float32 reference relative to its largest value."""
     from bench_kernels import AWQ_GROUP, AWQ_SHAPES, awq_copies, bench_graph
 
@@ -106,18 +109,21 @@ def time_gpu(rows: list[int], configs: list[tuple[int, int]], per_sm: list[int],
             print(f"{name} {n}x{k} M={m} bf16: awq_linear {base * 1e3:.1f} us "
                   f"({nbytes / base / 1e6:.0f} GB/s, err {base_err:.1e})", flush=True)
             arrivals = [arrival_counts(n, x.device) for _ in repacked]
-            for (warps, tiles), rows_a, programs, inside in itertools.product(
-                    configs, [8] if m <= 8 else [8, 16, 32], per_sm, fused):
+            for (warps, tiles), rows_a, programs, groups, x_shared, inside in itertools.product(
+                    configs, [8] if m <= 8 else [8, 16, 32], per_sm, ahead,
+                    shared if m == 1 else [0], fused):
                 if n % (16 * warps * tiles) or rows_a > max(m, 8):
                     continue
                 gemv = functools.partial(awq_mma_gemv, group_size=AWQ_GROUP, warps=warps,
-                                         tiles=tiles, per_sm=programs, rows=rows_a)
+                                         tiles=tiles, per_sm=programs, rows=rows_a,
+                                         ahead=groups, x_shared=bool(x_shared))
                 calls = [functools.partial(gemv, x, *c, arrivals=a if inside else None)
                          for c, a in zip(repacked, arrivals)]
                 err = error(calls[0](), ref)
                 ms = bench_graph(calls)
                 print(f"  mma {warps} warps x {tiles} tiles, {rows_a} rows, {programs}/SM, "
-                      f"split sum {'inside' if inside else 'launched'}: "
+                      f"{groups} ahead, x {'shared' if x_shared else 'in registers'}, split sum"
+                      f" {'inside' if inside else 'launched'}: "
                       f"{ms * 1e3:.1f} us ({nbytes / ms / 1e6:.0f} GB/s, err {err:.1e})",
                       flush=True)
         del copies, repacked
@@ -130,6 +136,9 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
     parser.add_argument("--configs", default="4x1,4x2", help="warps x tiles, ...")
     parser.add_argument("--per-sm", default="4,8", help="programs an SM the splits aim at")
+    parser.add_argument("--ahead", default="1", help="groups of weights in flight ahead: 1, 2")
+    parser.add_argument("--x-shared", default="1",
+                        help="one row: 1, x in shared memory; 0, in registers")
     parser.add_argument("--fused-sum", default="1",
                         help="0: the split sum launched; 1: added by the last split inside")
     args = parser.parse_args()
@@ -140,6 +149,8 @@ def main() -> None:
         configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
         time_gpu([int(r) for r in args.rows.split(",")], configs,
                  [int(p) for p in args.per_sm.split(",")],
+                 [int(a) for a in args.ahead.split(",")],
+                 [int(x) for x in args.x_shared.split(",")],
                  [int(f) for f in args.fused_sum.split(",")])
 
 
