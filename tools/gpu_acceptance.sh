@@ -276,12 +276,22 @@ stage_commands() {
       # AB_BASE (a `git archive` tar of it, made beside this tree before the call, e.g.
       # `git archive -o .gpu/base.tar REV` and carried in .gpu), AB_MODELS (default
       # llama-3.1-8b-awq), AB_STEPS (steps a launch, default 8); AB_TESTS: test paths or ids
-      # (no spaces inside one) for this tree's GPU tests, run first
+      # (no spaces inside one) for this tree's GPU tests, run first; AB_PROBE: a tools/dev
+      # script and its arguments, run in the base tree, then in this one, before the steps
       local base=/tmp/ab-base model tree
       # shellcheck disable=SC2086
       [ -n "${AB_TESTS:-}" ] && timeout 300 $PY -m pytest -m gpu -q -p no:cacheprovider \
         --tb=line -rfE $AB_TESTS 2>&1 | tail -4
       rm -rf $base && mkdir -p $base && tar -xf "${AB_BASE:?a git archive tar}" -C $base
+      if [ -n "${AB_PROBE:-}" ]; then
+        for tree in base this; do
+          echo "$AB_PROBE, $tree tree"
+          # shellcheck disable=SC2086
+          (if [ $tree = base ]; then cd $base || exit; fi
+           PYTHONPATH=/tmp/site:$PWD timeout 200 $PY tools/dev/$AB_PROBE 2>&1 \
+             | tee -a "$dir/probe_$tree.log" | tail -40)
+        done
+      fi
       for model in ${AB_MODELS:-llama-3.1-8b-awq}; do
         for tree in base this base this; do
           echo "$model, $tree tree"
