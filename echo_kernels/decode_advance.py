@@ -19,8 +19,10 @@ from echo_kernels.pdl import pdl_options, wait_for_inputs
 _BLOCK = 128
 
 
-# NOTE: rows not specialised: every batch size runs the one compiled variant
-@triton.jit(do_not_specialize=["rows"])
+# NOTE: rows, the block table's width and its row stride not specialised: every batch size
+# runs the one compiled variant, also where (without graphs) the table is as wide as the batch's
+# longest context, so no width compiles a variant inside a serving step
+@triton.jit(do_not_specialize=["rows", "stride_bt", "width"])
 def _advance_decode_kernel(
     input_ids_ptr,  # [rows] int64, in place
     positions_ptr,  # [rows] int64, in place
