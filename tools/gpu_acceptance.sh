@@ -45,6 +45,15 @@ multiturn_round() {  # DIR ROUND LIMIT...: later turns' TTFT without the tier, t
   done
 }
 
+readonly AB_BASE_DIR=/tmp/ab-base  # where the ab-latency stage unpacks AB_BASE
+
+in_ab_tree() {  # TREE COMMAND...: in the ab-latency stage's base tree (base) or this one
+  local tree=$1
+  shift
+  (if [ "$tree" = base ]; then cd $AB_BASE_DIR || exit; fi
+   PYTHONPATH=/tmp/site:$PWD "$@")
+}
+
 stage_commands() {
   local stage=$1 dir=$2
   case "$stage" in
@@ -278,7 +287,7 @@ stage_commands() {
       # llama-3.1-8b-awq), AB_STEPS (steps a launch, default 8); AB_TESTS: test paths or ids
       # (no spaces inside one) for this tree's GPU tests, run first; AB_PROBE: a tools/dev
       # script and its arguments, run in the base tree, then in this one, before the steps
-      local base=/tmp/ab-base model tree
+      local base=$AB_BASE_DIR model tree
       # shellcheck disable=SC2086
       [ -n "${AB_TESTS:-}" ] && timeout 300 $PY -m pytest -m gpu -q -p no:cacheprovider \
         --tb=line -rfE $AB_TESTS 2>&1 | tail -4
@@ -287,18 +296,16 @@ stage_commands() {
         for tree in base this; do
           echo "$AB_PROBE, $tree tree"
           # shellcheck disable=SC2086
-          (if [ $tree = base ]; then cd $base || exit; fi
-           PYTHONPATH=/tmp/site:$PWD timeout 200 $PY tools/dev/$AB_PROBE 2>&1 \
-             | tee -a "$dir/probe_$tree.log" | tail -40)
+          in_ab_tree $tree timeout 200 $PY tools/dev/$AB_PROBE 2>&1 \
+            | tee -a "$dir/probe_$tree.log" | tail -40
         done
       fi
       for model in ${AB_MODELS:-llama-3.1-8b-awq}; do
         for tree in base this base this; do
           echo "$model, $tree tree"
-          (if [ $tree = base ]; then cd $base || exit; fi
-           PYTHONPATH=/tmp/site:$PWD timeout 150 $PY tools/bench_latency.py --model $model \
-             --max-model-len 2048 --iters 2 --num-scheduler-steps "${AB_STEPS:-8}" \
-             2>&1 | tee -a "$dir/latency_${model}_$tree.log" | grep -E "one-row|decode")
+          in_ab_tree $tree timeout 150 $PY tools/bench_latency.py --model $model \
+            --max-model-len 2048 --iters 2 --num-scheduler-steps "${AB_STEPS:-8}" \
+            2>&1 | tee -a "$dir/latency_${model}_$tree.log" | grep -E "one-row|decode"
         done
       done
       rm -rf $base ;;
