@@ -124,8 +124,9 @@ def _paged_attention_kernel(
     if FUSED_ROPE:
         # decode: the rows are the heads of the run's one token, q as the model left it
         pos = tl.load(positions_ptr + q_start).to(tl.int64)
-        q = rotated_rows(q_ptr, tokens * stride_qt + heads * stride_qh, row_ok, cos_sin_ptr,
-                         stride_cos, pos, q_norm_ptr, rope_eps, HEAD_DIM, IS_NEOX, HAS_NORM)
+        head0 = q_start.to(tl.int64) * stride_qt + kv_head * GROUP * stride_qh
+        q = _rotated_group(q_ptr, head0, stride_qh, row_ok, cos_sin_ptr, stride_cos, pos,
+                           q_norm_ptr, rope_eps, GROUP, BLOCK_M, HEAD_DIM, IS_NEOX, HAS_NORM)
     else:
         q_ptrs = q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh
         q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -143,9 +144,10 @@ def _paged_attention_kernel(
     else:
         kv_lo = 0
         kv_hi = ctx_len
-    full_hi, masked_hi = causal_bounds(row0, q_len, ctx_len, kv_lo, kv_hi, True, GROUP, BLOCK_M,
-                                       BLOCK_N)
     if FUSED_ROPE:
+        # decode: the token sees every key of the context, so only a partial last tile is masked
+        full_hi = kv_lo + tl.maximum(kv_hi - kv_lo, 0) // BLOCK_N * BLOCK_N  # a split may be empty
+        masked_hi = kv_hi
         # the program whose keys end with the token's own stores its K/V, then reads them back
         # with the rest (the barrier makes its threads' stores visible to each other)
         if (kv_lo <= ctx_len - 1) & (ctx_len - 1 < kv_hi):
@@ -156,6 +158,9 @@ def _paged_attention_kernel(
                           stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, IS_NEOX, HAS_NORM,
                           IS_INT8_KV)
         tl.debug_barrier()
+    else:
+        full_hi, masked_hi = causal_bounds(row0, q_len, ctx_len, kv_lo, kv_hi, True, GROUP,
+                                           BLOCK_M, BLOCK_N)
 
     kv_shift = block_base.to(tl.int64) * stride_kb + kv_head * stride_kh
     k_base = k_cache_ptr + kv_shift
@@ -168,16 +173,22 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], M_FLOOR, dtype=tl.float32)
-    acc, l_i, m_i = attend_key_range(
-        acc, l_i, m_i, q, q_pos, kv_lo, full_hi, kv_hi, k_base, v_base, ks_base, vs_base, bt_row,
-        block_base, stride_kb, stride_kt, stride_sb, stride_st, qk_scale,
-        False, True, True, IS_INT8_KV, WIDE_OFFSETS, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
-    )
-    acc, l_i, m_i = attend_key_range(
-        acc, l_i, m_i, q, q_pos, full_hi, masked_hi, kv_hi, k_base, v_base, ks_base, vs_base,
-        bt_row, block_base, stride_kb, stride_kt, stride_sb, stride_st, qk_scale,
-        True, True, True, IS_INT8_KV, WIDE_OFFSETS, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
-    )
+    # Decode skips a loop with no tile: each loop is a pipeline prologue and epilogue (~1,000
+    # sm_90 instructions) that a one-warp program runs even when it has no tile for it. One
+    # masked loop over every tile instead was faster at 256 keys and slower at 2,048 (one
+    # H100, 2026-12-07: docs/benchmarks.md, Decode latency at batch 1).
+    if (full_hi > kv_lo) | (not FUSED_ROPE):
+        acc, l_i, m_i = attend_key_range(
+            acc, l_i, m_i, q, q_pos, kv_lo, full_hi, kv_hi, k_base, v_base, ks_base, vs_base,
+            bt_row, block_base, stride_kb, stride_kt, stride_sb, stride_st, qk_scale,
+            False, True, True, IS_INT8_KV, WIDE_OFFSETS, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+        )
+    if (masked_hi > full_hi) | (not FUSED_ROPE):
+        acc, l_i, m_i = attend_key_range(
+            acc, l_i, m_i, q, q_pos, full_hi, masked_hi, kv_hi, k_base, v_base, ks_base,
+            vs_base, bt_row, block_base, stride_kb, stride_kt, stride_sb, stride_st, qk_scale,
+            True, not FUSED_ROPE, True, IS_INT8_KV, WIDE_OFFSETS, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+        )
 
     if SPLIT:
         part = (tokens * num_heads + heads) * num_splits + split
@@ -190,6 +201,25 @@ def _paged_attention_kernel(
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptrs = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh
         tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _rotated_group(q_ptr, head0, stride_qh, row_ok, cos_sin_ptr, stride_cos, pos, q_norm_ptr,
+                   eps, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   IS_NEOX: tl.constexpr, HAS_NORM: tl.constexpr):
+    """The decode tile's q [BLOCK_M, HEAD_DIM]: the token's GROUP heads from head0 normalised
+    and rotated, rows past GROUP zero. Only the group's rows (rounded up to a power of two) are
+    loaded and rotated, then repeated down the tile: a one-warp program spent ~1,300 of its
+    ~4,000 sm_90 instructions rotating all 16 rows where Qwen3-0.6B has 2 real ones."""
+    ROWS: tl.constexpr = (1 if GROUP == 1 else 2 if GROUP == 2 else 4 if GROUP <= 4
+                          else 8 if GROUP <= 8 else 16)
+    g = tl.arange(0, ROWS)
+    q = rotated_rows(q_ptr, head0 + g.to(tl.int64) * stride_qh, g < GROUP, cos_sin_ptr,
+                     stride_cos, pos, q_norm_ptr, eps, HEAD_DIM, IS_NEOX, HAS_NORM)
+    # row r of the tile is the group's row r % ROWS
+    q = tl.reshape(tl.broadcast_to(q[None, :, :], (BLOCK_M // ROWS, ROWS, HEAD_DIM)),
+                   (BLOCK_M, HEAD_DIM))
+    return tl.where(row_ok[:, None], q, 0.0)
 
 
 @triton.jit

@@ -195,7 +195,9 @@ def _assert_caches_match(got, want, atol: float) -> None:
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
-@pytest.mark.parametrize("heads", [(6, 2), (4, 1)])  # groups of 3 and 4
+# groups of 3 and 4, and of 1 and 2: the launch rotates a group's heads rounded up to a power of
+# two and repeats them down the query tile
+@pytest.mark.parametrize("heads", [(6, 2), (4, 1), (2, 2), (4, 2)])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("is_neox,norm", [(True, True), (False, False)])
 def test_decode_given_new_kv(paged_batch, kv_dtype, heads, num_splits, is_neox, norm):
