@@ -10,7 +10,7 @@ needs, never overlapping the next sequence's), so a grid of
 """
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import triton
 import triton.language as tl
@@ -82,21 +82,6 @@ def tile_config(rows_per_seq: int, head_dim: int, is_int8: bool = False) -> Tile
     # long runs (wgmma, 3 stages): causal S=4096 prefill meets its TFLOP/s target contiguous
     # and paged (docs/benchmarks.md, Kernels)
     return TileConfig(128, 64 if head_dim > 64 else 128, 8, 3)
-
-
-def small_grid_tiles(config: TileConfig, is_int8: bool) -> TileConfig | None:
-    """The tiles a decode launch takes instead of `config` when its grid holds at most one
-    program an SM (batch 1 or 2 of a small model); None: it keeps `config`.
-
-    NOTE: a one-warp program leaves such an SM one warp of attention to issue from, and the
-    launch is its instructions one after another; a second warp halves each warp's share of
-    them for one shared-memory exchange a key tile. On an H100 (2026-12-07, bf16, batch 1,
-    tools/dev/probe_decode_attention.py, Qwen3-0.6B, the launch with its merge) a variant of
-    this kernel (1ad2622) took 6.11 us with two warps at 256 keys and 11.34 at 2,048, where
-    the one-warp kernel before it took 8.00 and 12.71. int8 is unmeasured."""
-    if is_int8 or config.block_m > _DECODE_ROWS or config.num_warps != 1:
-        return None
-    return replace(config, num_warps=2)
 
 
 def tile_classes(head_dim: int, is_int8: bool = False

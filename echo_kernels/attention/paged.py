@@ -24,7 +24,6 @@ from echo_kernels.attention.common import (
     find_seq,
     interpreting,
     query_rows,
-    small_grid_tiles,
 )
 from echo_kernels.attention.reduce import merge_splits
 from echo_kernels.cache import checked_cache_scales, store_cache_rows
@@ -327,8 +326,7 @@ def plan_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, h
                 config: TileConfig | None = None, has_new_kv: bool = False) -> LaunchPlan:
     """paged_attention's launch for a batch (host-side, from sizes and bounds only).
     has_new_kv: the step's K/V come with the call (NewKV) instead of already in the cache."""
-    chosen = config is None
-    if chosen:
+    if config is None:
         config = batch_tile_config(max_seqlen_q, num_tokens, num_seqs, group, head_dim, is_int8)
     one_tile = max_seqlen_q * group <= config.block_m
     num_tiles = num_seqs if one_tile else num_tokens * group // config.block_m + num_seqs
@@ -337,10 +335,6 @@ def plan_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, h
         num_splits = choose_num_splits(num_tiles * num_kv_heads, max_seqlen_k, config, wave)
     split_len = triton.cdiv(triton.cdiv(max_seqlen_k, num_splits), config.block_n) * config.block_n
     num_splits = max(1, triton.cdiv(max_seqlen_k, split_len))
-    programs = num_tiles * num_kv_heads * num_splits
-    if chosen and one_tile and programs <= sm_count(device, without_gpu=8):
-        # the same splits, each program with more warps
-        config = small_grid_tiles(config, is_int8) or config
     # NOTE: only past one wave: an ordered program's first load waits on seq_order, which costs
     # latency and gains nothing when every program starts at once. Past one wave, longest
     # first beat batch order on a mixed-length decode batch, int8 and bf16 (docs/benchmarks.md,

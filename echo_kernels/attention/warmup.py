@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from echo_kernels.attention.common import small_grid_tiles, tile_classes
+from echo_kernels.attention.common import tile_classes
 from echo_kernels.attention.paged import (
     LaunchPlan,
     NewKV,
@@ -61,21 +61,15 @@ def paged_attention_warmups(num_heads: int, num_kv_heads: int, head_dim: int, is
             if not (has_new_kv and one_tile) or any(
                     m >= 2 and m * group <= config.block_m for m in tokens):
                 fused_options.append(False)
-            # a grid of at most one program an SM may take other tiles (small_grid_tiles):
-            # one tile a sequence, never past one wave, so never ordered
-            small = small_grid_tiles(config, is_int8) if one_tile else None
-            for tiles, fused, ordered, splits in itertools.product(
-                    (config, small), fused_options, (True, False) if one_tile else (False,),
-                    (1, 2)):
-                if tiles is None or (ordered and tiles is small):
-                    continue
+            for fused, ordered, splits in itertools.product(
+                    fused_options, (True, False) if one_tile else (False,), (1, 2)):
                 # ordered: more programs than one wave
                 num_seqs = wave // (num_kv_heads * splits) + 1 if ordered else 2
                 max_q = 1 if one_tile else config.block_m // group + 1
                 max_k = splits * config.block_n
                 plan = plan_launch(num_seqs, num_seqs, num_kv_heads, group, head_dim, is_int8,
-                                   max_q, max_k, True, device, splits, tiles, fused)
-                assert plan.variant == (tiles, one_tile, ordered, splits > 1, fused), plan
+                                   max_q, max_k, True, device, splits, config, fused)
+                assert plan.variant == (config, one_tile, ordered, splits > 1, fused), plan
                 launches.append(WarmupLaunch(plan, num_seqs, max_q, max_k))
     return launches
 

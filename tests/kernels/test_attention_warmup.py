@@ -42,7 +42,7 @@ def test_every_plan_of_a_real_batch_is_warmed_up(as_on_an_h200, heads, kv_heads,
     variants = {launch.plan.variant for launch in
                 paged_attention_warmups(heads, kv_heads, head_dim, is_int8, device, has_new_kv)}
     seen = set()
-    for q_lens, max_k, ordered in itertools.product(batches(), (100, 300, 4096, 32768),
+    for q_lens, max_k, ordered in itertools.product(batches(), (300, 4096, 32768),
                                                     (True, False)):
         plan = plan_launch(sum(q_lens), len(q_lens), kv_heads, heads // kv_heads, head_dim,
                            is_int8, max(q_lens), max(max_k, max(q_lens)), ordered, device,

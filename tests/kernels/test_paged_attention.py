@@ -319,27 +319,6 @@ def test_splits_fill_the_programs_an_sm_holds():
     assert choose_num_splits(40, 10_000, *three) == 1
 
 
-@pytest.mark.parametrize("is_int8", [False, True])
-def test_a_grid_under_one_program_an_sm_takes_two_warps(monkeypatch, is_int8):
-    # plans as on a 132-SM GPU with its tiles (host-side only): bf16 decode grids of at most
-    # one program an SM take two-warp programs, larger grids, int8 and given tiles keep theirs
-    from echo_kernels.attention import common
-
-    monkeypatch.setattr(common, "interpreting", lambda: False)
-    monkeypatch.setattr(paged, "interpreting", lambda: False)
-    monkeypatch.setattr(paged, "sm_count", lambda device, without_gpu: 132)
-    gpu = torch.device("cuda")
-
-    def warps(num_seqs, max_k, **kw):  # 8 KV heads, GQA group 2, as Qwen3-0.6B
-        return paged.plan_launch(num_seqs, num_seqs, 8, 2, 128, is_int8, 1, max_k, True, gpu,
-                                 has_new_kv=True, **kw).config.num_warps
-
-    # batch 1: 8 heads x 8 splits of 2,048 keys (64 programs); batch 2: 128; batch 3: 192
-    assert [warps(1, 2048), warps(2, 2048), warps(3, 2048)] == [1 if is_int8 else 2] * 2 + [1]
-    assert warps(1, 100) == (1 if is_int8 else 2)  # one split
-    assert warps(1, 2048, config=common.tile_config(2, 128, is_int8)) == 1
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("heads", [(32, 8), (16, 1)])
