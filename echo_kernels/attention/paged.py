@@ -175,8 +175,10 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], M_FLOOR, dtype=tl.float32)
     # Decode skips a loop with no tile: each loop is a pipeline prologue and epilogue (~1,000
     # sm_90 instructions) that a one-warp program runs even when it has no tile for it. One
-    # masked loop over every tile instead was faster at 256 keys and slower at 2,048 (one
-    # H100, 2026-12-07: docs/benchmarks.md, Decode latency at batch 1).
+    # masked loop over every tile instead was faster at 256 keys and slower at 2,048. With the
+    # group's rows rotated alone (_rotated_group) the launch with its merge took 6.20 us at
+    # Qwen3-0.6B's 256 keys and 11.27 at 2,048, against 8.15 and 12.85 before (one H100,
+    # 2026-12-07: docs/benchmarks.md, Decode latency at batch 1).
     if (full_hi > kv_lo) | (not FUSED_ROPE):
         acc, l_i, m_i = attend_key_range(
             acc, l_i, m_i, q, q_pos, kv_lo, full_hi, kv_hi, k_base, v_base, ks_base, vs_base,
