@@ -180,8 +180,9 @@ def sdpa_fn(q, k, v, backend, causal: bool, gqa: bool):
         return None
 
 
-DECODE_SWEEP = {  # the defaults first, then one-warp variants, two-warp ones (bf16: the fastest
-    # at batch 1 in probe_decode_attention, 2026-12-07), then the earlier 4-warp tiles
+DECODE_SWEEP = {  # the defaults first, then one-warp variants, two-warp ones (bf16; at batch 1
+    # 0.15-0.5 us faster at 256 keys, ~0.45 slower at 2,048: probe_decode_attention, H100,
+    # 2026-12-07, f302e83), then the earlier 4-warp tiles
     DT: [tile_config(1, 128), TileConfig(16, 32, 1, 2),
          TileConfig(16, 32, 1, 3), TileConfig(16, 64, 1, 2), TileConfig(16, 16, 1, 4),
          TileConfig(16, 32, 2, 4), TileConfig(16, 32, 2, 2),

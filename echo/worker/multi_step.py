@@ -26,6 +26,8 @@ from echo.layers.attention import ForwardContext
 from echo.worker.cuda_graphs import CudaGraphRunner
 from echo.worker.sampler import gumbel_sample
 from echo.worker.step_buffers import StepBuffers
+from echo_kernels.decode_advance import advance_decode, warm_up_advance_decode
+from echo_kernels.reference import advance_decode_ref
 
 
 def advance_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor,
@@ -39,16 +41,9 @@ def advance_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor,
     its size. A row reaching max_position (a draft model's steps past max_model_len) stores
     nothing from then on. One kernel on CUDA (echo_kernels.decode_advance), its PyTorch twin
     elsewhere."""
-    args = (input_ids, positions, meta.slot_mapping, meta.seq_lens, sample_steps, tokens,
+    advance = advance_decode if tokens.is_cuda else advance_decode_ref
+    advance(input_ids, positions, meta.slot_mapping, meta.seq_lens, sample_steps, tokens,
             meta.block_table, block_size, max_position)
-    if tokens.is_cuda:
-        from echo_kernels.decode_advance import advance_decode
-
-        advance_decode(*args)
-    else:
-        from echo_kernels.reference import advance_decode_ref
-
-        advance_decode_ref(*args)
 
 
 def advanced_metadata(meta: AttentionMetadata, steps: int) -> AttentionMetadata:
@@ -83,8 +78,6 @@ class MultiStepDecoder:
         # graph of that size
         self.sample_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if device.type == "cuda":  # eager sampling (no graphs, tensor parallelism) too
-            from echo_kernels.decode_advance import warm_up_advance_decode
-
             warm_up_advance_decode(device, block_size, max_position)
 
     def sample_and_advance(self, hidden: torch.Tensor, input_ids: torch.Tensor,
