@@ -90,8 +90,6 @@ _DEQUANTIZE_WARPS = 4
 # the most groups of a split whose x (one row) goes through shared memory: 8 KB a program at
 # 128 a group, so that 8 programs an SM keep their shared memory under a third of it
 X_SHARED_GROUPS = 32
-# the longest row awq_mma_normed_gemv normalises: the whole row goes into shared memory (16 KB)
-NORM_MAX_INPUTS = 8192
 
 
 def repack_awq(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -365,15 +363,6 @@ def _awq_mma_kernel(
     SUM_SPLITS: gl.constexpr,  # 0, or num_splits rounded up to a power of two: the last
     # split of a column block to finish adds the partial sums (no split-sum launch)
     SWIGLU: gl.constexpr,  # with SUM_SPLITS: store silu(gate) * up of the product's halves
-    # one row, X_SPLIT over every group: x is RMSNorm(x + residual), computed by every program
-    # over the whole row into shared memory (awq_mma_normed_gemv)
-    NORM: gl.constexpr = False,
-    HAS_RESIDUAL: gl.constexpr = False,  # NORM: else x is the sum itself
-    xh_ptr=None,  # NORM: x [K] as its halves (x_ptr's words)
-    resid_ptr=None,  # HAS_RESIDUAL: [K]
-    norm_w_ptr=None,  # NORM: [K]
-    total_ptr=None,  # HAS_RESIDUAL: [K], where the first program stores x + residual
-    eps=0.0,
 ):
     BM: gl.constexpr = 16 * WARPS * TILES
     STEPS: gl.constexpr = GROUP // 16
@@ -427,36 +416,7 @@ def _awq_mma_kernel(
     if USE_PDL:  # pdl.wait_for_inputs' wait (a triton.jit Gluon cannot call)
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
-    x_first = first  # the group at x_smem's start
-    if NORM:
-        # the whole row, as fused_add_rms_norm rounds it (norm.py), into shared memory as the
-        # split's x goes below; the other programs' groups too: the sum of squares needs them
-        x_first = 0
-        KB: gl.constexpr = X_SPLIT * GROUP
-        row_line: gl.constexpr = gl.BlockedLayout([max(1, KB // (32 * WARPS))], [32], [WARPS],
-                                                  [0])
-        kk = gl.arange(0, KB, layout=row_line)
-        k_ok = kk < K
-        # the weight with x and the residual (one round trip): before the PDL wait it held
-        # registers across it and spilled under the loop's 64 (offline sm_90)
-        norm_w = gl.load(norm_w_ptr + kk, mask=k_ok, other=0.0)
-        xs = gl.load(xh_ptr + kk, mask=k_ok, other=0.0)
-        if HAS_RESIDUAL:
-            xs = (xs.to(gl.float32) + gl.load(resid_ptr + kk, mask=k_ok, other=0.0)
-                  .to(gl.float32)).to(DTYPE)
-            if (pid_n == 0) & (split == 0):
-                gl.store(total_ptr + kk, xs, mask=k_ok)
-        xf = xs.to(gl.float32)
-        rstd = gl.rsqrt(gl.sum(xf * xf, axis=0) / K + eps)
-        normed = ((xf * rstd).to(DTYPE).to(gl.float32) * norm_w.to(gl.float32)).to(DTYPE)
-        x_smem = gl.allocate_shared_memory(
-            DTYPE, [KB], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]),
-            normed)
-        x_smem = x_smem._reinterpret(
-            gl.int32, [X_SPLIT, 4, GROUP // 8],
-            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
-        gl.thread_barrier()
-    elif X_SPLIT > 0:
+    if X_SPLIT > 0:
         # one load of the split's x, so that the loop's loads are the weights, scales and zeros
         # alone, and x holds registers only while its group is summed
         x_line: gl.constexpr = gl.BlockedLayout([max(1, X_SPLIT * GROUP // 2 // (32 * WARPS))],
@@ -486,7 +446,7 @@ def _awq_mma_kernel(
         else:
             words_next = gl.load(rq_ptr + w_offs + nxt * (GROUP * 2))
         if X_SPLIT > 0:  # row 0 from shared memory, the other rows of the mma zero
-            x_row = x_smem.index(group - x_first).load(gl.SliceLayout(0, x_layout))
+            x_row = x_smem.index(group - first).load(gl.SliceLayout(0, x_layout))
             xb = gl.where(x_mask, gl.expand_dims(x_row, 0), 0)
         else:
             xb_next = gl.load(x_ptr + x_offs + nxt * (GROUP // 2), mask=x_mask, other=0)
@@ -535,17 +495,12 @@ def _awq_mma_kernel(
                         N, stride_os, num_splits, SUM_SPLITS, BM, WARPS, SWIGLU)
 
 
-def max_registers(sum_inside: bool, rows: int, tiles: int, ahead: int = 1,
-                  per_sm: int = 8, norm: bool = False) -> int | None:
+def max_registers(sum_inside: bool, rows: int, tiles: int, ahead: int = 1) -> int | None:
     """maxnreg for awq_mma_gemv: with the sum inside, the 64 registers of the loop over one
     tile a warp at 8 rows and one group ahead, at which 8 programs of 4 warps fit an SM (the
     sum would take 72-80, offline sm_90, and leave one of eight out of the first wave); else
     ptxas's choice. Two groups ahead (offline sm_90, the sum inside): x in registers 80
-    registers, x in shared memory 64 left to ptxas, 24 bytes of spills under the cap. The norm
-    inside takes 80 (the row, its residual and the norm's weight, 16 each a lane at 4,096
-    inputs): capped only where 8 programs an SM need it (56 bytes of spills)."""
-    if norm and per_sm < 8:
-        return None
+    registers, x in shared memory 64 left to ptxas, 24 bytes of spills under the cap."""
     return 64 if sum_inside and rows == 8 and tiles == 1 and ahead == 1 else None
 
 
@@ -560,7 +515,7 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
                  warps: int | None = None, tiles: int | None = None, per_sm: int | None = None,
                  rows: int | None = None, split_k: int | None = None,
                  ahead: int | None = None, x_shared: bool | None = None,
-                 swiglu: bool = False, norm: dict | None = None) -> torch.Tensor:
+                 swiglu: bool = False) -> torch.Tensor:
     """x [M, K] (fp16/bf16, CUDA) @ the repacked AWQ weight [K, N] -> [M, N] in x's dtype;
     swiglu: silu(gate) * up of the product's halves, [M, N / 2]. A program takes `rows` rows
     (8, 16 or 32; each reads its weights again, from the L2 when they run together) and WARPS x
@@ -570,8 +525,7 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
     for splits of up to X_SHARED_GROUPS groups): the split's x loaded once into shared memory.
     None: the settings of _ONE_ROW or _ROWS. arrivals (arrival_counts(N), zero between calls,
     as each call leaves it): the last split of a column block to finish adds the splits'
-    partial sums, instead of a second launch. norm: the kernel's norm arguments
-    (awq_mma_normed_gemv's)."""
+    partial sums, instead of a second launch."""
     m, k = x.shape
     n = rq.shape[0] * 16
     assert rq.shape[1] * CHUNK == k and x.dtype in _MAGIC
@@ -591,8 +545,6 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
     if x_shared is None:
         x_shared = m == 1 and per_split <= X_SHARED_GROUPS
     assert not x_shared or m == 1, "x_shared takes one row"
-    # the norm puts the whole row where x_shared puts the split's groups
-    x_split = groups if norm else per_split if x_shared else 0
 
     pdl = pdl_options(x.device)
     block = 16 * warps * tiles
@@ -609,45 +561,16 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
             stride_split, per_split, _MAGIC[x.dtype], rq if arrivals is None else arrivals,
             target if total is None else total, num_splits, GROUP=group_size, WARPS=warps,
             TILES=tiles, ROWS=rows, BF16=x.dtype == torch.bfloat16, USE_PDL=pdl["launch_pdl"],
-            AHEAD=ahead, X_SPLIT=triton.next_power_of_2(x_split) if x_split else 0,
+            AHEAD=ahead, X_SPLIT=triton.next_power_of_2(per_split) if x_shared else 0,
             SUM_SPLITS=triton.next_power_of_2(num_splits) if fused else 0,
             SWIGLU=swiglu, launch_pdl=pdl["launch_pdl"], num_warps=warps,
-            maxnreg=max_registers(fused, rows, tiles, ahead, per_sm, bool(norm)), **(norm or {}))
+            maxnreg=max_registers(fused, rows, tiles, ahead))
 
     if not fused:
         return _launch_split(launch, num_splits, m, n, x, pdl, swiglu)
     total = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
     launch(torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device), m * n, total)
     return total
-
-
-def awq_mma_normed_gemv(x: torch.Tensor, residual: torch.Tensor | None,
-                        norm_weight: torch.Tensor, eps: float, rq: torch.Tensor,
-                        qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-                        arrivals: torch.Tensor | None = None, *, warps: int | None = None,
-                        tiles: int | None = None, per_sm: int | None = None,
-                        ahead: int | None = None, swiglu: bool = False
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """awq_mma_gemv(RMSNorm(x + residual)) of one row with the norm inside, in place of
-    fused_add_rms_norm's launch before it: every program normalises the whole row into shared
-    memory (where x goes at one row), the first also stores the sum. (The product, the sum x +
-    residual, a new tensor; x itself when residual is None), rounded as fused_add_rms_norm
-    rounds them; the other arguments as awq_mma_gemv's."""
-    k = x.shape[-1]
-    if (x.shape[0] != 1 or not x.is_contiguous() or norm_weight.shape != (k,)
-            or (residual is not None and (residual.shape != x.shape
-                                          or not residual.is_contiguous()))
-            or k > NORM_MAX_INPUTS):
-        raise ValueError(f"awq_mma_normed_gemv: x {tuple(x.shape)} must be one contiguous row "
-                         f"of at most {NORM_MAX_INPUTS} inputs, the residual like it, norm "
-                         f"weight {tuple(norm_weight.shape)} of its length")
-    total = x if residual is None else torch.empty_like(x)
-    norm = dict(NORM=True, HAS_RESIDUAL=residual is not None, xh_ptr=x,
-                resid_ptr=x if residual is None else residual, norm_w_ptr=norm_weight,
-                total_ptr=total, eps=eps)
-    out = awq_mma_gemv(x, rq, qzeros, scales, group_size, arrivals, warps=warps, tiles=tiles,
-                       per_sm=per_sm, ahead=ahead, swiglu=swiglu, norm=norm)
-    return out, total
 
 
 def awq_gemm_repacked(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor,

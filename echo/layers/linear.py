@@ -63,7 +63,7 @@ class LinearBase(nn.Module):
         # row count -> a kernel that beat the default for this shape (worker/linear_tuning.py):
         # fn(x, weight) in place of cuBLAS, or fn(x, *awq_operands()) in place of awq_linear
         self.small_m_kernels: dict[int, Callable] = {}
-        # row count -> fn(x, residual, norm weight, eps, *operands()) -> (self(RMSNorm(x +
+        # row count -> fn(x, residual, norm weight, eps, weight) -> (self(RMSNorm(x +
         # residual)), x + residual) in one launch (normed)
         self.normed_kernels: dict[int, Callable] = {}
 
@@ -74,7 +74,7 @@ class LinearBase(nn.Module):
         start-up tuning found that faster (that kernel computes `then` itself)."""
         kernel = self.normed_kernel(norm, x)
         if kernel is not None:
-            return kernel(x, residual, norm.weight, norm.eps, *self.operands())
+            return kernel(x, residual, norm.weight, norm.eps, self.weight)
         x, residual = _norm(norm, x, residual)
         return (then or self)(x), residual
 
@@ -151,10 +151,6 @@ class LinearBase(nn.Module):
         if kernel is None:
             from echo_kernels import awq_linear as kernel
         return kernel(x.contiguous(), *args, swiglu=swiglu)
-
-    def operands(self) -> tuple:
-        """A kernel's arguments after x: (weight,), or awq_operands()."""
-        return (self.weight,) if self.quant is None else self.awq_operands()
 
     def awq_operands(self) -> tuple:
         """An AWQ kernel's arguments after x: (qweight, qzeros, scales, group_size), and the

@@ -10,9 +10,8 @@ treatment with awq_gemv's default tiles in cuBLAS's place and a few other tiles 
 candidates, per (N, K, group size); layers repacked for the tensor cores with awq_mma_gemv's
 defaults against a few other settings. Where a layer's neighbours can move into its kernel, the
 tiles that do so are timed too: SwiGLU after gate/up, and the RMSNorm before qkv, gate/up and
-a mixture of experts' router (one rank; AWQ layers in the tensor-core layout too), each against
-the separate launches (AWQ gate/up layers, whose kernels always apply SwiGLU where they add
-their splits, are timed so). Every time is
+a mixture of experts' router (one rank), each against the separate launches (AWQ gate/up
+layers, whose kernels always apply SwiGLU where they add their splits, are timed so). Every time is
 taken behind the kernel that precedes such a layer in a decode step (cuda_graph_timer's lead),
 since a GEMV that loads its weight before the PDL wait gains only behind a short one. On by
 default on CUDA (ECHO_TUNE_SMALL_M=0 turns it off): with PDL it made batch-1 Llama-3.1-8B and
@@ -85,16 +84,16 @@ class ShapeChoice:
         name, baseline, pick = f"{n}x{k}", "cuBLAS", "cuBLAS"
         if self.gated:
             name, baseline, pick = f"{n}x{k} + SwiGLU", "cuBLAS + SwiGLU", "cuBLAS + SwiGLU"
+        if self.normed:
+            name, baseline, pick = f"norm + {name}", f"norm + {baseline}", f"norm + {pick}"
         if self.awq_group is not None:
             kernel = "awq_mma" if self.repacked else "awq_gemv"
             name, baseline, pick = (f"AWQ {n}x{k} group {self.awq_group}"
                                     f"{' + SwiGLU' if self.gated else ''}", kernel, "default")
-        if self.normed:
-            name, baseline, pick = f"norm + {name}", f"norm + {baseline}", f"norm + {pick}"
         if self.tile and self.repacked:
             warps, tiles, per_sm, ahead = self.tile
             pick = (f"awq_mma {warps} warps x {tiles} tiles {per_sm} programs an SM {ahead} "
-                    f"ahead{', norm inside' if self.norm_inside else ''} {self.best_us:.1f} us")
+                    f"ahead {self.best_us:.1f} us")
         elif self.tile and self.awq_group is None:
             block_n, block_k, prefetch, num_warps = self.tile
             pick = (f"small_m_linear {block_n}x{block_k}{' prefetch' if prefetch else ''} "
@@ -165,22 +164,6 @@ def normed_gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int,
                              swiglu=swiglu)
 
 
-def normed_awq_mma(warps: int, tiles: int, per_sm: int, ahead: int,
-                   swiglu: bool = False) -> Callable:
-    """awq_mma_normed_gemv with awq_mma_gemv's settings."""
-    from echo_kernels.awq_mma import awq_mma_normed_gemv
-
-    return functools.partial(awq_mma_normed_gemv, warps=warps, tiles=tiles, per_sm=per_sm,
-                             ahead=ahead, swiglu=swiglu)
-
-
-def awq_mma_one_row_default() -> tuple:
-    """awq_mma_gemv's own settings at one row, as a tile of AWQ_MMA_CANDIDATES."""
-    from echo_kernels.awq_mma import _ONE_ROW
-
-    return _ONE_ROW
-
-
 @dataclass(frozen=True)
 class _Run:
     """One way to compute a layer at one row, as the tuning times it."""
@@ -188,9 +171,7 @@ class _Run:
     fn: Matmul  # fn(x, *operands)
     tile: tuple | None = None  # None: the baseline
     swiglu: bool = False  # SwiGLU inside the kernel
-    # the norm before the layer inside this kernel: fn(x, residual, norm weight, eps,
-    # *operands), for the layer's normed_kernels
-    normed_kernel: Callable | None = None
+    normed: bool = False  # the norm before the layer inside the kernel
 
 
 def tune_one_row_linears(model: nn.Module, timer: Timer,
@@ -201,7 +182,6 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
                          make_normed_kernel: Callable[..., Callable] = normed_gemv,
                          mma_candidates: Sequence[tuple] = AWQ_MMA_CANDIDATES,
                          make_mma_kernel: Callable[..., Matmul] = awq_mma,
-                         make_normed_mma_kernel: Callable[..., Callable] = normed_awq_mma,
                          ) -> list[ShapeChoice]:
     """Set `small_m_kernels[1]` on every bias-free linear layer whose shape a candidate wins
     by MIN_GAIN over the baseline (cuBLAS; awq_linear's default for AWQ layers, awq_mma_linear's
@@ -210,20 +190,17 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
     (`make_kernel(*tile, swiglu=True)`, to `swiglu_kernels[1]`). Dense layers of one rank that
     follow a norm (qkv, gate/up, a router: `follows_norm`) are timed with the RMSNorm before
     them (LinearBase.normed), against the tiles over the whole of K with the norm inside
-    (`make_normed_kernel(*tile, swiglu=gated)`, to `normed_kernels[1]`); so are AWQ layers of
-    one rank in the tensor-core layout, against awq_mma_gemv's settings (its default among
-    them) with the norm inside (`make_normed_mma_kernel`)."""
+    (`make_normed_kernel(*tile, swiglu=gated)`, to `normed_kernels[1]`)."""
     by_shape: dict[tuple, list[LinearBase]] = defaultdict(list)
     for module in model.modules():
         if isinstance(module, LinearBase) and module.bias is None:
             dense = module.quant is None
             gated = isinstance(module, GateUpParallelLinear)
-            normed = ((dense or module.awq_repacked) and module.tp.size == 1
-                      and module.follows_norm)
+            normed = dense and module.tp.size == 1 and module.follows_norm
             by_shape[(*_shape(module), gated, normed, module.awq_repacked)].append(module)
     choices = []
     for (n, k, group, gated, normed, repacked), layers in by_shape.items():
-        operands = [layer.operands() for layer in layers]
+        operands = [_operands(layer) for layer in layers]
         like = operands[0][0] if group is None else operands[0][2]  # weight or scales
         x = torch.randn(1, k, dtype=like.dtype, device=like.device)
         if group is None:
@@ -243,14 +220,9 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
         if normed:
             norm = (torch.randn_like(x), torch.ones(k, dtype=x.dtype, device=x.device), 1e-6)
             runs = [_Run(_after_norm(norm, run.fn), run.tile, run.swiglu) for run in runs]
-            if group is None:
-                inside = [(tile, make_normed_kernel(*tile, swiglu=gated))
-                          for tile in tiles if _whole_k(tile, k)]
-            else:
-                inside = [(tile, make_normed_mma_kernel(*tile, swiglu=gated))
-                          for tile in (awq_mma_one_row_default(), *tiles)]
-            runs += [_Run(functools.partial(_normed_call, norm, kernel), tile, gated, kernel)
-                     for tile, kernel in inside]
+            runs += [_Run(functools.partial(_normed_call, norm,
+                                            make_normed_kernel(*tile, swiglu=gated)),
+                          tile, gated, normed=True) for tile in tiles if _whole_k(tile, k)]
         lead = "gemv" if normed else "norm"
         baseline_us = timer(runs[0].fn, x, operands, lead=lead)
         best_us, best = baseline_us / MIN_GAIN, None
@@ -259,8 +231,8 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
             if us < best_us:
                 best_us, best = us, run
         for layer in layers if best is not None else []:
-            if best.normed_kernel:  # where the layer's caller goes through LinearBase.normed
-                layer.normed_kernels[1] = best.normed_kernel
+            if best.normed:  # where the layer's caller goes through LinearBase.normed
+                layer.normed_kernels[1] = make_normed_kernel(*best.tile, swiglu=gated)
             elif best.swiglu:
                 layer.swiglu_kernels[1] = make(*best.tile, swiglu=True)
             else:
@@ -268,7 +240,7 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
         choices.append(ShapeChoice((n, k), len(layers), baseline_us,
                                    best_us if best else baseline_us, best and best.tile, group,
                                    gated, bool(best and best.swiglu), normed,
-                                   bool(best and best.normed_kernel), repacked))
+                                   bool(best and best.normed), repacked))
     return choices
 
 
@@ -312,9 +284,9 @@ def _norm_then_matmul(norm: tuple, matmul: Matmul, x: torch.Tensor, *operands):
     return matmul(x, *operands)
 
 
-def _normed_call(norm: tuple, kernel: Callable, x: torch.Tensor, *operands):
+def _normed_call(norm: tuple, kernel: Callable, x: torch.Tensor, weight: torch.Tensor):
     residual, norm_weight, eps = norm
-    return kernel(x, residual, norm_weight, eps, *operands)[0]
+    return kernel(x, residual, norm_weight, eps, weight)[0]
 
 
 def _shape(layer: LinearBase) -> tuple[int, int, int | None]:
@@ -324,6 +296,12 @@ def _shape(layer: LinearBase) -> tuple[int, int, int | None]:
     # from the zeros [K / group, N / 8], whichever layout qweight is in
     group = layer.quant.group_size
     return layer.scales.shape[1], layer.qzeros.shape[0] * group, group
+
+
+def _operands(layer: LinearBase) -> Operands:
+    if layer.quant is None:
+        return (layer.weight,)
+    return layer.awq_operands()
 
 
 def cuda_graph_timer(fn: Matmul, x: torch.Tensor, operands: list[Operands],

@@ -20,15 +20,9 @@ from echo_kernels.awq_mma import (
     awq_gemm_repacked,
     awq_mma_gemv,
     awq_mma_linear,
-    awq_mma_normed_gemv,
     repack_awq,
 )
-from echo_kernels.reference import (
-    awq_linear_ref,
-    awq_unpack_ref,
-    fused_add_rms_norm_ref,
-    rms_norm_ref,
-)
+from echo_kernels.reference import awq_linear_ref, awq_unpack_ref
 
 
 def read_repacked(words: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -213,62 +207,6 @@ def test_one_row_with_x_in_shared_memory(group_size, split_k, ahead):
     gate, up = ref.chunk(2, dim=-1)
     want = F.silu(gate) * up
     torch.testing.assert_close(glu.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("options", [dict(split_k=1), dict(split_k=3), dict(split_k=10, ahead=2),
-                                     dict(per_sm=4), dict(tiles=2, split_k=4), dict()])
-def test_one_row_with_the_norm_inside(options, with_residual):
-    """awq_mma_normed_gemv: every program normalises the whole row (10 groups of 64, its split
-    of them read from shared memory): the sum x + residual exactly as the reference adds it,
-    the product of the reference's normed row by the reference's weight, summed inside and by
-    the launch, with SwiGLU too; a second call the same (the arrival counts left zero)."""
-    k, n, group_size = 640, 256, 64
-    qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda", seed=len(options))
-    rq = repack_awq(qweight, group_size)
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    residual = torch.randn_like(x) if with_residual else None
-    norm_w = (1 + torch.randn(k, device="cuda") / 4).to(torch.bfloat16)
-    if with_residual:
-        normed, want_total = fused_add_rms_norm_ref(x, residual, norm_w, 1e-6)
-    else:
-        normed, want_total = rms_norm_ref(x, norm_w, 1e-6), x
-    ref = awq_linear_ref(normed.float(), qweight, qzeros, scales, group_size)
-    tol = dict(rtol=8e-3, atol=8e-3 * ref.abs().max().item())
-    arrivals = arrival_counts(n, x.device)
-    for counts in (arrivals, None):
-        out, total = awq_mma_normed_gemv(x, residual, norm_w, 1e-6, rq, qzeros, scales,
-                                         group_size, counts, **options)
-        torch.testing.assert_close(total, want_total, atol=0, rtol=0)
-        torch.testing.assert_close(out.float(), ref, **tol)
-    assert not arrivals.any()
-    again, _ = awq_mma_normed_gemv(x, residual, norm_w, 1e-6, rq, qzeros, scales, group_size,
-                                   arrivals, **options)
-    assert torch.equal(again, awq_mma_normed_gemv(x, residual, norm_w, 1e-6, rq, qzeros, scales,
-                                                  group_size, arrivals, **options)[0])
-    glu, _ = awq_mma_normed_gemv(x, residual, norm_w, 1e-6, rq, qzeros, scales, group_size,
-                                 arrival_counts(n, x.device), swiglu=True, **options)
-    gate, up = ref.chunk(2, dim=-1)
-    want = F.silu(gate) * up
-    torch.testing.assert_close(glu.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-
-
-def test_the_norm_inside_refuses_what_it_cannot_normalise():
-    """Two rows, a norm weight of another length, a residual of another shape, a row past
-    NORM_MAX_INPUTS: a ValueError naming x, before any launch (the CPU gets that far)."""
-    k = 128
-    rq = torch.zeros(1, k // 64, 32, 4, dtype=torch.int32)
-    args = (rq, torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, 16), 64)
-    x, w = torch.zeros(1, k, dtype=torch.bfloat16), torch.ones(k, dtype=torch.bfloat16)
-    big = awq_mma.NORM_MAX_INPUTS * 2
-    for bad in [(torch.zeros(2, k, dtype=torch.bfloat16), None, w),
-                (x, None, torch.ones(k // 2, dtype=torch.bfloat16)),
-                (x, torch.zeros(1, k // 2, dtype=torch.bfloat16), w),
-                (torch.zeros(1, big, dtype=torch.bfloat16), None,
-                 torch.ones(big, dtype=torch.bfloat16))]:
-        with pytest.raises(ValueError, match="awq_mma_normed_gemv: x"):
-            awq_mma_normed_gemv(bad[0], bad[1], bad[2], 1e-6, *args)
 
 
 @pytest.mark.gpu

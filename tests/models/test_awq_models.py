@@ -143,29 +143,21 @@ def test_the_tensor_core_layout_is_a_gpu_choice(awq_model, monkeypatch):
     assert_greedy_like_transformers(*awq_model)
 
 
-def awq_runner(folder, device: str, dtype: str):
-    """A ModelRunner of the checkpoint with 64 KV blocks."""
-    from echo.config import EngineConfig
-    from echo.worker.model_runner import ModelRunner
-    from tests.models.test_logits_vs_transformers import BLOCK
-
-    config = EngineConfig.create(str(folder), device=device, dtype=dtype, block_size=BLOCK,
-                                 num_gpu_blocks_override=64, max_num_seqs=8)
-    runner = ModelRunner(config)
-    runner.init_kv_cache(64)
-    return runner
-
-
 def two_step_logits_against_transformers(folder, hf, device: str, dtype: str,
                                         scale: float) -> list:
     """PROMPTS in two steps, their first 10 tokens (27 rows), then the rest of the two longer
     ones (92 rows): each step's logits against transformers' to within `scale` times their
     largest. The runner's AWQ linear layers."""
+    from echo.config import EngineConfig
     from echo.core.sched_output import CachedRequestData, SchedulerOutput
     from echo.layers.linear import LinearBase
-    from tests.models.test_logits_vs_transformers import hf_logits
+    from echo.worker.model_runner import ModelRunner
+    from tests.models.test_logits_vs_transformers import BLOCK, hf_logits
 
-    runner = awq_runner(folder, device, dtype)
+    config = EngineConfig.create(str(folder), device=device, dtype=dtype, block_size=BLOCK,
+                                 num_gpu_blocks_override=64, max_num_seqs=8)
+    runner = ModelRunner(config)
+    runner.init_kv_cache(64)
     chunk = 10
     first = echo_logits(runner, prefill_output(PROMPTS, chunk=chunk)).float().cpu()
     ids, longer = ["r1", "r2"], PROMPTS[1:3]
@@ -207,39 +199,6 @@ def test_gpu_tensor_core_layout_logits_match_transformers(tmp_path, monkeypatch,
                                                   "cuda", "float16", 2e-2)
     assert len(layers) == 8 and all(m.awq_repacked for m in layers)
     assert all((m.awq_arrivals is not None) == (sum_inside == "1") for m in layers)
-
-
-@pytest.mark.gpu
-def test_gpu_the_norm_inside_the_tensor_core_gemv_keeps_one_row_logits(tmp_path):
-    """qkv's and gate/up's norms inside their tensor-core GEMVs (awq_mma_normed_gemv, given by
-    hand as the start-up tuning gives it where it wins): a one-token prompt's logits, in fp16,
-    those of the separate norm launches and transformers' to within fp16's scale; every
-    kernel ran."""
-    from echo.worker.linear_tuning import awq_mma_one_row_default, normed_awq_mma
-    from tests.models.test_logits_vs_transformers import hf_logits
-
-    folder, hf = tensor_core_shaped_awq_model(tmp_path)
-    prompt = [[37]]
-    plain = echo_logits(awq_runner(folder, "cuda", "float16"), prefill_output(prompt))
-    runner, calls = awq_runner(folder, "cuda", "float16"), []
-
-    def counted(kernel):
-        def call(*args, **kwargs):
-            calls.append(kernel)
-            return kernel(*args, **kwargs)
-        return call
-
-    tile = awq_mma_one_row_default()
-    for layer in runner.model.model.layers:
-        assert layer.self_attn.qkv_proj.awq_repacked and layer.mlp.gate_up_proj.awq_repacked
-        layer.self_attn.qkv_proj.normed_kernels[1] = counted(normed_awq_mma(*tile))
-        layer.mlp.gate_up_proj.normed_kernels[1] = counted(normed_awq_mma(*tile, swiglu=True))
-    fused = echo_logits(runner, prefill_output(prompt)).float()
-    assert len(calls) == 2 * len(runner.model.model.layers)
-    torch.testing.assert_close(fused, plain.float(), rtol=0,
-                               atol=1e-2 * plain.float().abs().max().item())
-    want = hf_logits(hf, prompt[0])
-    torch.testing.assert_close(fused.cpu(), want, rtol=0, atol=2e-2 * want.abs().max().item())
 
 
 @pytest.mark.gpu

@@ -316,56 +316,6 @@ def test_repacked_awq_layers_take_faster_tensor_core_settings_by_shape():
     assert layers[128].small_m_kernels == {}
 
 
-def test_repacked_awq_layers_after_a_norm_weigh_the_norm_inside():
-    """A repacked AWQ qkv layer of one rank follows a norm: every setting is timed behind
-    the norm's launch and, with the norm inside (awq_mma_normed_gemv), at awq_mma_gemv's own
-    default too; the winner serves LinearBase.normed's one-row calls, the sum passed on."""
-    from echo_kernels.awq_mma import _ONE_ROW, awq_dequantize_repacked, repack_awq
-
-    layer = QKVParallelLinear(128, 32, 4, 2, quant=AwqConfig(group_size=64))  # N = 256
-    qweight, qzeros, scales = awq_tensors(128, 256, 64, "cpu", seed=5)
-    layer.qweight = torch.nn.Parameter(repack_awq(qweight, 64), requires_grad=False)
-    layer.qzeros.data, layer.scales.data = qzeros, scales.float()
-    layer.awq_repacked = True
-    original = (qweight, qzeros, scales.float(), 64)
-
-    def normed_mma_for(*tile, swiglu=False):
-        def kernel(x, residual, norm_weight, eps, rq, qzeros, scales, group_size,
-                   arrivals=None):
-            total = x if residual is None else x + residual
-            dense = awq_dequantize_repacked(rq, qzeros, scales, group_size, x.dtype)
-            return rms_norm_ref(total, norm_weight, eps) @ dense.t() + 3000.0, total
-
-        assert not swiglu  # qkv
-        kernel.tile = tile
-        return kernel
-
-    other = (4, 2, 4, 1)
-    shape = (16, 2, 32, 4)  # the repacked qweight's [N / 16, K / 64, 32, 4]
-    times = {(shape, ("cublas", (AFTER_NORM,))): 10.0, (shape, (other, (AFTER_NORM,))): 9.8,
-             (shape, (_ONE_ROW, (NORM_INSIDE,))): 8.0, (shape, (other, (NORM_INSIDE,))): 8.5}
-    timer, _ = fake_timer(times)
-    (choice,) = tune_one_row_linears(torch.nn.ModuleDict({"qkv": layer}), timer,
-                                     mma_candidates=[other], make_mma_kernel=kernel_for,
-                                     make_normed_mma_kernel=normed_mma_for)
-    assert choice.normed and choice.norm_inside and choice.tile == _ONE_ROW
-    assert choice.baseline_us == 10.0 and choice.best_us == 8.0
-    assert ("norm + AWQ 256x128 group 64 (1 layers): norm + awq_mma 10.0 us -> awq_mma 4 warps "
-            "x 1 tiles 8 programs an SM 1 ahead, norm inside 8.0 us") in choice.describe()
-
-    norm = RMSNorm(128)
-    norm.weight.data.normal_()
-    one, residual = torch.randn(1, 128), torch.randn(1, 128)
-    out, total = layer.normed(norm, one, residual)
-    torch.testing.assert_close(total, one + residual)
-    want = awq_linear_ref(rms_norm_ref(one + residual, norm.weight, 1e-6), *original)
-    torch.testing.assert_close(out, want + 3000.0, rtol=1e-4, atol=1e-3)
-    two = torch.randn(2, 128)  # two rows: the norm's launch, then the default path
-    out, _ = layer.normed(norm, two, torch.zeros(2, 128))
-    torch.testing.assert_close(out, awq_linear_ref(rms_norm_ref(two, norm.weight, 1e-6),
-                                                   *original), rtol=1e-4, atol=1e-3)
-
-
 @pytest.mark.gpu
 def test_gpu_tuning_with_real_timings_keeps_outputs(monkeypatch, tiny_llama):
     from echo import LLM, SamplingParams
