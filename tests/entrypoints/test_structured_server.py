@@ -62,6 +62,7 @@ def chat(client, messages, **kwargs):
     return client.chat.completions.create(model="tiny", messages=messages, **kwargs)
 
 
+@pytest.mark.slow  # ten sampled replies through the server: ~11 s (make test's budget)
 def test_json_schema_validates_at_temperature_one_over_ten_seeds(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA,
                                                    "strict": True}}
@@ -115,6 +116,7 @@ def test_vllm_guided_fields_behave_the_same(client):
     assert _parses_as_arithmetic(texts[3][0])
 
 
+@pytest.mark.slow  # six tool-call replies through the server: ~10 s a case (make test's budget)
 @pytest.mark.parametrize("stream", [False, True])
 def test_named_and_required_tool_choice_give_valid_arguments(client, stream):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
