@@ -289,8 +289,9 @@ stage_commands() {
       # script and its arguments, run in the base tree, then in this one, before the steps
       local base=$AB_BASE_DIR model tree
       # shellcheck disable=SC2086
+      # the whole report into the stage's tar (its failures' tracebacks), the summary here
       [ -n "${AB_TESTS:-}" ] && timeout 300 $PY -m pytest -m gpu -q -p no:cacheprovider \
-        --tb=line -rfE $AB_TESTS 2>&1 | tail -4
+        --tb=short -rfE $AB_TESTS 2>&1 | tee "$dir/ab_tests.log" | tail -4
       rm -rf $base && mkdir -p $base && tar -xf "${AB_BASE:?a git archive tar}" -C $base
       if [ -n "${AB_PROBE:-}" ]; then
         for tree in base this; do
