@@ -5,6 +5,11 @@
 PY=${PYTHON:-python3}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
+# what tools/dev/gpu_carry_files.sh put under .gpu (carried): the embedded model's tokenizer,
+# for the GPU tests that need it (structured outputs) and the stages that take --tokenizer
+if [ -d .gpu/echo-cache ] && [ -d .gpu/tok ]; then
+  export ECHO_CACHE=${ECHO_CACHE:-$PWD/.gpu/echo-cache} TOKENIZER=${TOKENIZER:-$PWD/.gpu/tok}
+fi
 
 run_stages() {
   local stage dir

