@@ -6,7 +6,8 @@
 # awq-mma-steps moe persistent persistent-models persistent-awq ab-latency, and tp and
 # profile-tp (two GPUs). Rough minutes on an H200:
 # tests 14 (two calls: tests-kernels 7, tests-rest 7, on a machine just started), kernels 2,
-# latency 3, batch1 4 (3.5 on an H100), offline 5, profile 5, profile-tail 2, serving 4,
+# latency 3, batch1 5 (3.5 on an H100 before its second AWQ run), offline 5, profile 5,
+# profile-tail 2, serving 4,
 # int8-pool 2, kv-offload 7, kv-offload-repeat 3, structured 4, awq 8, awq-mma 5 and
 # awq-mma-steps 5 (guesses: their parts ran on an H100 in 2-4 minutes each), moe 6, persistent 6,
 # persistent-models 8 and persistent-awq 8 (a guess: not yet run), ab-latency 1 a model and
@@ -224,14 +225,15 @@ stage_commands() {
         "--num-scheduler-steps 8 --persistent-decode" ;;
     batch1)  # the batch-1 figures of record in one call, the defaults: #27's small models
       # and its Llama-3.1-8B guard, #28's Qwen3-30B-A3B, #30's AWQ against bf16 (with the
-      # one-row tuning's choices, which its log lines print)
+      # one-row tuning's choices, which its log lines print); AWQ also 8 steps a launch, where
+      # the host's ~1.1-1.7 ms a step (an H100, 2026-12-07) stays far from a ~2 ms step
       for run in "qwen3-0.6b 8" "stories110m 8" "llama-3.1-8b 1" "qwen3-30b-a3b 8" \
-          "llama-3.1-8b-awq 1"; do
+          "llama-3.1-8b-awq 1" "llama-3.1-8b-awq 8"; do
         set -- $run
         echo "$1, $2 steps a launch"
         timeout 300 $PY tools/bench_latency.py --model "$1" --max-model-len 2048 --iters 2 \
-          --num-scheduler-steps "$2" --json "$dir/latency_$1.json" > "$dir/latency_$1.log" 2>&1
-        grep -E "one-row linear|decode" "$dir/latency_$1.log" | tail -6
+          --num-scheduler-steps "$2" --json "$dir/latency_$1_$2.json" > "$dir/latency_$1_$2.log" 2>&1
+        grep -E "one-row linear|decode" "$dir/latency_$1_$2.log" | tail -6
       done ;;
     awq-mma)  # #30: the tensor-core AWQ layout (ECHO_AWQ_MMA, default 1): its GPU tests, the
       # GEMV's settings at 1 and 4 rows with its splits summed by a launch or inside, its GEMM
