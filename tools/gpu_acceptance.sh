@@ -7,8 +7,8 @@
 # profile-tp (two GPUs). Rough minutes on an H200:
 # tests 14 (two calls: tests-kernels 7, tests-rest 7, on a machine just started), kernels 2,
 # latency 3, batch1 5 (3.5 on an H100 before its second AWQ run), offline 5, profile 5,
-# profile-tail 2, serving 4,
-# int8-pool 2, kv-offload 7, kv-offload-repeat 3, structured 4, awq 8, awq-mma 5 and
+# profile-tail 2, serving 4, int8-pool 2, kv-offload 7, kv-offload-repeat 3, structured 4, awq 8,
+# awq-mma 5 and
 # awq-mma-steps 5 (guesses: their parts ran on an H100 in 2-4 minutes each), moe 6, persistent 6,
 # persistent-models 8 and persistent-awq 8 (a guess: not yet run), ab-latency 1 a model and
 # tree (a guess), tp 6 (plus start-up): pick
@@ -290,8 +290,8 @@ stage_commands() {
       # (no spaces inside one) for this tree's GPU tests, run first; AB_PROBE: a tools/dev
       # script and its arguments, run in the base tree, then in this one, before the steps
       local base=$AB_BASE_DIR model tree
-      # shellcheck disable=SC2086
       # the whole report into the stage's tar (its failures' tracebacks), the summary here
+      # shellcheck disable=SC2086
       [ -n "${AB_TESTS:-}" ] && timeout 300 $PY -m pytest -m gpu -q -p no:cacheprovider \
         --tb=short -rfE $AB_TESTS 2>&1 | tee "$dir/ab_tests.log" | tail -4
       rm -rf $base && mkdir -p $base && tar -xf "${AB_BASE:?a git archive tar}" -C $base
