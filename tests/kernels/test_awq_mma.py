@@ -11,6 +11,7 @@ from test_awq import awq_tensors
 
 from echo.layers.linear import GateUpParallelLinear
 from echo.layers.quantization import AwqConfig
+from echo.worker.linear_tuning import AWQ_MMA_CANDIDATES
 from echo_kernels import awq_mma
 from echo_kernels.awq_mma import (
     GEMM_MAX_ROWS,
@@ -23,6 +24,9 @@ from echo_kernels.awq_mma import (
     repack_awq,
 )
 from echo_kernels.reference import awq_linear_ref, awq_unpack_ref
+
+# the one-row settings the start-up tuning times: the kernel's own and its candidates
+ONE_ROW_SETTINGS = [awq_mma._ONE_ROW, *AWQ_MMA_CANDIDATES]
 
 
 def read_repacked(words: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -207,6 +211,31 @@ def test_one_row_with_x_in_shared_memory(group_size, split_k, ahead):
     gate, up = ref.chunk(2, dim=-1)
     want = F.silu(gate) * up
     torch.testing.assert_close(glu.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("setting", ONE_ROW_SETTINGS, ids=str)
+def test_every_one_row_setting_the_tuning_offers(setting):
+    """One row through awq_mma_gemv's own default and each setting of the start-up tuning's
+    AWQ_MMA_CANDIDATES (x in shared memory, as at one row by default; two 16-column tiles a
+    warp and 8 warps among them, which no other one-row test takes), its splits summed inside
+    and by the launch, with SwiGLU too, at a Llama-3.1-8B qkv's width and groups (6144 x 4096,
+    group 128): the reference's values."""
+    warps, tiles, per_sm, ahead = setting
+    k, n, group_size = 4096, 6144, 128
+    qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda", seed=sum(setting))
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    rq = repack_awq(qweight, group_size)
+    ref = awq_linear_ref(x.float(), qweight, qzeros, scales, group_size)
+    run = functools.partial(awq_mma_gemv, x, rq, qzeros, scales, group_size, warps=warps,
+                            tiles=tiles, per_sm=per_sm, ahead=ahead)
+    for arrivals in (arrival_counts(n, x.device), None):
+        torch.testing.assert_close(run(arrivals).float(), ref, rtol=8e-3,
+                                   atol=8e-3 * ref.abs().max().item())
+    gate, up = ref.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    torch.testing.assert_close(run(arrival_counts(n, x.device), swiglu=True).float(), want,
+                               rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
 @pytest.mark.gpu
