@@ -1,6 +1,6 @@
 """fused_moe at a few tokens: each (token, expert) pair a CUDA-core GEMV, configs and variants.
 
-    python tools/dev/probe_moe_pair_gemv.py [--rows 1,2,4,8,16] [--quick]
+    python tools/dev/probe_moe_pair_gemv.py [--rows 1,2,4,8,16] [--quick | --whole-k]
 
 Qwen3-30B-A3B's experts (bench_kernels' MOE_* shapes), bf16, CUDA graphs over MOE_ROUTINGS
 routings (bench_kernels' bench_graph). Every row but one starts from router logits computed
@@ -11,6 +11,10 @@ beforehand (the router is the model's own linear layer):
   gemv, separate sum   the pair GEMVs as first measured: the down GEMV writes each pair's row,
                        a third launch sums a token's k rows
   pairs g/d            fused_moe_pairs with (BLOCK_N, BLOCK_K, num_warps) g and d
+--whole-k: the default gate_up tile and down tiles whose BLOCK_K covers the intermediate size
+(768 in a 1,024-wide masked tile), so a down program loads all of its weights before the PDL
+wait, while gate_up still runs, as small_m_linear's whole-K tiles do for dense layers (the
+sweep below stops at 256).
 Each row's output is checked against fused_moe_ref first. Bytes: the experts touched. The probe
 also runs in trees from before fused_moe_pairs (its rows up to "gemv, separate sum"), for A/B
 runs: copy it there.
@@ -100,6 +104,9 @@ GATE_UP_CONFIGS = [(bn, bk, w) for bn in (2, 4, 8) for bk in (256, 512, 1024) fo
 DOWN_CONFIGS = [(8, 128, 2)] + [(bn, bk, w) for bn in (4, 8, 16) for bk in (128, 256)
                                 for w in (1, 2, 4) if (bn, bk, w) != (8, 128, 2)]
 QUICK = {"gate_up": [(4, 512, 2), (8, 256, 2)], "down": [(8, 128, 2), (4, 256, 2)]}
+# BLOCK_N x 1,024 on a warp count that keeps the float32 products at 64 a thread or fewer
+WHOLE_K = {"gate_up": [(2, 256, 1)], "down": [(8, 128, 2)] + [
+    (bn, 1024, w) for bn in (2, 4, 8) for w in (1, 2, 4) if bn * 1024 // (32 * w) <= 64]}
 
 
 def gemv_moe(x, w13, w2, weights, ids, gate_up, down):
@@ -173,6 +180,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--quick", action="store_true", help="three configs a kernel")
+    parser.add_argument("--whole-k", action="store_true",
+                        help="down tiles over the whole intermediate size (module docstring)")
     args = parser.parse_args()
     torch.manual_seed(0)
     e, h, i = MOE_EXPERTS, MOE_HIDDEN, MOE_INTERMEDIATE
@@ -181,9 +190,10 @@ def main() -> None:
     gate = torch.randn(h, e, device="cuda", dtype=torch.bfloat16)
     copy_tbs = measure_ceilings()["copy_TBps"]
     print(f"copy bandwidth {copy_tbs:.3f} TB/s", flush=True)
+    configs = (QUICK if args.quick else WHOLE_K if args.whole_k
+               else {"gate_up": GATE_UP_CONFIGS, "down": DOWN_CONFIGS})
     for m in map(int, args.rows.split(",")):
-        probe(m, w13, w2, gate, copy_tbs, QUICK["gate_up"] if args.quick else GATE_UP_CONFIGS,
-              QUICK["down"] if args.quick else DOWN_CONFIGS)
+        probe(m, w13, w2, gate, copy_tbs, configs["gate_up"], configs["down"])
 
 
 if __name__ == "__main__":
