@@ -2,13 +2,15 @@
 
 Each split left an unnormalised output `acc_s`, its running max `m_s` (log2 units) and sum `l_s`;
 the exact result is sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s with m = max_s m_s. A split
-that saw no key of a row holds m_s = M_FLOOR, l_s = 0 and drops out with weight 0.
+that saw no key of a row holds m_s = M_FLOOR, l_s = 0 and drops out with weight 0; its acc_s
+is not read (a split with no key of its context at all does not write it).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from echo_kernels.attention.common import M_FLOOR
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 
 
@@ -36,8 +38,9 @@ def _merge_splits_kernel(
     w = tl.math.exp2(m - tl.max(m, 0))
     denom = tl.sum(w * l_sum, 0)
     offs_d = tl.arange(0, HEAD_DIM)
+    # only the splits that saw a key: an empty one's output is zero or never written
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=split_ok[:, None], other=0.0)
+                  mask=(split_ok & (m > M_FLOOR))[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty))
