@@ -286,7 +286,8 @@ stage_commands() {
     ab-latency)  # this tree against another commit's, batch 1, alternately, twice each:
       # AB_BASE (a `git archive` tar of it, made beside this tree before the call, e.g.
       # `git archive -o .gpu/base.tar REV` and carried in .gpu), AB_MODELS (default
-      # llama-3.1-8b-awq), AB_STEPS (steps a launch, default 8); AB_TESTS: test paths or ids
+      # llama-3.1-8b-awq), AB_STEPS (steps a launch, default 8), AB_MAX_MODEL_LEN (default
+      # 2048: the decode graphs' key bound, so their split count); AB_TESTS: test paths or ids
       # (no spaces inside one) for this tree's GPU tests, run first; AB_PROBE: a tools/dev
       # script and its arguments, run in the base tree, then in this one, before the steps
       local base=$AB_BASE_DIR model tree
@@ -307,7 +308,8 @@ stage_commands() {
         for tree in base this base this; do
           echo "$model, $tree tree"
           in_ab_tree $tree timeout 150 $PY tools/bench_latency.py --model $model \
-            --max-model-len 2048 --iters 2 --num-scheduler-steps "${AB_STEPS:-8}" \
+            --max-model-len "${AB_MAX_MODEL_LEN:-2048}" --iters 2 \
+            --num-scheduler-steps "${AB_STEPS:-8}" \
             2>&1 | tee -a "$dir/latency_${model}_$tree.log" | grep -E "one-row|decode"
         done
       done
