@@ -8,10 +8,9 @@
 # tests 14 (two calls: tests-kernels 7, tests-rest 7, on a machine just started), kernels 2,
 # latency 3, batch1 5 (3.5 on an H100 before its second AWQ run), offline 5, profile 5,
 # profile-tail 2, serving 4, int8-pool 2, kv-offload 7, kv-offload-repeat 3, structured 4, awq 8,
-# awq-mma 5 and
-# awq-mma-steps 5 (guesses: their parts ran on an H100 in 2-4 minutes each), moe 6, persistent 6,
-# persistent-models 8 and persistent-awq 8 (a guess: not yet run), ab-latency 1 a model and
-# tree (a guess), tp 6 (plus start-up): pick
+# awq-mma 5 and awq-mma-steps 5 (guesses: their parts ran on an H100 in 2-4 minutes each), moe 6,
+# persistent 6, persistent-models 8 and persistent-awq 8 (a guess: not yet run), ab-latency 1
+# a model and tree (a guess), tp 6 (plus start-up): pick
 # what fits the device budget. Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the
 # device tool returns few files), and the key lines are printed. Every process started here is ended here, by PID.
 # The probes' runs: tools/dev/gpu_probes.sh.

@@ -16,8 +16,8 @@ def merged_ref(part_acc: torch.Tensor, part_ml: torch.Tensor, seen: torch.Tensor
     w = torch.where(seen, torch.exp2(m - top.clamp(min=-1e30)), torch.tensor(0.0))
     acc = torch.where(seen[..., None], part_acc, torch.tensor(0.0))
     denom = (w * l_sum).sum(-1, keepdim=True)
-    out = (w[..., None] * acc).sum(-2) / torch.where(denom == 0, 1.0, denom)
-    return torch.where(seen.any(-1, keepdim=True), out, torch.tensor(0.0))
+    # a row with no split seen: every weight 0, so 0 / 1
+    return (w[..., None] * acc).sum(-2) / torch.where(denom == 0, 1.0, denom)
 
 
 def test_splits_without_a_key_are_neither_weighed_nor_read(device):
