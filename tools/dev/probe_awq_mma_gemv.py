@@ -4,14 +4,21 @@ layer shapes, over its settings: the probe that found it (#30).
     python tools/dev/probe_awq_mma_gemv.py [--rows 1,4] [--configs 4x1,4x2] [--per-sm 4,8]
         [--ahead 1,2] [--x-shared 0,1] [--fused-sum 0,1]
     python tools/dev/probe_awq_mma_gemv.py --sass     # CPU: compile for sm_90, count SASS
+    python tools/dev/probe_awq_mma_gemv.py --loads-only [--per-sm 8] [--batch 1,2,4,8]
 
 GPU: CUDA graphs over weight copies beyond the L2, bf16 x, the largest error of each against
 the float32 reference; --fused-sum 1: the splits added inside the GEMV's launch (arrival
 counts) instead of by a second launch. --sass compiles the kernel for sm_90 on this machine (no
 GPU), with and without the sum inside, and counts its loop's instructions a weight (awq_gemv's:
-3.4), its registers and spills. Until c44a437 the kernel lived here
-(e257d5f, 91b0394: the figures in docs/benchmarks.md, AWQ, 2026-12-06); from db9154a to the
-revert that followed its timing (--stages) it had a shared-memory ring.
+3.4), its registers and spills. --loads-only (GPU, one row) asks where the one-row GEMV's ~70%
+of the copy rate at gate_up and down is lost: a kernel that loads what its loop loads (a
+warp's 1 KB of a group's weights, the group's scales and zeros), on the same grid and splits,
+and only XORs the words, with `batch` groups loaded at once (1: as the GEMV keeps one in
+flight; more: more bytes in flight a warp); if it runs no faster than the GEMV, the loads'
+pattern or their count in flight bounds it, not the dequantization or the tensor cores.
+Until c44a437 the kernel lived here (e257d5f, 91b0394: the figures in docs/benchmarks.md, AWQ,
+2026-12-06); from db9154a to the revert that followed its timing (--stages) it had a
+shared-memory ring.
 """
 
 import argparse
@@ -26,9 +33,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
 
 from echo_kernels.awq_mma import (  # noqa: E402
     _awq_mma_kernel,
+    _index,
     arrival_counts,
     awq_mma_gemv,
     max_registers,
@@ -84,6 +94,71 @@ def sass() -> None:
               f"{dict(collections.Counter(loop).most_common(12))}")
 
 
+@gluon.jit(do_not_specialize=["groups_per_split"])
+def _loads_only_kernel(rq_ptr, qzeros_ptr, scales_ptr, out_ptr, N, K, n_packed,
+                       groups_per_split, GROUP: gl.constexpr, WARPS: gl.constexpr,
+                       BATCH: gl.constexpr):
+    """The one-row GEMV's loads (awq_mma._awq_mma_kernel at one tile a warp): each group's
+    words in the same layout and order, its scales and zeros; BATCH groups loaded at once."""
+    STEPS: gl.constexpr = GROUP // 16
+    w_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, STEPS, 1],
+                                              threads_per_warp=[1, 1, 8, 1, 4],
+                                              warps_per_cta=[1, WARPS, 1, 1, 1],
+                                              order=[4, 2, 3, 0, 1])
+    c_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    pid_n = gl.program_id(0)
+    tile = pid_n * WARPS + _index(WARPS, 1, w_layout)
+    step = _index(STEPS, 3, w_layout)
+    w_offs = (tile.to(gl.int64) * (K // 64 * 128) + _index(8, 2, w_layout) * 16
+              + (step // 4) * 128 + step % 4 + _index(4, 4, w_layout) * 4)
+    cn = pid_n * 16 * WARPS + gl.arange(0, 16 * WARPS, layout=c_layout)
+    first = gl.program_id(1) * groups_per_split
+    end = gl.minimum(first + groups_per_split, K // GROUP)
+    folded = gl.zeros([1, WARPS, 8, STEPS, 4], gl.int32, w_layout)
+    side = gl.zeros([16 * WARPS], gl.int32, c_layout)
+    for group in range(first, end, BATCH):
+        for j in gl.static_range(BATCH):
+            g = gl.minimum(group + j, end - 1)
+            folded ^= gl.load(rq_ptr + w_offs + g * (GROUP * 2))
+            side ^= gl.load(scales_ptr + g * N + cn).to(gl.int32, bitcast=False)
+            side ^= gl.load(qzeros_ptr + g * n_packed + cn // 8)
+    total = gl.sum(gl.sum(gl.sum(gl.sum(gl.sum(folded, 4), 3), 2), 1), 0) + gl.sum(side, 0)
+    gl.store(out_ptr + gl.program_id(0) * gl.num_programs(1) + gl.program_id(1), total)
+
+
+def time_loads_only(per_sm: list[int], batches: list[int]) -> None:
+    """Each shape: the one-row GEMV with its defaults against its loads alone (module
+    docstring), on its grid and splits at each programs-an-SM count."""
+    from bench_kernels import AWQ_GROUP, AWQ_SHAPES, awq_copies, bench_graph
+
+    from echo_kernels.device import sm_count
+
+    for name, (n, k) in AWQ_SHAPES.items():
+        copies, nbytes = awq_copies(n, k)
+        repacked = [(repack_awq(qw, AWQ_GROUP), qz, sc) for qw, qz, sc in copies]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        arrivals = [arrival_counts(n, x.device) for _ in repacked]
+        ms = bench_graph([functools.partial(awq_mma_gemv, x, *c, AWQ_GROUP, a)
+                          for c, a in zip(repacked, arrivals)])
+        print(f"{name} {n}x{k}: awq_mma_gemv (defaults, the sum inside) {ms * 1e3:.1f} us "
+              f"({nbytes / ms / 1e6:.0f} GB/s)", flush=True)
+        blocks, groups = n // 64, k // AWQ_GROUP
+        for programs, batch in itertools.product(per_sm, batches):
+            per_split = triton.cdiv(groups, min(groups, max(1, programs * sm_count(x.device)
+                                                                // blocks)))
+            splits = triton.cdiv(groups, per_split)
+            out = torch.empty(blocks * splits, dtype=torch.int32, device=x.device)
+            ms = bench_graph([functools.partial(
+                _loads_only_kernel[(blocks, splits)], rq, qz, sc, out, n, k, n // 8,
+                per_split, GROUP=AWQ_GROUP, WARPS=4, BATCH=batch, num_warps=4)
+                for rq, qz, sc in repacked])
+            print(f"  loads only, {programs}/SM ({splits} splits of {per_split} groups), "
+                  f"{batch} at once: {ms * 1e3:.1f} us ({nbytes / ms / 1e6:.0f} GB/s)",
+                  flush=True)
+        del copies, repacked
+        torch.cuda.empty_cache()
+
+
 def time_gpu(rows: list[int], configs: list[tuple[int, int]], per_sm: list[int],
              ahead: list[int], shared: list[int], fused: list[int]) -> None:
     """Each shape and row count (bf16 x): awq_linear, then every (warps, tiles, rows, programs
@@ -133,6 +208,9 @@ def time_gpu(rows: list[int], configs: list[tuple[int, int]], per_sm: list[int],
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass", action="store_true", help="compile for sm_90 (no GPU)")
+    parser.add_argument("--loads-only", action="store_true",
+                        help="one row: the GEMV's loads alone (module docstring)")
+    parser.add_argument("--batch", default="1,2,4,8", help="--loads-only: groups loaded at once")
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
     parser.add_argument("--configs", default="4x1,4x2", help="warps x tiles, ...")
     parser.add_argument("--per-sm", default="4,8", help="programs an SM the splits aim at")
@@ -145,6 +223,9 @@ def main() -> None:
     if args.sass:
         os.environ["TRITON_INTERPRET"] = "0"
         sass()
+    elif args.loads_only:
+        time_loads_only([int(p) for p in args.per_sm.split(",")],
+                        [int(b) for b in args.batch.split(",")])
     else:
         configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
         time_gpu([int(r) for r in args.rows.split(",")], configs,
