@@ -13,12 +13,12 @@ GPU), with and without the sum inside, and counts its loop's instructions a weig
 3.4), its registers and spills. --loads-only (GPU, one row) asks where the one-row GEMV's ~70%
 of the copy rate at gate_up and down is lost: a kernel that loads what its loop loads (a
 warp's 1 KB of a group's weights, the group's scales and zeros), on the same grid and splits,
-and only XORs the words, with `batch` groups loaded at once (1: as the GEMV keeps one in
-flight; more: more bytes in flight a warp); if it runs no faster than the GEMV, the loads'
-pattern or their count in flight bounds it, not the dequantization or the tensor cores.
-Until c44a437 the kernel lived here (e257d5f, 91b0394: the figures in docs/benchmarks.md, AWQ,
-2026-12-06); from db9154a to the revert that followed its timing (--stages) it had a
-shared-memory ring.
+and only XORs the words, with `batch` groups loaded at once (1: ptxas unrolls that loop and
+keeps about two in flight, as the GEMV does; more: more bytes in flight a warp); if it runs
+no faster than the GEMV, the loads' pattern or their count in flight bounds it, not the
+dequantization or the tensor cores. Until c44a437 the kernel lived here (e257d5f, 91b0394: the
+figures in docs/benchmarks.md, AWQ, 2026-12-06); from db9154a to the revert that followed its
+timing (--stages) it had a shared-memory ring.
 """
 
 import argparse
@@ -144,7 +144,7 @@ def time_loads_only(per_sm: list[int], batches: list[int]) -> None:
               f"({nbytes / ms / 1e6:.0f} GB/s)", flush=True)
         blocks, groups = n // 64, k // AWQ_GROUP
         for programs, batch in itertools.product(per_sm, batches):
-            per_split = triton.cdiv(groups, min(groups, max(1, programs * sm_count(x.device)
+            per_split = triton.cdiv(groups, min(groups, max(1, programs * sm_count(x.device, 2)
                                                                 // blocks)))
             splits = triton.cdiv(groups, per_split)
             out = torch.empty(blocks * splits, dtype=torch.int32, device=x.device)
