@@ -62,7 +62,6 @@ from echo_kernels.awq import (
     gemm_tile,
     nibble_shift,
 )
-from echo_kernels.device import sm_count
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 from echo_kernels.reference import awq_unpack_ref
 
@@ -273,6 +272,28 @@ def _index(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.constexpr_function
+def _words_layout(tiles, warps, steps):
+    """A program's repacked words of one group, [tile // WARPS, warp, lane // 4, step, lane %
+    4]: a lane's steps (four of them a 16-byte load), then its tiles, in registers; tile = warp
+    + WARPS * (tile // WARPS), as mma_v2's A layout spreads 16-row tiles over warps."""
+    return gl.BlockedLayout(size_per_thread=[tiles, 1, 1, steps, 1],
+                            threads_per_warp=[1, 1, 8, 1, 4], warps_per_cta=[1, warps, 1, 1, 1],
+                            order=[4, 2, 3, 0, 1])
+
+
+@gluon.jit
+def _words_offsets(pid_n, K, TILES: gl.constexpr, WARPS: gl.constexpr, STEPS: gl.constexpr,
+                   layout: gl.constexpr):
+    """The int32 offsets of column block pid_n's words of group 0 in _words_layout (group g's
+    are GROUP * 2 further)."""
+    tile = (pid_n * (TILES * WARPS) + _index(TILES, 0, layout) * WARPS
+            + _index(WARPS, 1, layout))
+    step = _index(STEPS, 3, layout)
+    return (tile.to(gl.int64) * (K // 64 * 128) + _index(8, 2, layout) * 16
+            + (step // 4) * 128 + step % 4 + _index(4, 4, layout) * 4)
+
+
+@gluon.constexpr_function
 def _x_layout(rows, group, warps):
     """x [rows, 4, group / 8] as int32 pairs: a lane's group / 8 words, then rows 8 apart, in
     its registers; rows mod 8 and the quarter (lane % 4) over lanes, where mma_v2's B layout
@@ -372,13 +393,7 @@ def _awq_mma_kernel(
                                                   instr_shape=[16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    # words [tile // WARPS, warp, lane // 4, step, lane % 4]: a lane's steps (four of them a
-    # 16-byte load), then its tiles, in registers; tile = warp + WARPS * (tile // WARPS), as
-    # mma_v2's A layout spreads 16-row tiles over warps
-    w_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[TILES, 1, 1, STEPS, 1],
-                                              threads_per_warp=[1, 1, 8, 1, 4],
-                                              warps_per_cta=[1, WARPS, 1, 1, 1],
-                                              order=[4, 2, 3, 0, 1])
+    w_layout: gl.constexpr = _words_layout(TILES, WARPS, STEPS)
     # NOTE: x is read as int32 pairs: a loop-carried 16-bit tensor took 16-bit registers, which
     # ptxas packed, permuted and spilled
     x_layout: gl.constexpr = _x_layout(ROWS, GROUP, WARPS)
@@ -386,11 +401,7 @@ def _awq_mma_kernel(
     split = gl.program_id(1)
     row0 = gl.program_id(2) * ROWS
     rows = M - row0
-    tile = (pid_n * (TILES * WARPS) + _index(TILES, 0, w_layout) * WARPS
-            + _index(WARPS, 1, w_layout))
-    step = _index(STEPS, 3, w_layout)
-    w_offs = (tile.to(gl.int64) * (K // 64 * 128) + _index(8, 2, w_layout) * 16
-              + (step // 4) * 128 + step % 4 + _index(4, 4, w_layout) * 4)
+    w_offs = _words_offsets(pid_n, K, TILES, WARPS, STEPS, w_layout)
     xm = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_layout)))
     xt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_layout)))
     xr = gl.arange(0, GROUP // 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_layout)))
@@ -538,10 +549,7 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
     assert ahead in (1, 2), f"ahead={ahead}: 1 or 2 groups"
     groups = k // group_size
     programs = n // (16 * warps * tiles) * triton.cdiv(m, rows)
-    if split_k is None:
-        split_k = max(1, per_sm * sm_count(x.device, without_gpu=2) // programs)
-    per_split = triton.cdiv(groups, min(split_k, groups))
-    num_splits = triton.cdiv(groups, per_split)
+    num_splits, per_split = _num_splits(split_k, programs, groups, per_sm, x.device)
     if x_shared is None:
         x_shared = m == 1 and per_split <= X_SHARED_GROUPS
     assert not x_shared or m == 1, "x_shared takes one row"

@@ -38,7 +38,8 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 
 from echo_kernels.awq_mma import (  # noqa: E402
     _awq_mma_kernel,
-    _index,
+    _words_layout,
+    _words_offsets,
     arrival_counts,
     awq_mma_gemv,
     max_registers,
@@ -101,16 +102,10 @@ def _loads_only_kernel(rq_ptr, qzeros_ptr, scales_ptr, out_ptr, N, K, n_packed,
     """The one-row GEMV's loads (awq_mma._awq_mma_kernel at one tile a warp): each group's
     words in the same layout and order, its scales and zeros; BATCH groups loaded at once."""
     STEPS: gl.constexpr = GROUP // 16
-    w_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, STEPS, 1],
-                                              threads_per_warp=[1, 1, 8, 1, 4],
-                                              warps_per_cta=[1, WARPS, 1, 1, 1],
-                                              order=[4, 2, 3, 0, 1])
+    w_layout: gl.constexpr = _words_layout(1, WARPS, STEPS)
     c_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     pid_n = gl.program_id(0)
-    tile = pid_n * WARPS + _index(WARPS, 1, w_layout)
-    step = _index(STEPS, 3, w_layout)
-    w_offs = (tile.to(gl.int64) * (K // 64 * 128) + _index(8, 2, w_layout) * 16
-              + (step // 4) * 128 + step % 4 + _index(4, 4, w_layout) * 4)
+    w_offs = _words_offsets(pid_n, K, 1, WARPS, STEPS, w_layout)
     cn = pid_n * 16 * WARPS + gl.arange(0, 16 * WARPS, layout=c_layout)
     first = gl.program_id(1) * groups_per_split
     end = gl.minimum(first + groups_per_split, K // GROUP)
@@ -131,7 +126,7 @@ def time_loads_only(per_sm: list[int], batches: list[int]) -> None:
     docstring), on its grid and splits at each programs-an-SM count."""
     from bench_kernels import AWQ_GROUP, AWQ_SHAPES, awq_copies, bench_graph
 
-    from echo_kernels.device import sm_count
+    from echo_kernels.awq import _num_splits
 
     for name, (n, k) in AWQ_SHAPES.items():
         copies, nbytes = awq_copies(n, k)
@@ -144,9 +139,7 @@ def time_loads_only(per_sm: list[int], batches: list[int]) -> None:
               f"({nbytes / ms / 1e6:.0f} GB/s)", flush=True)
         blocks, groups = n // 64, k // AWQ_GROUP
         for programs, batch in itertools.product(per_sm, batches):
-            per_split = triton.cdiv(groups, min(groups, max(1, programs * sm_count(x.device, 2)
-                                                                // blocks)))
-            splits = triton.cdiv(groups, per_split)
+            splits, per_split = _num_splits(None, blocks, groups, programs, x.device)
             out = torch.empty(blocks * splits, dtype=torch.int32, device=x.device)
             ms = bench_graph([functools.partial(
                 _loads_only_kernel[(blocks, splits)], rq, qz, sc, out, n, k, n // 8,
