@@ -52,9 +52,11 @@ MIN_GAIN = 1.03  # a candidate must be at least 3% faster: noise must not flip a
 # A tile over the whole of K with prefetch loads a program's entire share of the weight before
 # the PDL wait, while the short kernel before it (a norm, the split merge, SwiGLU) still runs:
 # at small models' layers (4-12 MB) the load is most of a GEMV's time. Elements a share holds
-# at most, by warps: 8K and 16K bf16 weights are 32 registers a thread, beside the float32
-# accumulator's 64.
-PRELOAD_SHARES = ((8192, 4), (16384, 8))
+# at most, by warps: 4K, 8K and 16K bf16 weights are 32 registers a thread, beside the float32
+# accumulator's 64. Two warps: the whole-K twin of the tile that won qkv at Qwen3-0.6B and
+# Qwen3-30B-A3B (4 x 512 on 2 warps, 2026-12-07, H100), where the 4- and 8-warp tiles with the
+# norm inside lost to the norm's own launch (the norm inside needs a tile over the whole of K).
+PRELOAD_SHARES = ((4096, 2), (8192, 4), (16384, 8))
 
 # a linear layer's operands after x: (weight,), or (qweight, qzeros, scales, group_size)
 Operands = tuple

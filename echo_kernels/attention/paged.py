@@ -121,6 +121,24 @@ def _paged_attention_kernel(
     tokens, heads, row_ok, q_pos = query_rows(row0, q_start, q_len, ctx_len, kv_head, GROUP,
                                               BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
+    if SPLIT:
+        # NOTE: split by this sequence's own context, not the grid's max_seqlen_k bound: a CUDA
+        # graph captured for max_model_len then still spreads a short context over every split
+        split_len = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
+        kv_lo = split * split_len
+        kv_hi = tl.minimum(ctx_len, kv_lo + split_len)
+        if kv_lo >= kv_hi:
+            # no key of this context here (a graph captured for max_model_len gives a short
+            # context a few of its splits): a max and a sum that merge_splits weighs 0, whose
+            # output it then does not read, and none of q's loads and rotation
+            part = (tokens * num_heads + heads) * num_splits + split
+            tl.store(part_ml_ptr + part * 2, tl.full([BLOCK_M], M_FLOOR, tl.float32),
+                     mask=row_ok)
+            tl.store(part_ml_ptr + part * 2 + 1, tl.zeros([BLOCK_M], tl.float32), mask=row_ok)
+            return
+    else:
+        kv_lo = 0
+        kv_hi = ctx_len
     if FUSED_ROPE:
         # decode: the rows are the heads of the run's one token, q as the model left it
         pos = tl.load(positions_ptr + q_start).to(tl.int64)
@@ -135,15 +153,6 @@ def _paged_attention_kernel(
         # NOTE: a query element past float16's 65504 would overflow; real q/k stay far below.
         q = q.to(tl.float16)
 
-    if SPLIT:
-        # NOTE: split by this sequence's own context, not the grid's max_seqlen_k bound: a CUDA
-        # graph captured for max_model_len then still spreads a short context over every split
-        split_len = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
-        kv_lo = split * split_len
-        kv_hi = tl.minimum(ctx_len, kv_lo + split_len)
-    else:
-        kv_lo = 0
-        kv_hi = ctx_len
     if FUSED_ROPE:
         # decode: the token sees every key of the context, so only a partial last tile is masked
         full_hi = kv_lo + tl.maximum(kv_hi - kv_lo, 0) // BLOCK_N * BLOCK_N  # a split may be empty

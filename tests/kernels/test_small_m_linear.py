@@ -31,7 +31,8 @@ def test_matches_linear(device, m, n, k, blocks, dtype, prefetch):
     (1, 48, 300, (8, 64), False),  # ragged outputs (48 = 12 programs of 4) and K
     (3, 24, 128, (16, 64), True),  # ragged: 24 outputs over blocks of 8
     (2, 32, 64, (8, 64), True),  # even, one tile over the whole of K
-    (4, 10, 96, (4, 128), True)])  # padded K in one tile
+    (4, 10, 96, (4, 128), True),  # padded K in one tile
+    (1, 6, 64, (2, 64), True)])  # one gate and up pair a program, over the whole of K
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_swiglu_matches_the_separate_launches(device, m, d, k, blocks, prefetch, dtype):
     # [gate; up] rows -> silu(gate) * up, rounded as F.linear then F.silu(gate) * up round it
@@ -55,6 +56,7 @@ def test_swiglu_rejects_an_odd_weight(device):
     (1, 64, 256, 8, False),  # even
     (3, 40, 96, 4, False),  # ragged N, K padded to 128
     (2, 48, 128, 8, True),  # gate and up, SwiGLU inside
+    (1, 12, 64, 2, True),  # one pair a program (a 2-warp whole-K tile at K = 2048)
 ])
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
