@@ -86,8 +86,6 @@ _MAGIC = {torch.bfloat16: 0x3F803F80, torch.float16: 0x3C003C00}  # 1.0 in both 
 _ONE_ROW = (4, 1, 8, 1)
 _ROWS = (4, 2, 4, 1)
 _DEQUANTIZE_WARPS = 4
-# groups of weights a GEMV program asks of the L2 beyond those in registers (_prefetch_l2)
-L2_AHEAD = 0
 # the most groups of a split whose x (one row) goes through shared memory: 8 KB a program at
 # 128 a group, so that 8 programs an SM keep their shared memory under a third of it
 X_SHARED_GROUPS = 32
@@ -296,35 +294,6 @@ def _words_offsets(pid_n, K, TILES: gl.constexpr, WARPS: gl.constexpr, STEPS: gl
 
 
 @gluon.constexpr_function
-def _l2_lines_layout(tiles, warps):
-    """[tile // WARPS, warp, lane]: one address a lane of each of a warp's tiles."""
-    return gl.BlockedLayout(size_per_thread=[tiles, 1, 1], threads_per_warp=[1, 1, 32],
-                            warps_per_cta=[1, warps, 1], order=[2, 0, 1])
-
-
-@gluon.jit
-def _l2_lines_offsets(pid_n, K, TILES: gl.constexpr, WARPS: gl.constexpr, GROUP: gl.constexpr,
-                      layout: gl.constexpr):
-    """The int32 offsets in _l2_lines_layout that split each of a warp's tiles' words of group
-    0 (GROUP * 2 words, contiguous) into 32 equal runs, a lane's run starting at its offset."""
-    tile = gl.expand_dims(gl.expand_dims(gl.arange(0, TILES, layout=gl.SliceLayout(
-        1, gl.SliceLayout(2, layout))), 1), 2) * WARPS + gl.expand_dims(gl.expand_dims(
-            gl.arange(0, WARPS, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout))), 0), 2)
-    lane = gl.expand_dims(gl.expand_dims(
-        gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout))), 0), 1)
-    return ((pid_n * (TILES * WARPS) + tile).to(gl.int64) * (K // 64 * 128)
-            + lane * (GROUP * 2 // 32))
-
-
-@gluon.jit
-def _prefetch_l2(ptrs):
-    """Ask the L2 for the lines at ptrs without waiting or holding a register for them: bytes
-    in flight beyond what the registers of the loads ahead hold."""
-    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs],
-                              dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.constexpr_function
 def _x_layout(rows, group, warps):
     """x [rows, 4, group / 8] as int32 pairs: a lane's group / 8 words, then rows 8 apart, in
     its registers; rows mod 8 and the quarter (lane % 4) over lanes, where mma_v2's B layout
@@ -415,8 +384,6 @@ def _awq_mma_kernel(
     SUM_SPLITS: gl.constexpr,  # 0, or num_splits rounded up to a power of two: the last
     # split of a column block to finish adds the partial sums (no split-sum launch)
     SWIGLU: gl.constexpr,  # with SUM_SPLITS: store silu(gate) * up of the product's halves
-    L2_AHEAD: gl.constexpr,  # groups of weights asked of the L2 beyond those in registers
-    # (_prefetch_l2): the split's first L2_AHEAD before the PDL wait, then one a group
 ):
     BM: gl.constexpr = 16 * WARPS * TILES
     STEPS: gl.constexpr = GROUP // 16
@@ -457,11 +424,6 @@ def _awq_mma_kernel(
         words_next = gl.load(rq_ptr + w_offs + gl.minimum(first + 1, end - 1) * (GROUP * 2))
     s = gl.load(scales_ptr + first * N + cn)
     zq = gl.load(qzeros_ptr + first * n_packed + cn // 8)
-    if L2_AHEAD > 0:
-        l2_layout: gl.constexpr = _l2_lines_layout(TILES, WARPS)
-        l2_ptrs = rq_ptr + _l2_lines_offsets(pid_n, K, TILES, WARPS, GROUP, l2_layout)
-        for j in gl.static_range(1, L2_AHEAD + 1):
-            _prefetch_l2(l2_ptrs + gl.minimum(first + j, end - 1) * (GROUP * 2))
     if USE_PDL:  # pdl.wait_for_inputs' wait (a triton.jit Gluon cannot call)
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
@@ -494,9 +456,6 @@ def _awq_mma_kernel(
             words_after = gl.load(rq_ptr + w_offs + ahead * (GROUP * 2))
         else:
             words_next = gl.load(rq_ptr + w_offs + nxt * (GROUP * 2))
-        if L2_AHEAD > 0:
-            if group + L2_AHEAD + 1 < end:
-                _prefetch_l2(l2_ptrs + (group + L2_AHEAD + 1) * (GROUP * 2))
         if X_SPLIT > 0:  # row 0 from shared memory, the other rows of the mma zero
             x_row = x_smem.index(group - first).load(gl.SliceLayout(0, x_layout))
             xb = gl.where(x_mask, gl.expand_dims(x_row, 0), 0)
@@ -567,7 +526,7 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
                  warps: int | None = None, tiles: int | None = None, per_sm: int | None = None,
                  rows: int | None = None, split_k: int | None = None,
                  ahead: int | None = None, x_shared: bool | None = None,
-                 swiglu: bool = False, l2_ahead: int | None = None) -> torch.Tensor:
+                 swiglu: bool = False) -> torch.Tensor:
     """x [M, K] (fp16/bf16, CUDA) @ the repacked AWQ weight [K, N] -> [M, N] in x's dtype;
     swiglu: silu(gate) * up of the product's halves, [M, N / 2]. A program takes `rows` rows
     (8, 16 or 32; each reads its weights again, from the L2 when they run together) and WARPS x
@@ -575,8 +534,6 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
     or 2 groups of weights in flight beyond the one being summed (2: more bytes in flight, and a
     split's first two groups loaded before the PDL wait); x_shared (one row; None: at one row,
     for splits of up to X_SHARED_GROUPS groups): the split's x loaded once into shared memory.
-    l2_ahead: groups of weights a program asks of the L2 beyond those in registers (0: none;
-    None: L2_AHEAD).
     None: the settings of _ONE_ROW or _ROWS. arrivals (arrival_counts(N), zero between calls,
     as each call leaves it): the last split of a column block to finish adds the splits'
     partial sums, instead of a second launch."""
@@ -587,7 +544,6 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
     defaults = _ONE_ROW if m == 1 else _ROWS
     warps, tiles, per_sm = (warps or defaults[0], tiles or defaults[1], per_sm or defaults[2])
     ahead = ahead or defaults[3]
-    l2_ahead = L2_AHEAD if l2_ahead is None else l2_ahead
     rows = rows or (8 if m <= 16 else 32)
     assert n % (16 * warps * tiles) == 0, f"N={n} is not a multiple of {16 * warps * tiles}"
     assert ahead in (1, 2), f"ahead={ahead}: 1 or 2 groups"
@@ -615,7 +571,7 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
             TILES=tiles, ROWS=rows, BF16=x.dtype == torch.bfloat16, USE_PDL=pdl["launch_pdl"],
             AHEAD=ahead, X_SPLIT=triton.next_power_of_2(per_split) if x_shared else 0,
             SUM_SPLITS=triton.next_power_of_2(num_splits) if fused else 0,
-            SWIGLU=swiglu, L2_AHEAD=l2_ahead, launch_pdl=pdl["launch_pdl"], num_warps=warps,
+            SWIGLU=swiglu, launch_pdl=pdl["launch_pdl"], num_warps=warps,
             maxnreg=max_registers(fused, rows, tiles, ahead))
 
     if not fused:

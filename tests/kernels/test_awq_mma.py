@@ -122,13 +122,10 @@ def test_mma_linear_matches_reference(m, k, n, group_size, dtype):
                                      dict(rows=16), dict(rows=32), dict(split_k=4),
                                      dict(warps=4, tiles=2, rows=16), dict(ahead=2),
                                      dict(ahead=2, split_k=1), dict(ahead=2, split_k=3),
-                                     dict(ahead=2, warps=4, tiles=2, rows=32),
-                                     dict(l2_ahead=4), dict(l2_ahead=2, split_k=3),
-                                     dict(l2_ahead=4, ahead=2, warps=4, tiles=2, rows=32)])
+                                     dict(ahead=2, warps=4, tiles=2, rows=32)])
 def test_mma_gemv_knobs_and_swiglu(options):
-    """Settings against the reference, also splits of one group (split_k=4), two groups
-    ahead over splits of four groups, two, and (the default split here) one, and groups asked
-    of the L2 beyond a split's end."""
+    """Settings against the reference, also splits of one group (split_k=4), and two groups
+    ahead over splits of four groups, two, and (the default split here) one."""
     k, n, group_size = 512, 256, 128
     qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda")
     x = torch.randn(5, k, device="cuda", dtype=torch.bfloat16)

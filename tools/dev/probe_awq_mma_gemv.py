@@ -2,10 +2,9 @@
 layer shapes, over its settings: the probe that found it (#30).
 
     python tools/dev/probe_awq_mma_gemv.py [--rows 1,4] [--configs 4x1,4x2] [--per-sm 4,8]
-        [--ahead 1,2] [--x-shared 0,1] [--fused-sum 0,1] [--l2-ahead 0,4]
+        [--ahead 1,2] [--x-shared 0,1] [--fused-sum 0,1]
     python tools/dev/probe_awq_mma_gemv.py --sass     # CPU: compile for sm_90, count SASS
     python tools/dev/probe_awq_mma_gemv.py --loads-only [--per-sm 8] [--batch 1,2,4,8]
-        [--l2-ahead 0,4]
 
 GPU: CUDA graphs over weight copies beyond the L2, bf16 x, the largest error of each against
 the float32 reference; --fused-sum 1: the splits added inside the GEMV's launch (arrival
@@ -39,9 +38,6 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 
 from echo_kernels.awq_mma import (  # noqa: E402
     _awq_mma_kernel,
-    _l2_lines_layout,
-    _l2_lines_offsets,
-    _prefetch_l2,
     _words_layout,
     _words_offsets,
     arrival_counts,
@@ -71,9 +67,9 @@ def sass() -> None:
             SASS_CONFIGS, [(0, False), (16, False), (16, True)]):
         sig = dict(zip(names, types)) | {name: "constexpr" for name in (
             "GROUP", "WARPS", "TILES", "ROWS", "BF16", "USE_PDL", "AHEAD", "X_SPLIT",
-            "SUM_SPLITS", "SWIGLU", "L2_AHEAD")}
+            "SUM_SPLITS", "SWIGLU")}
         consts = {(17,): 128, (18,): warps, (19,): tiles, (20,): rows, (21,): True, (22,): True,
-                  (23,): ahead, (24,): x_split, (25,): splits, (26,): swiglu, (27,): 0}
+                  (23,): ahead, (24,): x_split, (25,): splits, (26,): swiglu}
         attrs = {(i,): [["tt.divisibility", 16]]
                  for i in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15)}
         src = GluonASTSource(fn=_awq_mma_kernel, signature=sig, constexprs=consts,
@@ -102,10 +98,9 @@ def sass() -> None:
 @gluon.jit(do_not_specialize=["groups_per_split"])
 def _loads_only_kernel(rq_ptr, qzeros_ptr, scales_ptr, out_ptr, N, K, n_packed,
                        groups_per_split, GROUP: gl.constexpr, WARPS: gl.constexpr,
-                       BATCH: gl.constexpr, L2_AHEAD: gl.constexpr):
+                       BATCH: gl.constexpr):
     """The one-row GEMV's loads (awq_mma._awq_mma_kernel at one tile a warp): each group's
-    words in the same layout and order, its scales and zeros; BATCH groups loaded at once;
-    L2_AHEAD groups beyond them asked of the L2 as the GEMV's L2_AHEAD does."""
+    words in the same layout and order, its scales and zeros; BATCH groups loaded at once."""
     STEPS: gl.constexpr = GROUP // 16
     w_layout: gl.constexpr = _words_layout(1, WARPS, STEPS)
     c_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -116,16 +111,7 @@ def _loads_only_kernel(rq_ptr, qzeros_ptr, scales_ptr, out_ptr, N, K, n_packed,
     end = gl.minimum(first + groups_per_split, K // GROUP)
     folded = gl.zeros([1, WARPS, 8, STEPS, 4], gl.int32, w_layout)
     side = gl.zeros([16 * WARPS], gl.int32, c_layout)
-    if L2_AHEAD > 0:
-        l2_layout: gl.constexpr = _l2_lines_layout(1, WARPS)
-        l2_ptrs = rq_ptr + _l2_lines_offsets(pid_n, K, 1, WARPS, GROUP, l2_layout)
-        for j in gl.static_range(BATCH, BATCH + L2_AHEAD):
-            _prefetch_l2(l2_ptrs + gl.minimum(first + j, end - 1) * (GROUP * 2))
     for group in range(first, end, BATCH):
-        if L2_AHEAD > 0:
-            for j in gl.static_range(BATCH):
-                if group + BATCH + L2_AHEAD + j < end:
-                    _prefetch_l2(l2_ptrs + (group + BATCH + L2_AHEAD + j) * (GROUP * 2))
         for j in gl.static_range(BATCH):
             g = gl.minimum(group + j, end - 1)
             folded ^= gl.load(rq_ptr + w_offs + g * (GROUP * 2))
@@ -135,7 +121,7 @@ def _loads_only_kernel(rq_ptr, qzeros_ptr, scales_ptr, out_ptr, N, K, n_packed,
     gl.store(out_ptr + gl.program_id(0) * gl.num_programs(1) + gl.program_id(1), total)
 
 
-def time_loads_only(per_sm: list[int], batches: list[int], l2_ahead: list[int]) -> None:
+def time_loads_only(per_sm: list[int], batches: list[int]) -> None:
     """Each shape: the one-row GEMV with its defaults against its loads alone (module
     docstring), on its grid and splits at each programs-an-SM count."""
     from bench_kernels import AWQ_GROUP, AWQ_SHAPES, awq_copies, bench_graph
@@ -152,23 +138,22 @@ def time_loads_only(per_sm: list[int], batches: list[int], l2_ahead: list[int]) 
         print(f"{name} {n}x{k}: awq_mma_gemv (defaults, the sum inside) {ms * 1e3:.1f} us "
               f"({nbytes / ms / 1e6:.0f} GB/s)", flush=True)
         blocks, groups = n // 64, k // AWQ_GROUP
-        for programs, batch, l2 in itertools.product(per_sm, batches, l2_ahead):
+        for programs, batch in itertools.product(per_sm, batches):
             splits, per_split = _num_splits(None, blocks, groups, programs, x.device)
             out = torch.empty(blocks * splits, dtype=torch.int32, device=x.device)
             ms = bench_graph([functools.partial(
                 _loads_only_kernel[(blocks, splits)], rq, qz, sc, out, n, k, n // 8,
-                per_split, GROUP=AWQ_GROUP, WARPS=4, BATCH=batch, L2_AHEAD=l2, num_warps=4)
+                per_split, GROUP=AWQ_GROUP, WARPS=4, BATCH=batch, num_warps=4)
                 for rq, qz, sc in repacked])
             print(f"  loads only, {programs}/SM ({splits} splits of {per_split} groups), "
-                  f"{batch} at once, {l2} more asked of the L2: {ms * 1e3:.1f} us "
-                  f"({nbytes / ms / 1e6:.0f} GB/s)",
+                  f"{batch} at once: {ms * 1e3:.1f} us ({nbytes / ms / 1e6:.0f} GB/s)",
                   flush=True)
         del copies, repacked
         torch.cuda.empty_cache()
 
 
 def time_gpu(rows: list[int], configs: list[tuple[int, int]], per_sm: list[int],
-             ahead: list[int], shared: list[int], fused: list[int], l2_ahead: list[int]) -> None:
+             ahead: list[int], shared: list[int], fused: list[int]) -> None:
     """Each shape and row count (bf16 x): awq_linear, then every (warps, tiles, rows, programs
     an SM, groups ahead) of the probe, in CUDA graphs over weight copies beyond the L2, with the
     largest error of each against the float32 reference relative to its largest value."""
@@ -192,21 +177,20 @@ def time_gpu(rows: list[int], configs: list[tuple[int, int]], per_sm: list[int],
             print(f"{name} {n}x{k} M={m} bf16: awq_linear {base * 1e3:.1f} us "
                   f"({nbytes / base / 1e6:.0f} GB/s, err {base_err:.1e})", flush=True)
             arrivals = [arrival_counts(n, x.device) for _ in repacked]
-            for (warps, tiles), rows_a, programs, groups, x_shared, inside, l2 in \
-                    itertools.product(configs, [8] if m <= 8 else [8, 16, 32], per_sm, ahead,
-                                      shared if m == 1 else [0], fused, l2_ahead):
+            for (warps, tiles), rows_a, programs, groups, x_shared, inside in itertools.product(
+                    configs, [8] if m <= 8 else [8, 16, 32], per_sm, ahead,
+                    shared if m == 1 else [0], fused):
                 if n % (16 * warps * tiles) or rows_a > max(m, 8):
                     continue
                 gemv = functools.partial(awq_mma_gemv, group_size=AWQ_GROUP, warps=warps,
                                          tiles=tiles, per_sm=programs, rows=rows_a,
-                                         ahead=groups, x_shared=bool(x_shared), l2_ahead=l2)
+                                         ahead=groups, x_shared=bool(x_shared))
                 calls = [functools.partial(gemv, x, *c, arrivals=a if inside else None)
                          for c, a in zip(repacked, arrivals)]
                 err = error(calls[0](), ref)
                 ms = bench_graph(calls)
                 print(f"  mma {warps} warps x {tiles} tiles, {rows_a} rows, {programs}/SM, "
-                      f"{groups} ahead, {l2} more of the L2, "
-                      f"x {'shared' if x_shared else 'in registers'}, split sum"
+                      f"{groups} ahead, x {'shared' if x_shared else 'in registers'}, split sum"
                       f" {'inside' if inside else 'launched'}: "
                       f"{ms * 1e3:.1f} us ({nbytes / ms / 1e6:.0f} GB/s, err {err:.1e})",
                       flush=True)
@@ -226,8 +210,6 @@ def main() -> None:
     parser.add_argument("--ahead", default="1", help="groups of weights in flight ahead: 1, 2")
     parser.add_argument("--x-shared", default="1",
                         help="one row: 1, x in shared memory; 0, in registers")
-    parser.add_argument("--l2-ahead", default="0",
-                        help="groups of weights asked of the L2 beyond those in registers")
     parser.add_argument("--fused-sum", default="1",
                         help="0: the split sum launched; 1: added by the last split inside")
     args = parser.parse_args()
@@ -236,16 +218,14 @@ def main() -> None:
         sass()
     elif args.loads_only:
         time_loads_only([int(p) for p in args.per_sm.split(",")],
-                        [int(b) for b in args.batch.split(",")],
-                        [int(a) for a in args.l2_ahead.split(",")])
+                        [int(b) for b in args.batch.split(",")])
     else:
         configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
         time_gpu([int(r) for r in args.rows.split(",")], configs,
                  [int(p) for p in args.per_sm.split(",")],
                  [int(a) for a in args.ahead.split(",")],
                  [int(x) for x in args.x_shared.split(",")],
-                 [int(f) for f in args.fused_sum.split(",")],
-                 [int(a) for a in args.l2_ahead.split(",")])
+                 [int(f) for f in args.fused_sum.split(",")])
 
 
 if __name__ == "__main__":
