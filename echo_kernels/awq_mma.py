@@ -532,13 +532,18 @@ def _awq_mma_kernel(
                         N, stride_os, num_splits, SUM_SPLITS, BM, WARPS, SWIGLU)
 
 
-def max_registers(sum_inside: bool, rows: int, tiles: int, ahead: int = 1) -> int | None:
-    """maxnreg for awq_mma_gemv: with the sum inside, the 64 registers of the loop over one
-    tile a warp at 8 rows and one group ahead, at which 8 programs of 4 warps fit an SM (the
-    sum would take 72-80, offline sm_90, and leave one of eight out of the first wave); else
-    ptxas's choice. Two groups ahead (offline sm_90, the sum inside): x in registers 80
-    registers, x in shared memory 64 left to ptxas, 24 bytes of spills under the cap."""
-    return 64 if sum_inside and rows == 8 and tiles == 1 and ahead == 1 else None
+def max_registers(sum_inside: bool, rows: int, tiles: int, ahead: int = 1, per_sm: int = 8,
+                  warps: int = 4, x_shared: bool = False) -> int | None:
+    """maxnreg for awq_mma_gemv: with the sum inside, for the loop over one tile a warp at 8
+    rows and one group ahead, what lets per_sm programs of `warps` warps share an SM's 64K
+    registers, at most 64 (the sum would take 72-80, offline sm_90, and leave one of eight
+    programs out of the first wave) and at least what the loop needs without spills (offline
+    sm_90: 48 with x in shared memory, 64 with x in registers); else ptxas's choice. Two
+    groups ahead (offline sm_90, the sum inside): x in registers 80 registers, x in shared
+    memory 64 left to ptxas, 24 bytes of spills under the cap."""
+    if not (sum_inside and rows == 8 and tiles == 1 and ahead == 1):
+        return None
+    return min(64, max(48 if x_shared else 64, 65536 // (per_sm * warps * 32) // 8 * 8))
 
 
 def arrival_counts(n: int, device: torch.device) -> torch.Tensor:
@@ -598,7 +603,7 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
             AHEAD=ahead, X_SPLIT=triton.next_power_of_2(per_split) if x_shared else 0,
             SUM_SPLITS=triton.next_power_of_2(num_splits) if fused else 0,
             SWIGLU=swiglu, launch_pdl=pdl["launch_pdl"], num_warps=warps,
-            maxnreg=max_registers(fused, rows, tiles, ahead))
+            maxnreg=max_registers(fused, rows, tiles, ahead, per_sm, warps, x_shared))
 
     if not fused:
         return _launch_split(launch, num_splits, m, n, x, pdl, swiglu)
