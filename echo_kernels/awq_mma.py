@@ -410,10 +410,7 @@ def _awq_mma_kernel(
               + gl.expand_dims(gl.expand_dims(xr, 0), 1))
     x_mask = xm < rows
     x_ptr += row0 * (stride_xm // 2)
-    # S by the tensor cores in the product's shape, every row equal, so that a lane holds S
-    # where it holds its products: no reduction across lanes (ptxas computes the equal tiles
-    # of a warp once)
-    ones = gl.full([BM, GROUP], 1.0, DTYPE, a_layout)
+    ones = gl.full([16, GROUP], 1.0, DTYPE, a_layout)  # S by the tensor cores: rows all equal
     cn = pid_n * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
     cm = gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma))
     r = cn % 8
@@ -447,25 +444,6 @@ def _awq_mma_kernel(
         x_smem = x_smem._reinterpret(
             gl.int32, [X_SPLIT, 4, GROUP // 8],
             gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
-        # S of every group of the split, once, in float32 (the loop reads it instead of a
-        # product of x with ones): [group, ROWS], every column S, so that a group's row loads
-        # in the product's column layout
-        sum_layout: gl.constexpr = gl.BlockedLayout([1, max(1, GROUP // 64), 1], [1, 32, 1],
-                                                    [WARPS, 1, 1], [2, 1, 0])
-        sg = gl.arange(0, X_SPLIT, layout=gl.SliceLayout(1, gl.SliceLayout(2, sum_layout)))
-        sk = gl.arange(0, GROUP // 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, sum_layout)))
-        pairs = gl.load(x_ptr + first * (GROUP // 2) + gl.expand_dims(sg, 1) * (GROUP // 2)
-                        + gl.expand_dims(sk, 0), mask=gl.expand_dims(sg < end - first, 1),
-                        other=0)
-        sums = gl.sum(gl.sum(_halves(pairs, BF16).to(gl.float32), axis=2), axis=1)
-        sum_out: gl.constexpr = gl.BlockedLayout([1, 1], [32 // ROWS, ROWS], [WARPS, 1], [1, 0])
-        sums = gl.convert_layout(sums, gl.SliceLayout(1, sum_out))
-        s_smem = gl.allocate_shared_memory(
-            gl.float32, [X_SPLIT, ROWS],
-            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]),
-            gl.expand_dims(sums, 1).broadcast_to([X_SPLIT, ROWS]))
-        s_smem = s_smem._reinterpret(gl.float32, [X_SPLIT, ROWS], gl.SwizzledSharedLayout(
-            vec=1, per_phase=1, max_phase=1, order=[0]))
         gl.thread_barrier()
     else:
         xb = gl.load(x_ptr + x_offs + first * (GROUP // 2), mask=x_mask, other=0)
@@ -478,10 +456,9 @@ def _awq_mma_kernel(
             words_after = gl.load(rq_ptr + w_offs + ahead * (GROUP * 2))
         else:
             words_next = gl.load(rq_ptr + w_offs + nxt * (GROUP * 2))
-        if X_SPLIT > 0:  # row 0 from shared memory, copied into the mma's other rows: their
-            # columns of the product are never stored, so they need not be zero
+        if X_SPLIT > 0:  # row 0 from shared memory, the other rows of the mma zero
             x_row = x_smem.index(group - first).load(gl.SliceLayout(0, x_layout))
-            xb = gl.expand_dims(x_row, 0).broadcast_to([ROWS, 4, GROUP // 8])
+            xb = gl.where(x_mask, gl.expand_dims(x_row, 0), 0)
         else:
             xb_next = gl.load(x_ptr + x_offs + nxt * (GROUP // 2), mask=x_mask, other=0)
         s_next = gl.load(scales_ptr + nxt * N + cn)
@@ -498,13 +475,10 @@ def _awq_mma_kernel(
         b = gl.permute(gl.reshape(_halves(xb, BF16), [ROWS, 4, STEPS, 2, 2]), (2, 3, 1, 4, 0))
         b = gl.convert_layout(gl.reshape(b, [GROUP, ROWS]), b_layout, assert_trivial=True)
         acc = mma_v2(a, b, gl.zeros([BM, ROWS], gl.float32, mma))
-        if X_SPLIT > 0:
-            x_sum = gl.expand_dims(s_smem.index(group - first).load(gl.SliceLayout(0, mma)), 0)
-        else:
-            x_sum = mma_v2(ones, b, gl.zeros([BM, ROWS], gl.float32, mma))
+        x_sum = gl.max(mma_v2(ones, b, gl.zeros([16, ROWS], gl.float32, mma)), axis=0)
         z = ((zq >> z_shift) & 0xF).to(gl.float32)
         total += gl.expand_dims(s.to(gl.float32), 1) * (
-            acc * INV_U - gl.expand_dims(INV_U + z, 1) * x_sum)
+            acc * INV_U - gl.expand_dims(INV_U + z, 1) * gl.expand_dims(x_sum, 0))
         words = words_next
         s = s_next
         zq = zq_next
@@ -532,18 +506,13 @@ def _awq_mma_kernel(
                         N, stride_os, num_splits, SUM_SPLITS, BM, WARPS, SWIGLU)
 
 
-def max_registers(sum_inside: bool, rows: int, tiles: int, ahead: int = 1, per_sm: int = 8,
-                  warps: int = 4, x_shared: bool = False) -> int | None:
-    """maxnreg for awq_mma_gemv: with the sum inside, for the loop over one tile a warp at 8
-    rows and one group ahead, what lets per_sm programs of `warps` warps share an SM's 64K
-    registers, at most 64 (the sum would take 72-80, offline sm_90, and leave one of eight
-    programs out of the first wave) and at least what the loop needs without spills (offline
-    sm_90: 48 with x in shared memory, 64 with x in registers); else ptxas's choice. Two
-    groups ahead (offline sm_90, the sum inside): x in registers 80 registers, x in shared
-    memory 64 left to ptxas, 24 bytes of spills under the cap."""
-    if not (sum_inside and rows == 8 and tiles == 1 and ahead == 1):
-        return None
-    return min(64, max(48 if x_shared else 64, 65536 // (per_sm * warps * 32) // 8 * 8))
+def max_registers(sum_inside: bool, rows: int, tiles: int, ahead: int = 1) -> int | None:
+    """maxnreg for awq_mma_gemv: with the sum inside, the 64 registers of the loop over one
+    tile a warp at 8 rows and one group ahead, at which 8 programs of 4 warps fit an SM (the
+    sum would take 72-80, offline sm_90, and leave one of eight out of the first wave); else
+    ptxas's choice. Two groups ahead (offline sm_90, the sum inside): x in registers 80
+    registers, x in shared memory 64 left to ptxas, 24 bytes of spills under the cap."""
+    return 64 if sum_inside and rows == 8 and tiles == 1 and ahead == 1 else None
 
 
 def arrival_counts(n: int, device: torch.device) -> torch.Tensor:
@@ -603,7 +572,7 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
             AHEAD=ahead, X_SPLIT=triton.next_power_of_2(per_split) if x_shared else 0,
             SUM_SPLITS=triton.next_power_of_2(num_splits) if fused else 0,
             SWIGLU=swiglu, launch_pdl=pdl["launch_pdl"], num_warps=warps,
-            maxnreg=max_registers(fused, rows, tiles, ahead, per_sm, warps, x_shared))
+            maxnreg=max_registers(fused, rows, tiles, ahead))
 
     if not fused:
         return _launch_split(launch, num_splits, m, n, x, pdl, swiglu)

@@ -45,10 +45,9 @@ AWQ_GEMV_CANDIDATES = ((1024, 8, 8, 3), (512, 16, 8, 3), (1024, 16, 8, 3), (512,
                        (1024, 8, 16, 3), (512, 16, 16, 3), (512, 8, 4, 3), (512, 8, 8, 5))
 # (warps, 16-column tiles a warp, programs an SM, groups of weights in flight ahead) of
 # awq_mma_gemv beside its default (4, 1, 8, 1): the probe's next best at one row on an H100
-# (docs/benchmarks.md AWQ, 2026-12-06), with one group ahead and with two; 10 programs an SM
-# at 48 registers (max_registers), where the one-row loop fits them without spills
+# (docs/benchmarks.md AWQ, 2026-12-06), with one group ahead and with two
 AWQ_MMA_CANDIDATES = ((4, 1, 8, 2), (4, 1, 4, 1), (4, 1, 16, 2), (4, 2, 4, 1), (4, 2, 4, 2),
-                      (4, 2, 8, 2), (8, 1, 8, 2), (4, 1, 10, 1))
+                      (4, 2, 8, 2), (8, 1, 8, 2))
 MIN_GAIN = 1.03  # a candidate must be at least 3% faster: noise must not flip a choice
 # A tile over the whole of K with prefetch loads a program's entire share of the weight before
 # the PDL wait, while the short kernel before it (a norm, the split merge, SwiGLU) still runs:

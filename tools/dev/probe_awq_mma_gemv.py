@@ -46,11 +46,9 @@ from echo_kernels.awq_mma import (  # noqa: E402
     repack_awq,
 )
 
-# (warps, tiles, rows, groups of weights in flight ahead, a split's groups of x in shared
-# memory, programs an SM: the register cap of max_registers)
-SASS_CONFIGS = [(4, 1, 8, 1, 0, 8), (4, 1, 8, 2, 0, 8), (4, 1, 8, 1, 4, 8), (4, 1, 8, 1, 4, 10),
-                (4, 1, 8, 2, 4, 8), (8, 1, 8, 1, 0, 8), (4, 2, 8, 1, 0, 4), (4, 2, 8, 2, 4, 4),
-                (4, 2, 32, 1, 0, 4)]
+# (warps, tiles, rows, groups of weights in flight ahead, a split's groups of x in shared memory)
+SASS_CONFIGS = [(4, 1, 8, 1, 0), (4, 1, 8, 2, 0), (4, 1, 8, 1, 4), (4, 1, 8, 2, 4),
+                (8, 1, 8, 1, 0), (4, 2, 8, 1, 0), (4, 2, 8, 2, 4), (4, 2, 32, 1, 0)]
 
 
 def sass() -> None:
@@ -65,7 +63,7 @@ def sass() -> None:
              "stride_xm", "stride_om", "stride_os", "groups_per_split", "magic", "arrivals_ptr",
              "sum_ptr", "num_splits"]
     types = ["*i32", "*i32", "*i32", "*fp16", "*fp32"] + ["i32"] * 9 + ["*i32", "*fp16", "i32"]
-    for (warps, tiles, rows, ahead, x_split, per_sm), (splits, swiglu) in itertools.product(
+    for (warps, tiles, rows, ahead, x_split), (splits, swiglu) in itertools.product(
             SASS_CONFIGS, [(0, False), (16, False), (16, True)]):
         sig = dict(zip(names, types)) | {name: "constexpr" for name in (
             "GROUP", "WARPS", "TILES", "ROWS", "BF16", "USE_PDL", "AHEAD", "X_SPLIT",
@@ -78,8 +76,7 @@ def sass() -> None:
                              attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": warps, "maxnreg": max_registers(
-                                      splits > 0, rows, tiles, ahead, per_sm, warps,
-                                      x_split > 0)})
+                                      splits > 0, rows, tiles, ahead)})
         regs, spill = resources(compiled.asm["cubin"])
         text = cuobjdump(compiled.asm["cubin"], "-sass")
         lines = re.findall(r"/\*([0-9a-f]{4})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*)", text)
@@ -90,8 +87,7 @@ def sass() -> None:
         start = int(lines[branch][3].split()[0], 16)
         loop = [op.split(".")[0] for addr, _, op, _ in lines[:branch + 1] if int(addr, 16) >= start]
         weights = 16 * 128 * tiles // 32  # a lane's weights a group
-        print(f"{warps} warps x {tiles} tiles, {rows} rows, {per_sm}/SM, {ahead} ahead, "
-              f"x of {x_split} "
+        print(f"{warps} warps x {tiles} tiles, {rows} rows, {ahead} ahead, x of {x_split} "
               f"groups shared, sum of {splits} "
               f"splits {'with SwiGLU ' if swiglu else ''}inside: "
               f"{regs} registers, {spill} bytes of stack (spills), "
