@@ -45,12 +45,12 @@ multiturn_round() {  # DIR ROUND LIMIT...: later turns' TTFT without the tier, t
   done
 }
 
-readonly AB_BASE_DIR=/tmp/ab-base  # where the ab-latency stage unpacks AB_BASE
+readonly AB_TREES_DIR=/tmp/ab-trees  # where the ab-latency stage unpacks AB_BASE's tars
 
-in_ab_tree() {  # TREE COMMAND...: in the ab-latency stage's base tree (base) or this one
+in_ab_tree() {  # TREE COMMAND...: in one of the ab-latency stage's unpacked trees, or "this"
   local tree=$1
   shift
-  (if [ "$tree" = base ]; then cd $AB_BASE_DIR || exit; fi
+  (if [ "$tree" != this ]; then cd "$AB_TREES_DIR/$tree" || exit; fi
    PYTHONPATH=/tmp/site:$PWD "$@")
 }
 
@@ -282,21 +282,28 @@ stage_commands() {
         persistent_latency "$dir" $model "" "--persistent-decode" \
           "--num-scheduler-steps 8 --persistent-decode"
       done ;;
-    ab-latency)  # this tree against another commit's, batch 1, alternately, twice each:
-      # AB_BASE (a `git archive` tar of it, made beside this tree before the call, e.g.
-      # `git archive -o .gpu/base.tar REV` and carried in .gpu), AB_MODELS (default
+    ab-latency)  # this tree against other commits', batch 1, alternately, twice each:
+      # AB_BASE (a `git archive` tar of each, made beside this tree before the call, e.g.
+      # `git archive -o .gpu/base.tar REV` and carried in .gpu; several tars, space-separated,
+      # are trees named by their files, base.tar "base"), AB_MODELS (default
       # llama-3.1-8b-awq), AB_STEPS (steps a launch, default 8), AB_MAX_MODEL_LEN (default
       # 2048: the decode graphs' key bound, so their split count); AB_TESTS: test paths or ids
       # (no spaces inside one) for this tree's GPU tests, run first; AB_PROBE: a tools/dev
-      # script and its arguments, run in the base tree, then in this one, before the steps
-      local base=$AB_BASE_DIR model tree
+      # script and its arguments, run in each tree, this one last, before the steps
+      local model tree tar trees=()
       # the whole report into the stage's tar (its failures' tracebacks), the summary here
       # shellcheck disable=SC2086
       [ -n "${AB_TESTS:-}" ] && timeout 300 $PY -m pytest -m gpu -q -p no:cacheprovider \
         --tb=short -rfE $AB_TESTS 2>&1 | tee "$dir/ab_tests.log" | tail -4
-      rm -rf $base && mkdir -p $base && tar -xf "${AB_BASE:?a git archive tar}" -C $base
+      rm -rf $AB_TREES_DIR
+      for tar in ${AB_BASE:?a git archive tar}; do
+        tree=$(basename "$tar" .tar)
+        mkdir -p "$AB_TREES_DIR/$tree" && tar -xf "$tar" -C "$AB_TREES_DIR/$tree"
+        trees+=("$tree")
+      done
+      trees+=(this)
       if [ -n "${AB_PROBE:-}" ]; then
-        for tree in base this; do
+        for tree in "${trees[@]}"; do
           echo "$AB_PROBE, $tree tree"
           # shellcheck disable=SC2086
           in_ab_tree $tree timeout 200 $PY tools/dev/$AB_PROBE 2>&1 \
@@ -304,7 +311,7 @@ stage_commands() {
         done
       fi
       for model in ${AB_MODELS:-llama-3.1-8b-awq}; do
-        for tree in base this base this; do
+        for tree in "${trees[@]}" "${trees[@]}"; do
           echo "$model, $tree tree"
           in_ab_tree $tree timeout 150 $PY tools/bench_latency.py --model $model \
             --max-model-len "${AB_MAX_MODEL_LEN:-2048}" --iters 2 \
@@ -312,7 +319,7 @@ stage_commands() {
             2>&1 | tee -a "$dir/latency_${model}_$tree.log" | grep -E "one-row|decode"
         done
       done
-      rm -rf $base ;;
+      rm -rf $AB_TREES_DIR ;;
     *)
       echo "unknown stage $stage" >&2; return 2 ;;
   esac
