@@ -130,6 +130,12 @@ def tune_small_m() -> bool:
     return os.environ.get("ECHO_TUNE_SMALL_M", "1") == "1"
 
 
+def normed_runs() -> bool:
+    """The one-row tuning also times the norm-inside GEMVs whose programs take runs of blocks
+    (linear_tuning.NORMED_RUN_PROGRAMS; ECHO_NORMED_RUNS, default 0 until timed on a GPU)."""
+    return os.environ.get("ECHO_NORMED_RUNS", "0") == "1"
+
+
 def awq_tensor_cores() -> bool:
     """AWQ layers on a GPU repack their weight at load for the tensor-core kernels
     (echo_kernels/awq_mma.py) instead of AutoAWQ's layout and awq.py's CUDA-core GEMV

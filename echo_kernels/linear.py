@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from echo_kernels.activation import silu_times
+from echo_kernels.device import sm_count
 from echo_kernels.norm import apply_rms
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 
@@ -40,6 +41,22 @@ def _store_outputs(y, out_ptr, rows, outs, M, N_OUT, stride_om, SWIGLU: tl.const
         y = silu_times(gate, up)
     out = out_ptr + rows[:, None] * stride_om + outs[None, :]
     tl.store(out, y.to(dtype), mask=(rows[:, None] < M) & (outs[None, :] < N_OUT))
+
+
+@triton.jit
+def _block_columns(block, N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
+    """(the weight rows, the outputs) of output block `block`: SWIGLU, outputs j with their
+    gate row j and up row N / 2 + j."""
+    if SWIGLU:
+        HALF: tl.constexpr = BLOCK_N // 2
+        offs = tl.arange(0, BLOCK_N)
+        j = block * HALF + offs % HALF
+        cols = tl.where(offs < HALF, j, N // 2 + j)
+        outs = block * HALF + tl.arange(0, HALF)
+    else:
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        outs = cols
+    return cols, outs
 
 
 @triton.jit
@@ -86,20 +103,15 @@ def _small_m_linear_kernel(
     sum_ptr=None,  # [M, K], stride stride_xm
     eps=0.0,
     normed_ptr=None,  # [M, K], stride stride_xm: the normed rows, stored by program 0 if given
+    # WHOLE_K: a program takes blocks_per_program output blocks one after another, the next
+    # block's weight tile loading while this one's is summed (its normed x computed once)
+    SHARES: tl.constexpr = False,
+    blocks_per_program=1,
 ):
     tl.static_assert(WHOLE_K or not NORM, "the norm inside needs a tile over the whole of K")
-    if SWIGLU:
-        # the program's outputs j and the weight rows j (gate) and N / 2 + j (up) they need
-        HALF: tl.constexpr = BLOCK_N // 2
-        offs = tl.arange(0, BLOCK_N)
-        j = tl.program_id(0) * HALF + offs % HALF
-        cols = tl.where(offs < HALF, j, N // 2 + j)
-        outs = tl.program_id(0) * HALF + tl.arange(0, HALF)
-        n_out = N // 2
-    else:
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        outs = cols
-        n_out = N
+    block = tl.program_id(0) * blocks_per_program if SHARES else tl.program_id(0)
+    cols, outs = _block_columns(block, N, BLOCK_N, SWIGLU)
+    n_out = N // 2 if SWIGLU else N
     rows = tl.arange(0, M_PAD)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
@@ -120,8 +132,21 @@ def _small_m_linear_kernel(
                 if tl.program_id(0) == 0:
                     tl.store(normed_ptr + rows[:, None] * stride_xm + offs_k[None, :], x,
                              mask=x_ok)
-        y = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
-        _store_outputs(y, out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
+        if SHARES:
+            for i in range(blocks_per_program):
+                # past the program's blocks or N the mask is all false: no memory is read
+                next_cols, next_outs = _block_columns(block + i + 1, N, BLOCK_N, SWIGLU)
+                w_next = tl.load(
+                    w_ptr + next_cols[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                    mask=(next_cols[:, None] < N) & (offs_k[None, :] < K)
+                    & (i + 1 < blocks_per_program), other=0.0)
+                y = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+                _store_outputs(y, out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
+                w = w_next
+                outs = next_outs
+        else:
+            y = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+            _store_outputs(y, out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
         return
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
     # NOTE: Triton's software pipeliner stages loads that feed tl.dot; these feed CUDA-core
@@ -165,12 +190,16 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = 
 def small_m_normed_linear(x: torch.Tensor, residual: torch.Tensor | None,
                           norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                           block_n: int, num_warps: int = 4, swiglu: bool = False,
-                          normed_out: torch.Tensor | None = None
+                          normed_out: torch.Tensor | None = None,
+                          programs_per_sm: int | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """small_m_linear(RMSNorm(x + residual)) with the norm inside, one tile over the whole of
-    K a program: (its output, the sum x + residual, a new tensor; x itself when residual is
-    None). The norm and the sum round as fused_add_rms_norm's do. normed_out (like x): where
-    the normed rows go too, for other layers that read them."""
+    K a block of block_n outputs: (its output, the sum x + residual, a new tensor; x itself
+    when residual is None). The norm and the sum round as fused_add_rms_norm's do. normed_out
+    (like x): where the normed rows go too, for other layers that read them. A program takes
+    one block, or with programs_per_sm a run of blocks, so that about that many programs an
+    SM share them: the norm once a program, and the next block's weight loading while one is
+    summed."""
     k = x.shape[1]
     if (weight.shape[1] != k or norm_weight.shape != (k,) or not x.is_contiguous()
             or weight.stride(1) != 1 or (residual is not None and residual.shape != x.shape)
@@ -182,15 +211,17 @@ def small_m_normed_linear(x: torch.Tensor, residual: torch.Tensor | None,
     out = _launch("small_m_normed_linear", x, weight, block_n, triton.next_power_of_2(k), True,
                   swiglu, num_warps, NORM=True, HAS_RESIDUAL=residual is not None,
                   resid_ptr=x if residual is None else residual.contiguous(),
-                  norm_w_ptr=norm_weight, sum_ptr=total, eps=eps, normed_ptr=normed_out)
+                  norm_w_ptr=norm_weight, sum_ptr=total, eps=eps, normed_ptr=normed_out,
+                  programs_per_sm=programs_per_sm)
     return out, total
 
 
 def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int,
             prefetch: bool, swiglu: bool, num_warps: int, num_stages: int = 3,
-            **norm) -> torch.Tensor:
+            programs_per_sm: int | None = None, **norm) -> torch.Tensor:
     """The kernel's launch for both entry points (shapes already checked but the rows and
-    SwiGLU's halves): its output [M, N], or [M, N / 2] with swiglu."""
+    SwiGLU's halves): its output [M, N], or [M, N / 2] with swiglu; programs_per_sm (whole-K
+    tiles): runs of blocks a program, for about that many programs an SM."""
     m, k = x.shape
     n = weight.shape[0]
     if not 1 <= m <= MAX_ROWS:
@@ -200,10 +231,17 @@ def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, block_n: int, bloc
                          f"or block_n {block_n} holds no pair")
     outputs, per_program = (n // 2, block_n // 2) if swiglu else (n, block_n)
     out = torch.empty(m, outputs, dtype=x.dtype, device=x.device)
-    _small_m_linear_kernel[(triton.cdiv(outputs, per_program),)](
+    blocks = triton.cdiv(outputs, per_program)
+    per_run = 1
+    if programs_per_sm is not None:
+        if not (prefetch and block_k >= k):
+            raise ValueError(f"{name}: programs_per_sm takes a tile over the whole of K")
+        per_run = triton.cdiv(blocks, programs_per_sm * sm_count(x.device, 2))
+    _small_m_linear_kernel[(triton.cdiv(blocks, per_run),)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN=outputs % per_program == 0 and k % block_k == 0, PREFETCH=prefetch,
         WHOLE_K=prefetch and block_k >= k, SWIGLU=swiglu, **pdl_options(x.device), **norm,
-        num_warps=num_warps, num_stages=num_stages)
+        SHARES=programs_per_sm is not None, blocks_per_program=per_run, num_warps=num_warps,
+        num_stages=num_stages)
     return out

@@ -57,6 +57,12 @@ MIN_GAIN = 1.03  # a candidate must be at least 3% faster: noise must not flip a
 # Qwen3-30B-A3B (4 x 512 on 2 warps, 2026-12-07, H100), where the 4- and 8-warp tiles with the
 # norm inside lost to the norm's own launch (the norm inside needs a tile over the whole of K).
 PRELOAD_SHARES = ((4096, 2), (8192, 4), (16384, 8))
+# programs an SM for the norm-inside tiles whose programs take runs of blocks, the norm once a
+# program (offered with ECHO_NORMED_RUNS=1: not yet timed on a GPU). Llama-3.1-8B's qkv with
+# the norm inside reads 50 MB at 74% of an H100's copy rate (22.6 us, 2026-12-07), a program
+# a 2 x 4096 block: 3,072 programs of 204 registers (offline sm_90), two an SM at a time, each
+# with its own norm after the PDL wait; with runs, 248 registers (the next block's tile).
+NORMED_RUN_PROGRAMS = (1, 2, 4)
 
 # a linear layer's operands after x: (weight,), or (qweight, qzeros, scales, group_size)
 Operands = tuple
@@ -97,9 +103,10 @@ class ShapeChoice:
             pick = (f"awq_mma {warps} warps x {tiles} tiles {per_sm} programs an SM {ahead} "
                     f"ahead {self.best_us:.1f} us")
         elif self.tile and self.awq_group is None:
-            block_n, block_k, prefetch, num_warps = self.tile
+            block_n, block_k, prefetch, num_warps, *runs = self.tile
             pick = (f"small_m_linear {block_n}x{block_k}{' prefetch' if prefetch else ''} "
                     f"{num_warps} warps{', norm inside' if self.norm_inside else ''}"
+                    f"{f', runs of blocks for {runs[0]} programs an SM' if runs else ''}"
                     f"{', SwiGLU inside' if self.swiglu else ''} "
                     f"{self.best_us:.1f} us")
         elif self.tile:
@@ -158,12 +165,13 @@ def awq_mma_default(x, rq, qzeros, scales, group_size, arrivals=None,
 
 
 def normed_gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int,
-                swiglu: bool = False) -> Callable:
-    """small_m_normed_linear with a preload tile's rows and warps (its tile covers K)."""
+                programs_per_sm: int | None = None, swiglu: bool = False) -> Callable:
+    """small_m_normed_linear with a preload tile's rows and warps (its tile covers K), and with
+    programs_per_sm its programs taking runs of blocks."""
     from echo_kernels.linear import small_m_normed_linear
 
     return functools.partial(small_m_normed_linear, block_n=block_n, num_warps=num_warps,
-                             swiglu=swiglu)
+                             swiglu=swiglu, programs_per_sm=programs_per_sm)
 
 
 @dataclass(frozen=True)
@@ -184,6 +192,7 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
                          make_normed_kernel: Callable[..., Callable] = normed_gemv,
                          mma_candidates: Sequence[tuple] = AWQ_MMA_CANDIDATES,
                          make_mma_kernel: Callable[..., Matmul] = awq_mma,
+                         normed_runs: Sequence[int] = (),
                          ) -> list[ShapeChoice]:
     """Set `small_m_kernels[1]` on every bias-free linear layer whose shape a candidate wins
     by MIN_GAIN over the baseline (cuBLAS; awq_linear's default for AWQ layers, awq_mma_linear's
@@ -192,7 +201,9 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
     (`make_kernel(*tile, swiglu=True)`, to `swiglu_kernels[1]`). Dense layers of one rank that
     follow a norm (qkv, gate/up, a router: `follows_norm`) are timed with the RMSNorm before
     them (LinearBase.normed), against the tiles over the whole of K with the norm inside
-    (`make_normed_kernel(*tile, swiglu=gated)`, to `normed_kernels[1]`)."""
+    (`make_normed_kernel(*tile, swiglu=gated)`, to `normed_kernels[1]`), and each of those
+    tiles again with its programs taking runs of blocks for each count of programs an SM in
+    normed_runs (the tile gains that count as a fifth field)."""
     by_shape: dict[tuple, list[LinearBase]] = defaultdict(list)
     for module in model.modules():
         if isinstance(module, LinearBase) and module.bias is None:
@@ -222,9 +233,11 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
         if normed:
             norm = (torch.randn_like(x), torch.ones(k, dtype=x.dtype, device=x.device), 1e-6)
             runs = [_Run(_after_norm(norm, run.fn), run.tile, run.swiglu) for run in runs]
+            whole_k = [tile for tile in tiles if _whole_k(tile, k)]
+            whole_k += [(*tile, programs) for tile in whole_k for programs in normed_runs]
             runs += [_Run(functools.partial(_normed_call, norm,
                                             make_normed_kernel(*tile, swiglu=gated)),
-                          tile, gated, normed=True) for tile in tiles if _whole_k(tile, k)]
+                          tile, gated, normed=True) for tile in whole_k]
         lead = "gemv" if normed else "norm"
         baseline_us = timer(runs[0].fn, x, operands, lead=lead)
         best_us, best = baseline_us / MIN_GAIN, None
@@ -249,7 +262,7 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
 def _whole_k(tile: tuple, k: int) -> bool:
     """Whether a GEMV tile loads its program's whole share before the PDL wait (the norm
     inside needs all of a row at once)."""
-    _, block_k, prefetch, _ = tile
+    _, block_k, prefetch, *_ = tile
     return prefetch and block_k >= k
 
 

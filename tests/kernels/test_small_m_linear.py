@@ -1,5 +1,7 @@
 """small_m_linear: a few rows times a weight, against F.linear in float32."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -60,8 +62,11 @@ def test_swiglu_rejects_an_odd_weight(device):
 ])
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("programs_per_sm", [None, 1, 3])  # a block a program; runs of blocks
 def test_normed_matches_the_norm_then_the_linear(device, m, n, k, block_n, swiglu,
-                                                 with_residual, dtype):
+                                                 with_residual, dtype, programs_per_sm):
+    # with runs of blocks (2 stand-in SMs on the CPU): 2 or 6 programs over 6-12 blocks, the
+    # last run ragged or past N
     torch.manual_seed(0)
     x = torch.randn(m, k, device=device).to(dtype)
     residual = torch.randn(m, k, device=device).to(dtype) if with_residual else None
@@ -69,7 +74,7 @@ def test_normed_matches_the_norm_then_the_linear(device, m, n, k, block_n, swigl
     w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
     normed_out = torch.empty_like(x)  # the normed rows too, as a router stores them
     out, total = small_m_normed_linear(x, residual, norm_w, 1e-6, w, block_n, swiglu=swiglu,
-                                       normed_out=normed_out)
+                                       normed_out=normed_out, programs_per_sm=programs_per_sm)
     want_total = x if residual is None else (x.float() + residual.float()).to(dtype)
     torch.testing.assert_close(total, want_total, atol=0, rtol=0)
     normed = rms_norm_ref(want_total, norm_w, 1e-6)
@@ -128,8 +133,9 @@ def test_gpu_swiglu_at_gate_up_shapes(n, k):
 def test_gpu_normed_at_model_shapes(n, k, swiglu):
     # Qwen3-0.6B's and Llama-3.1-8B's qkv and gate/up, Qwen3-30B-A3B's router (which stores
     # the normed row for the experts too), with the norm before them inside, through every
-    # tile over the whole of K the tuning offers, against the two launches
-    from echo.worker.linear_tuning import preload_tiles
+    # tile over the whole of K the tuning offers (a block a program, and runs of blocks),
+    # against the two launches
+    from echo.worker.linear_tuning import NORMED_RUN_PROGRAMS, preload_tiles
     from echo_kernels import fused_add_rms_norm, silu_and_mul
 
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -140,10 +146,12 @@ def test_gpu_normed_at_model_shapes(n, k, swiglu):
     expected = F.linear(normed.float(), w.float()).to(torch.bfloat16)
     if swiglu:
         expected = silu_and_mul(expected)
-    for block_n, _, _, warps in preload_tiles(k):
+    for (block_n, _, _, warps), programs in itertools.product(preload_tiles(k),
+                                                              (None, *NORMED_RUN_PROGRAMS)):
         normed_out = torch.empty_like(x)
         out, got_total = small_m_normed_linear(x, residual, norm_w, 1e-6, w, block_n, warps,
-                                               swiglu=swiglu, normed_out=normed_out)
+                                               swiglu=swiglu, normed_out=normed_out,
+                                               programs_per_sm=programs)
         torch.testing.assert_close(got_total, total, atol=0, rtol=0)
         # the same rounding points; the sum of squares may round apart in its last bit
         torch.testing.assert_close(normed_out, normed, atol=1e-2, rtol=1e-2)
