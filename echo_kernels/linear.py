@@ -105,11 +105,11 @@ def _small_m_linear_kernel(
     normed_ptr=None,  # [M, K], stride stride_xm: the normed rows, stored by program 0 if given
     # WHOLE_K: a program takes blocks_per_program output blocks one after another, the next
     # block's weight tile loading while this one's is summed (its normed x computed once)
-    SHARES: tl.constexpr = False,
+    RUNS: tl.constexpr = False,
     blocks_per_program=1,
 ):
     tl.static_assert(WHOLE_K or not NORM, "the norm inside needs a tile over the whole of K")
-    block = tl.program_id(0) * blocks_per_program if SHARES else tl.program_id(0)
+    block = tl.program_id(0) * blocks_per_program if RUNS else tl.program_id(0)
     cols, outs = _block_columns(block, N, BLOCK_N, SWIGLU)
     n_out = N // 2 if SWIGLU else N
     rows = tl.arange(0, M_PAD)
@@ -132,7 +132,7 @@ def _small_m_linear_kernel(
                 if tl.program_id(0) == 0:
                     tl.store(normed_ptr + rows[:, None] * stride_xm + offs_k[None, :], x,
                              mask=x_ok)
-        if SHARES:
+        if RUNS:
             for i in range(blocks_per_program):
                 # past the program's blocks or N the mask is all false: no memory is read
                 next_cols, next_outs = _block_columns(block + i + 1, N, BLOCK_N, SWIGLU)
@@ -242,6 +242,6 @@ def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, block_n: int, bloc
         M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN=outputs % per_program == 0 and k % block_k == 0, PREFETCH=prefetch,
         WHOLE_K=prefetch and block_k >= k, SWIGLU=swiglu, **pdl_options(x.device), **norm,
-        SHARES=programs_per_sm is not None, blocks_per_program=per_run, num_warps=num_warps,
+        RUNS=programs_per_sm is not None, blocks_per_program=per_run, num_warps=num_warps,
         num_stages=num_stages)
     return out
