@@ -29,6 +29,12 @@ def weight_tile(w_ptrs, cols, offs_k, k0, N, K, UNMASKED: tl.constexpr):
 
 
 @triton.jit
+def _row_ptrs(w_ptr, cols, offs_k, stride_wn):
+    """[BLOCK_N, BLOCK_K] pointers to the weight rows `cols` at columns offs_k."""
+    return w_ptr + cols[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+
+
+@triton.jit
 def _store_outputs(y, out_ptr, rows, outs, M, N_OUT, stride_om, SWIGLU: tl.constexpr):
     """y [M_PAD, BLOCK_N] float32 sums into out[rows, outs]. SWIGLU: y's columns are the gate
     rows, then the up rows of the same outputs; silu(gate) * up is stored, rounded as the
@@ -114,7 +120,7 @@ def _small_m_linear_kernel(
     n_out = N // 2 if SWIGLU else N
     rows = tl.arange(0, M_PAD)
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    w_ptrs = _row_ptrs(w_ptr, cols, offs_k, stride_wn)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
     if WHOLE_K:
         # one tile holds the program's whole share: it loads before the wait (while the short
@@ -134,12 +140,11 @@ def _small_m_linear_kernel(
                              mask=x_ok)
         if RUNS:
             for i in range(blocks_per_program):
-                # past the program's blocks or N the mask is all false: no memory is read
                 next_cols, next_outs = _block_columns(block + i + 1, N, BLOCK_N, SWIGLU)
-                w_next = tl.load(
-                    w_ptr + next_cols[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                    mask=(next_cols[:, None] < N) & (offs_k[None, :] < K)
-                    & (i + 1 < blocks_per_program), other=0.0)
+                # past the run (or N) no row: the mask is all false and no memory is read
+                next_cols = tl.where(i + 1 < blocks_per_program, next_cols, N)
+                w_next = weight_tile(_row_ptrs(w_ptr, next_cols, offs_k, stride_wn), next_cols,
+                                     offs_k, 0, N, K, False)
                 y = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
                 _store_outputs(y, out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
                 w = w_next
