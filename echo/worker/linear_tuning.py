@@ -61,7 +61,7 @@ PRELOAD_SHARES = ((4096, 2), (8192, 4), (16384, 8))
 # program (offered with ECHO_NORMED_RUNS=1: not yet timed on a GPU). Llama-3.1-8B's qkv with
 # the norm inside reads 50 MB at 74% of an H100's copy rate (22.6 us, 2026-12-07), a program
 # a 2 x 4096 block: 3,072 programs of 204 registers (offline sm_90), two an SM at a time, each
-# with its own norm after the PDL wait; with runs, 248 registers (the next block's tile).
+# with its own norm after the PDL wait; with runs, 251 registers (the next block's tile).
 NORMED_RUN_PROGRAMS = (1, 2, 4)
 
 # a linear layer's operands after x: (weight,), or (qweight, qzeros, scales, group_size)
