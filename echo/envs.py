@@ -130,10 +130,11 @@ def tune_small_m() -> bool:
     return os.environ.get("ECHO_TUNE_SMALL_M", "1") == "1"
 
 
-def normed_runs() -> bool:
-    """The one-row tuning also times the norm-inside GEMVs whose programs take runs of blocks
-    (linear_tuning.NORMED_RUN_PROGRAMS; ECHO_NORMED_RUNS, default 0 until timed on a GPU)."""
-    return os.environ.get("ECHO_NORMED_RUNS", "0") == "1"
+def gemv_runs() -> bool:
+    """The one-row tuning also times the GEMV tiles over the whole of K (the norm inside or
+    not) whose programs take runs of blocks (linear_tuning.RUN_PROGRAMS; ECHO_GEMV_RUNS,
+    default 0 until timed on a GPU)."""
+    return os.environ.get("ECHO_GEMV_RUNS", "0") == "1"
 
 
 def awq_tensor_cores() -> bool:

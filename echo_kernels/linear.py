@@ -110,7 +110,7 @@ def _small_m_linear_kernel(
     eps=0.0,
     normed_ptr=None,  # [M, K], stride stride_xm: the normed rows, stored by program 0 if given
     # WHOLE_K: a program takes blocks_per_program output blocks one after another, the next
-    # block's weight tile loading while this one's is summed (its normed x computed once)
+    # block's weight tile loading while this one's is summed (its x, normed, loaded once)
     RUNS: tl.constexpr = False,
     blocks_per_program=1,
 ):
@@ -176,10 +176,13 @@ def _small_m_linear_kernel(
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
                    block_k: int | None = None, num_warps: int = 4,
                    num_stages: int = 3, prefetch: bool = False,
-                   swiglu: bool = False) -> torch.Tensor:
+                   swiglu: bool = False, programs_per_sm: int | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K] -> [M, N] in x's dtype, fp32 accumulation.
     swiglu: weight is SwiGLU's [gate; up] and the result silu(x @ gate^T) * (x @ up^T),
-    [M, N / 2], each program computing block_n / 2 outputs from their gate and up rows."""
+    [M, N / 2], each program computing block_n / 2 outputs from their gate and up rows.
+    programs_per_sm (a prefetched tile over the whole of K): a program takes a run of blocks,
+    so that about that many programs an SM share them, x loaded once a program and the next
+    block's weight loading while one is summed."""
     m, k = x.shape
     if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must share a "
@@ -189,7 +192,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = 
     # M_PAD * BLOCK_N * BLOCK_K floats, so K per tile shrinks as M grows.
     block_k = block_k or max(128, 512 // triton.next_power_of_2(m))
     return _launch("small_m_linear", x, weight, block_n or 8, block_k, prefetch, swiglu,
-                   num_warps, num_stages=num_stages)
+                   num_warps, num_stages=num_stages, programs_per_sm=programs_per_sm)
 
 
 def small_m_normed_linear(x: torch.Tensor, residual: torch.Tensor | None,

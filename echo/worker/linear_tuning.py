@@ -57,12 +57,13 @@ MIN_GAIN = 1.03  # a candidate must be at least 3% faster: noise must not flip a
 # Qwen3-30B-A3B (4 x 512 on 2 warps, 2026-12-07, H100), where the 4- and 8-warp tiles with the
 # norm inside lost to the norm's own launch (the norm inside needs a tile over the whole of K).
 PRELOAD_SHARES = ((4096, 2), (8192, 4), (16384, 8))
-# programs an SM for the norm-inside tiles whose programs take runs of blocks, the norm once a
-# program (offered with ECHO_NORMED_RUNS=1: not yet timed on a GPU). Llama-3.1-8B's qkv with
-# the norm inside reads 50 MB at 74% of an H100's copy rate (22.6 us, 2026-12-07), a program
-# a 2 x 4096 block: 3,072 programs of 204 registers (offline sm_90), two an SM at a time, each
-# with its own norm after the PDL wait; with runs, 251 registers (the next block's tile).
-NORMED_RUN_PROGRAMS = (1, 2, 4)
+# programs an SM for the tiles over the whole of K whose programs take runs of blocks, x (and
+# the norm inside) once a program (offered with ECHO_GEMV_RUNS=1: not yet timed on a GPU).
+# Llama-3.1-8B's qkv with the norm inside reads 50 MB at 74% of an H100's copy rate (22.6 us,
+# 2026-12-07), a program a 2 x 4096 block: 3,072 programs of 204 registers (offline sm_90),
+# two an SM at a time, each with its own norm after the PDL wait; with runs, 251 registers
+# (the next block's tile).
+RUN_PROGRAMS = (1, 2, 4)
 
 # a linear layer's operands after x: (weight,), or (qweight, qzeros, scales, group_size)
 Operands = tuple
@@ -130,11 +131,14 @@ def gemv_candidates(k: int) -> tuple[tuple, ...]:
 
 
 def gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int,
-         swiglu: bool = False) -> Matmul:
+         programs_per_sm: int | None = None, swiglu: bool = False) -> Matmul:
+    """small_m_linear with a tile, and with programs_per_sm (a tile over the whole of K) its
+    programs taking runs of blocks."""
     from echo_kernels.linear import small_m_linear
 
     return functools.partial(small_m_linear, block_n=block_n, block_k=block_k,
-                             num_warps=num_warps, prefetch=prefetch, swiglu=swiglu)
+                             num_warps=num_warps, prefetch=prefetch, swiglu=swiglu,
+                             programs_per_sm=programs_per_sm)
 
 
 def awq_gemv(block_n: int, block_k: int, programs_per_sm: int, num_stages: int) -> Matmul:
@@ -192,7 +196,7 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
                          make_normed_kernel: Callable[..., Callable] = normed_gemv,
                          mma_candidates: Sequence[tuple] = AWQ_MMA_CANDIDATES,
                          make_mma_kernel: Callable[..., Matmul] = awq_mma,
-                         normed_runs: Sequence[int] = (),
+                         gemv_runs: Sequence[int] = (),
                          ) -> list[ShapeChoice]:
     """Set `small_m_kernels[1]` on every bias-free linear layer whose shape a candidate wins
     by MIN_GAIN over the baseline (cuBLAS; awq_linear's default for AWQ layers, awq_mma_linear's
@@ -201,9 +205,9 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
     (`make_kernel(*tile, swiglu=True)`, to `swiglu_kernels[1]`). Dense layers of one rank that
     follow a norm (qkv, gate/up, a router: `follows_norm`) are timed with the RMSNorm before
     them (LinearBase.normed), against the tiles over the whole of K with the norm inside
-    (`make_normed_kernel(*tile, swiglu=gated)`, to `normed_kernels[1]`), and each of those
-    tiles again with its programs taking runs of blocks for each count of programs an SM in
-    normed_runs (the tile gains that count as a fifth field)."""
+    (`make_normed_kernel(*tile, swiglu=gated)`, to `normed_kernels[1]`). Each dense tile over
+    the whole of K is timed again with its programs taking runs of blocks for each count of
+    programs an SM in gemv_runs (the tile gains that count as a fifth field)."""
     by_shape: dict[tuple, list[LinearBase]] = defaultdict(list)
     for module in model.modules():
         if isinstance(module, LinearBase) and module.bias is None:
@@ -217,7 +221,9 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
         like = operands[0][0] if group is None else operands[0][2]  # weight or scales
         x = torch.randn(1, k, dtype=like.dtype, device=like.device)
         if group is None:
-            baseline, tiles, make = F.linear, candidates(k), make_kernel
+            baseline, tiles, make = F.linear, list(candidates(k)), make_kernel
+            tiles += [(*tile, programs) for tile in tiles if _whole_k(tile, k)
+                      for programs in gemv_runs]
         elif repacked:  # a program's columns must divide N
             baseline, make = awq_mma_default, make_mma_kernel
             tiles = [tile for tile in mma_candidates if n % (16 * tile[0] * tile[1]) == 0]
@@ -233,11 +239,9 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
         if normed:
             norm = (torch.randn_like(x), torch.ones(k, dtype=x.dtype, device=x.device), 1e-6)
             runs = [_Run(_after_norm(norm, run.fn), run.tile, run.swiglu) for run in runs]
-            whole_k = [tile for tile in tiles if _whole_k(tile, k)]
-            whole_k += [(*tile, programs) for tile in whole_k for programs in normed_runs]
             runs += [_Run(functools.partial(_normed_call, norm,
                                             make_normed_kernel(*tile, swiglu=gated)),
-                          tile, gated, normed=True) for tile in whole_k]
+                          tile, gated, normed=True) for tile in tiles if _whole_k(tile, k)]
         lead = "gemv" if normed else "norm"
         baseline_us = timer(runs[0].fn, x, operands, lead=lead)
         best_us, best = baseline_us / MIN_GAIN, None

@@ -140,11 +140,11 @@ def prepare_multi_step(runner):
 
 @torch.inference_mode()
 def tune_one_row_linears(runner) -> None:
-    from echo.worker.linear_tuning import NORMED_RUN_PROGRAMS, cuda_graph_timer
+    from echo.worker.linear_tuning import RUN_PROGRAMS, cuda_graph_timer
     from echo.worker.linear_tuning import tune_one_row_linears as tune
 
-    runs = NORMED_RUN_PROGRAMS if envs.normed_runs() else ()
-    for choice in tune(runner.model, cuda_graph_timer, normed_runs=runs):
+    runs = RUN_PROGRAMS if envs.gemv_runs() else ()
+    for choice in tune(runner.model, cuda_graph_timer, gemv_runs=runs):
         if runner.tp.rank == 0:
             print(f"echo: one-row linear {choice.describe()}", file=sys.stderr, flush=True)
     # the timing graphs' private pools stay cached after the graphs are gone; with the KV

@@ -87,6 +87,37 @@ def test_normed_matches_the_norm_then_the_linear(device, m, n, k, block_n, swigl
     torch.testing.assert_close(out.float(), y.float(), atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("m,n,k,block_n,swiglu", [
+    (1, 64, 256, 8, False),  # even
+    (3, 40, 96, 4, False),  # ragged N, K padded to 128
+    (2, 48, 128, 8, True),  # gate and up, SwiGLU inside
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("programs_per_sm", [1, 3])
+def test_runs_of_blocks_match_the_linear(device, m, n, k, block_n, swiglu, dtype,
+                                         programs_per_sm):
+    # no norm: a program's run of blocks (2 stand-in SMs on the CPU: 2 or 6 programs over
+    # 5-10 blocks, the last run ragged or past N), x loaded once
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    block_k = 1 << (k - 1).bit_length()
+    out = small_m_linear(x, w, block_n, block_k, prefetch=True, swiglu=swiglu,
+                         programs_per_sm=programs_per_sm)
+    y = F.linear(x.float(), w.float()).to(dtype)
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
+    assert out.shape == y.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), y.float(), atol=2e-3, rtol=2e-3)
+
+
+def test_runs_of_blocks_need_a_tile_over_the_whole_of_k(device):
+    with pytest.raises(ValueError, match="programs_per_sm takes a tile over the whole of K"):
+        small_m_linear(torch.zeros(1, 256, device=device), torch.zeros(8, 256, device=device),
+                       8, 128, prefetch=True, programs_per_sm=2)
+
+
 def test_rejects_too_many_rows(device):
     with pytest.raises(ValueError, match="1..4 rows"):
         small_m_linear(torch.zeros(5, 64, device=device), torch.zeros(8, 64, device=device))
@@ -98,14 +129,17 @@ def test_rejects_too_many_rows(device):
 def test_gpu_whole_k_tiles_at_small_model_shapes(n, k):
     # Qwen3-0.6B's qkv, o_proj and down, stories110M's qkv, Qwen3-30B-A3B's qkv and o_proj,
     # through every tile the tuning offers that loads a program's whole share before the wait
-    from echo.worker.linear_tuning import preload_tiles
+    # (a block a program, and runs of blocks)
+    from echo.worker.linear_tuning import RUN_PROGRAMS, preload_tiles
 
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     tiles = preload_tiles(k)
     assert tiles
-    for block_n, block_k, prefetch, warps in tiles:
-        out = small_m_linear(x, w, block_n, block_k, warps, prefetch=prefetch)
+    for (block_n, block_k, prefetch, warps), programs in itertools.product(
+            tiles, (None, *RUN_PROGRAMS)):
+        out = small_m_linear(x, w, block_n, block_k, warps, prefetch=prefetch,
+                             programs_per_sm=programs)
         torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), atol=2e-2,
                                    rtol=2e-2)
 
@@ -135,7 +169,7 @@ def test_gpu_normed_at_model_shapes(n, k, swiglu):
     # the normed row for the experts too), with the norm before them inside, through every
     # tile over the whole of K the tuning offers (a block a program, and runs of blocks),
     # against the two launches
-    from echo.worker.linear_tuning import NORMED_RUN_PROGRAMS, preload_tiles
+    from echo.worker.linear_tuning import RUN_PROGRAMS, preload_tiles
     from echo_kernels import fused_add_rms_norm, silu_and_mul
 
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -147,7 +181,7 @@ def test_gpu_normed_at_model_shapes(n, k, swiglu):
     if swiglu:
         expected = silu_and_mul(expected)
     for (block_n, _, _, warps), programs in itertools.product(preload_tiles(k),
-                                                              (None, *NORMED_RUN_PROGRAMS)):
+                                                              (None, *RUN_PROGRAMS)):
         normed_out = torch.empty_like(x)
         out, got_total = small_m_normed_linear(x, residual, norm_w, 1e-6, w, block_n, warps,
                                                swiglu=swiglu, normed_out=normed_out,

@@ -180,40 +180,55 @@ def test_gate_up_and_qkv_weigh_the_norm_and_swiglu_inside_the_gemv(winner):
                                              net.qkv.weight) + 3000.0)
 
 
-def test_normed_runs_of_blocks_are_timed_as_fifth_tile_fields():
-    # with normed_runs, each tile over the whole of K is timed again with its programs taking
-    # runs of blocks for each count of programs an SM; the winner's count reaches the kernel
+def test_runs_of_blocks_are_timed_as_fifth_tile_fields():
+    # with gemv_runs, each tile over the whole of K is timed again with its programs taking
+    # runs of blocks for each count of programs an SM, with the norm inside and without; the
+    # winner's count reaches the kernel
     net = GatedNet()
     tile, preload = (8, 4, True, 4), (2, 8, True, 4)
     runs2, runs4 = (*preload, 2), (*preload, 4)
-    qkv = (16, 8)
+    qkv, plain = (16, 8), (12, 8)
     times = {(qkv, ("cublas", (AFTER_NORM,))): 11.0, (qkv, (tile, (AFTER_NORM,))): 10.5,
-             (qkv, (preload, (AFTER_NORM,))): 10.5, (qkv, (preload, (NORM_INSIDE,))): 6.0,
-             (qkv, (runs2, (NORM_INSIDE,))): 5.0, (qkv, (runs4, (NORM_INSIDE,))): 5.5}
+             (qkv, (preload, (AFTER_NORM,))): 10.5, (qkv, (runs2, (AFTER_NORM,))): 10.0,
+             (qkv, (runs4, (AFTER_NORM,))): 10.0, (qkv, (preload, (NORM_INSIDE,))): 6.0,
+             (qkv, (runs2, (NORM_INSIDE,))): 5.0, (qkv, (runs4, (NORM_INSIDE,))): 5.5,
+             (plain, "cublas"): 10.0, (plain, tile): 8.0, (plain, preload): 9.0,
+             (plain, runs2): 9.0, (plain, runs4): 7.0}
     timer, _ = fake_timer(times)
 
-    def timer_for_qkv(fn, x, operands, lead="norm"):  # the gated layers: any time, slower
-        if tuple(operands[0][0].shape) != qkv:
+    def timer_for(fn, x, operands, lead="norm"):
+        # the gated layers (plain's shape, timed behind the norm): any time, slower
+        if tuple(operands[0][0].shape) == plain and isinstance(fn, functools.partial):
             return 20.0
         return timer(fn, x, operands, lead)
 
-    made = []
+    made, made_normed = [], []
+
+    def kernel(*tile, swiglu=False):
+        made.append(tile)
+        return kernel_for(*tile, swiglu=swiglu)
 
     def normed_kernel(*tile, swiglu=False):
-        made.append(tile)
+        made_normed.append(tile)
         return normed_kernel_for(*tile, swiglu=swiglu)
 
-    choices = tune_one_row_linears(net, timer_for_qkv, lambda k: [tile, preload], kernel_for,
-                                   make_normed_kernel=normed_kernel, normed_runs=(2, 4))
+    choices = tune_one_row_linears(net, timer_for, lambda k: [tile, preload], kernel,
+                                   make_normed_kernel=normed_kernel, gemv_runs=(2, 4))
     choice = next(c for c in choices if c.shape == qkv and c.normed)
     assert choice.tile == runs2 and choice.norm_inside and choice.best_us == 5.0
     assert "runs of blocks for 2 programs an SM" in choice.describe()
-    assert runs2 in made and runs4 in made and (*tile, 2) not in made  # tile: not over K
+    for runs in (runs2, runs4):
+        assert runs in made and runs in made_normed
+    assert (*tile, 2) not in made + made_normed  # tile: not over the whole of K
+    plain_choice = next(c for c in choices if c.shape == plain and not c.gated)
+    assert plain_choice.tile == runs4 and not plain_choice.norm_inside
     norm = RMSNorm(8)
     one = torch.randn(1, 8)
     out, _ = net.qkv.normed(norm, one, None)
     torch.testing.assert_close(out, F.linear(rms_norm_ref(one, norm.weight, 1e-6),
                                              net.qkv.weight) + 3000.0)
+    torch.testing.assert_close(net.plain(one), F.linear(one, net.plain.weight) + 1000.0)
+    assert net.plain.small_m_kernels[1].tile == runs4
 
 
 class AwqNet(torch.nn.Module):
