@@ -133,8 +133,8 @@ def tune_small_m() -> bool:
 def gemv_runs() -> bool:
     """The one-row tuning also times the GEMV tiles over the whole of K (the norm inside or
     not) whose programs take runs of blocks (linear_tuning.RUN_PROGRAMS; ECHO_GEMV_RUNS,
-    default 0 until timed on a GPU)."""
-    return os.environ.get("ECHO_GEMV_RUNS", "0") == "1"
+    default 1: Llama-3.1-8B's qkv took them, docs/benchmarks.md, 2026-12-07 late)."""
+    return os.environ.get("ECHO_GEMV_RUNS", "1") == "1"
 
 
 def awq_tensor_cores() -> bool:

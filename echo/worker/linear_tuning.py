@@ -58,11 +58,11 @@ MIN_GAIN = 1.03  # a candidate must be at least 3% faster: noise must not flip a
 # norm inside lost to the norm's own launch (the norm inside needs a tile over the whole of K).
 PRELOAD_SHARES = ((4096, 2), (8192, 4), (16384, 8))
 # programs an SM for the tiles over the whole of K whose programs take runs of blocks, x (and
-# the norm inside) once a program (offered with ECHO_GEMV_RUNS=1: not yet timed on a GPU).
-# Llama-3.1-8B's qkv with the norm inside reads 50 MB at 74% of an H100's copy rate (22.6 us,
-# 2026-12-07), a program a 2 x 4096 block: 3,072 programs of 204 registers (offline sm_90),
-# two an SM at a time, each with its own norm after the PDL wait; with runs, 251 registers
-# (the next block's tile).
+# the norm inside) once a program (ECHO_GEMV_RUNS=0 leaves them out). Llama-3.1-8B's qkv with
+# the norm inside read 50 MB at 74% of an H100's copy rate a block a program (22.6 us: 3,072
+# programs of 204 registers, offline sm_90, two an SM at a time, each with its own norm after
+# the PDL wait); with runs for 4 programs an SM (251 registers) 21.9 us, the step 0.4% faster
+# (docs/benchmarks.md, 2026-12-07 late).
 RUN_PROGRAMS = (1, 2, 4)
 
 # a linear layer's operands after x: (weight,), or (qweight, qzeros, scales, group_size)
