@@ -10,6 +10,16 @@ from echo_kernels.linear import small_m_linear, small_m_normed_linear
 from echo_kernels.reference import rms_norm_ref
 
 
+def linear_ref(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """F.linear in float32 rounded to x's dtype; swiglu: silu(gate) * up of its halves, rounded
+    as F.silu(gate) * up rounds them."""
+    y = F.linear(x.float(), w.float()).to(x.dtype)
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = (F.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
+    return y
+
+
 # the last three: one tile over the whole of K (with prefetch, all loaded before the wait),
 # ragged K, ragged N, even
 @pytest.mark.parametrize("m,n,k,blocks", [(1, 96, 300, (32, 64)), (3, 130, 512, (16, 64)),
@@ -42,8 +52,7 @@ def test_swiglu_matches_the_separate_launches(device, m, d, k, blocks, prefetch,
     x = torch.randn(m, k, device=device).to(dtype)
     w = (torch.randn(2 * d, k, device=device) / k**0.5).to(dtype)
     out = small_m_linear(x, w, *blocks, prefetch=prefetch, swiglu=True)
-    gate, up = F.linear(x.float(), w.float()).to(dtype).chunk(2, dim=-1)
-    expected = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
+    expected = linear_ref(x, w, swiglu=True)
     assert out.shape == (m, d) and out.dtype == dtype
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-3, rtol=2e-3)
 
@@ -79,10 +88,7 @@ def test_normed_matches_the_norm_then_the_linear(device, m, n, k, block_n, swigl
     torch.testing.assert_close(total, want_total, atol=0, rtol=0)
     normed = rms_norm_ref(want_total, norm_w, 1e-6)
     torch.testing.assert_close(normed_out, normed, atol=1e-3, rtol=1e-3)
-    y = F.linear(normed.float(), w.float()).to(dtype)
-    if swiglu:
-        gate, up = y.chunk(2, dim=-1)
-        y = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
+    y = linear_ref(normed, w, swiglu)
     assert out.shape == y.shape and out.dtype == dtype
     torch.testing.assert_close(out.float(), y.float(), atol=2e-3, rtol=2e-3)
 
@@ -104,10 +110,7 @@ def test_runs_of_blocks_match_the_linear(device, m, n, k, block_n, swiglu, dtype
     block_k = 1 << (k - 1).bit_length()
     out = small_m_linear(x, w, block_n, block_k, prefetch=True, swiglu=swiglu,
                          programs_per_sm=programs_per_sm)
-    y = F.linear(x.float(), w.float()).to(dtype)
-    if swiglu:
-        gate, up = y.chunk(2, dim=-1)
-        y = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
+    y = linear_ref(x, w, swiglu)
     assert out.shape == y.shape and out.dtype == dtype
     torch.testing.assert_close(out.float(), y.float(), atol=2e-3, rtol=2e-3)
 
