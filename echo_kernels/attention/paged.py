@@ -155,7 +155,9 @@ def _paged_attention_kernel(
 
     if FUSED_ROPE:
         # decode: the token sees every key of the context, so only a partial last tile is masked
-        full_hi = kv_lo + tl.maximum(kv_hi - kv_lo, 0) // BLOCK_N * BLOCK_N  # a split may be empty
+        # (an empty split returned above; the maximum tells the compiler the difference is
+        # not negative, so the division is a shift: without it one more instruction, offline sm_90)
+        full_hi = kv_lo + tl.maximum(kv_hi - kv_lo, 0) // BLOCK_N * BLOCK_N
         masked_hi = kv_hi
         # the program whose keys end with the token's own stores its K/V, then reads them back
         # with the rest (the barrier makes its threads' stores visible to each other)
