@@ -5,6 +5,13 @@ w at the memory's bandwidth. Tensor cores would pad M to 16 and stage every tile
 memory for nothing; here each program owns BLOCK_N output features over the whole K, multiplies
 its weight tiles by x on the CUDA cores into an fp32 [M, BLOCK_N, BLOCK_K] accumulator and
 reduces over K once at the end. One launch, no atomics, no split-K partials: deterministic.
+
+The RMSNorm between two GEMVs can be handed over instead of launched: a row-parallel layer's
+GEMV (o_proj, down) adds its outputs into the residual stream and stores each program's sum of
+squares of the new stream (`small_m_linear_into`); the next GEMV (qkv, gate/up) reads the
+stream, multiplies it by the norm's weight as it loads it, and scales its sums by 1/rms from
+those parts (`small_m_prenormed_linear`). No launch for the norm, and the consumer's tiles need
+not cover K, as the norm inside one (`small_m_normed_linear`) must.
 """
 
 import torch
@@ -47,6 +54,37 @@ def _store_outputs(y, out_ptr, rows, outs, M, N_OUT, stride_om, SWIGLU: tl.const
         y = silu_times(gate, up)
     out = out_ptr + rows[:, None] * stride_om + outs[None, :]
     tl.store(out, y.to(dtype), mask=(rows[:, None] < M) & (outs[None, :] < N_OUT))
+
+
+@triton.jit
+def _block_residual(add_ptr, rows, outs, M, N_OUT, stride_om):
+    """The residual stream's values at the outputs of a block, [M_PAD, BLOCK_N] (zeros past
+    M and N): loaded early, before the block's product needs them."""
+    return tl.load(add_ptr + rows[:, None] * stride_om + outs[None, :],
+                   mask=(rows[:, None] < M) & (outs[None, :] < N_OUT), other=0.0)
+
+
+@triton.jit
+def _add_outputs(y, r, add_ptr, rows, outs, M, N_OUT, stride_om):
+    """Store r + y (y [M_PAD, BLOCK_N] float32 sums, r the stream's values there) into the
+    stream, rounded as fused_add_rms_norm rounds its sum (y first to the output dtype, as the
+    layer's own output would be); returns each row's sum of squares of what was stored."""
+    dtype: tl.constexpr = add_ptr.dtype.element_ty
+    s = (y.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
+    tl.store(add_ptr + rows[:, None] * stride_om + outs[None, :], s,
+             mask=(rows[:, None] < M) & (outs[None, :] < N_OUT))
+    sf = s.to(tl.float32)
+    return tl.sum(sf * sf, axis=1)
+
+
+@triton.jit
+def _rstd_from_parts(parts_ptr, rows, M, num_parts, K, eps, BLOCK_P: tl.constexpr):
+    """1 / rms of each row [M_PAD] from the parts of its sum of squares ([M, num_parts]
+    float32, small_m_linear_into's)."""
+    offs_p = tl.arange(0, BLOCK_P)
+    parts = tl.load(parts_ptr + rows[:, None] * num_parts + offs_p[None, :],
+                    mask=(rows[:, None] < M) & (offs_p[None, :] < num_parts), other=0.0)
+    return tl.math.rsqrt(tl.sum(parts, axis=1) / K + eps)
 
 
 @triton.jit
@@ -113,8 +151,22 @@ def _small_m_linear_kernel(
     # block's weight tile loading while this one's is summed (its x, normed, loaded once)
     RUNS: tl.constexpr = False,
     blocks_per_program=1,
+    # ADD_INTO: the outputs are added into add_ptr [M, N] (stride stride_om) in place of a
+    # store, and each program stores its rows' sums of squares of the new values to
+    # parts_ptr[row, program] (the next RMSNorm's statistics, handed over)
+    ADD_INTO: tl.constexpr = False,
+    add_ptr=None,
+    # PRENORM: x is the residual stream whose RMSNorm (weight norm_w_ptr, eps) is the layer's
+    # input, with its sums of squares in num_parts parts at parts_ptr [M, num_parts]: x is
+    # multiplied by the weight as it loads, the sums by 1 / rms at the end
+    PRENORM: tl.constexpr = False,
+    parts_ptr=None,
+    num_parts=1,
+    BLOCK_P: tl.constexpr = 1,
 ):
     tl.static_assert(WHOLE_K or not NORM, "the norm inside needs a tile over the whole of K")
+    tl.static_assert(not (ADD_INTO and SWIGLU), "SwiGLU's outputs are no residual stream")
+    tl.static_assert(not (NORM and PRENORM), "one norm: computed inside, or handed over")
     block = tl.program_id(0) * blocks_per_program if RUNS else tl.program_id(0)
     cols, outs = _block_columns(block, N, BLOCK_N, SWIGLU)
     n_out = N // 2 if SWIGLU else N
@@ -122,15 +174,21 @@ def _small_m_linear_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = _row_ptrs(w_ptr, cols, offs_k, stride_wn)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
+    ss = tl.zeros([M_PAD], dtype=tl.float32)  # ADD_INTO: the program's sums of squares
     if WHOLE_K:
         # one tile holds the program's whole share: it loads before the wait (while the short
         # kernel before still runs), and no second tile is held as the loop below holds one
         w = weight_tile(w_ptrs, cols, offs_k, 0, N, K, EVEN)
         x_ok = (rows[:, None] < M) & (offs_k[None, :] < K)
-        if NORM:  # a weight too: loaded before the wait
+        if NORM or PRENORM:  # a weight too: loaded before the wait
             norm_w = tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0)
         wait_for_inputs(USE_PDL)
         x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        if ADD_INTO:
+            r = _block_residual(add_ptr, rows, outs, M, n_out, stride_om)
+        if PRENORM:
+            rstd = _rstd_from_parts(parts_ptr, rows, M, num_parts, K, eps, BLOCK_P)
+            x = x.to(tl.float32) * norm_w.to(tl.float32)[None, :]
         if NORM:
             x = _normed_rows(x, rows, offs_k, x_ok, K, stride_xm, resid_ptr, sum_ptr, norm_w,
                              eps, HAS_RESIDUAL)
@@ -145,13 +203,30 @@ def _small_m_linear_kernel(
                 next_cols = tl.where(i + 1 < blocks_per_program, next_cols, N)
                 w_next = weight_tile(_row_ptrs(w_ptr, next_cols, offs_k, stride_wn), next_cols,
                                      offs_k, 0, N, K, False)
+                if ADD_INTO:  # past the run (or N) nothing: the mask is all false
+                    r_next = _block_residual(
+                        add_ptr, rows, tl.where(i + 1 < blocks_per_program, next_outs, n_out),
+                        M, n_out, stride_om)
                 y = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
-                _store_outputs(y, out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
+                if PRENORM:
+                    y = y * rstd[:, None]
+                if ADD_INTO:
+                    ss += _add_outputs(y, r, add_ptr, rows, outs, M, n_out, stride_om)
+                    r = r_next
+                else:
+                    _store_outputs(y, out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
                 w = w_next
                 outs = next_outs
         else:
             y = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
-            _store_outputs(y, out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
+            if PRENORM:
+                y = y * rstd[:, None]
+            if ADD_INTO:
+                ss += _add_outputs(y, r, add_ptr, rows, outs, M, n_out, stride_om)
+            else:
+                _store_outputs(y, out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
+        if ADD_INTO:
+            tl.store(parts_ptr + rows * tl.num_programs(0) + tl.program_id(0), ss, mask=rows < M)
         return
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
     # NOTE: Triton's software pipeliner stages loads that feed tl.dot; these feed CUDA-core
@@ -160,6 +235,10 @@ def _small_m_linear_kernel(
         # the weight is never written by a kernel: its first tile may load before the wait
         w_next = weight_tile(w_ptrs, cols, offs_k, 0, N, K, EVEN)
     wait_for_inputs(USE_PDL)
+    if ADD_INTO:
+        r = _block_residual(add_ptr, rows, outs, M, n_out, stride_om)
+    if PRENORM:
+        rstd = _rstd_from_parts(parts_ptr, rows, M, num_parts, K, eps, BLOCK_P)
     for k0 in range(0, K, BLOCK_K):
         if PREFETCH:
             w = w_next
@@ -167,10 +246,21 @@ def _small_m_linear_kernel(
             w_next = weight_tile(w_ptrs, cols, offs_k, k0 + BLOCK_K, N, K, False)
         else:
             w = weight_tile(w_ptrs, cols, offs_k, k0, N, K, EVEN)
-        x = tl.load(x_ptrs + k0, mask=(rows[:, None] < M) & (k0 + offs_k[None, :] < K),
-                    other=0.0)
-        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-    _store_outputs(tl.sum(acc, axis=2), out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
+        # (not `x`: Triton carries the whole-K branch's x, of x's dtype, into this loop)
+        x_tile = tl.load(x_ptrs + k0, mask=(rows[:, None] < M) & (k0 + offs_k[None, :] < K),
+                         other=0.0).to(tl.float32)
+        if PRENORM:
+            x_tile = x_tile * tl.load(norm_w_ptr + k0 + offs_k, mask=k0 + offs_k < K,
+                                      other=0.0).to(tl.float32)[None, :]
+        acc += w.to(tl.float32)[None, :, :] * x_tile[:, None, :]
+    y = tl.sum(acc, axis=2)
+    if PRENORM:
+        y = y * rstd[:, None]
+    if ADD_INTO:
+        ss = _add_outputs(y, r, add_ptr, rows, outs, M, n_out, stride_om)
+        tl.store(parts_ptr + rows * tl.num_programs(0) + tl.program_id(0), ss, mask=rows < M)
+    else:
+        _store_outputs(y, out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
@@ -224,12 +314,61 @@ def small_m_normed_linear(x: torch.Tensor, residual: torch.Tensor | None,
     return out, total
 
 
+def small_m_linear_into(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                       block_n: int | None = None, block_k: int | None = None,
+                       num_warps: int = 4, prefetch: bool = False,
+                       programs_per_sm: int | None = None) -> torch.Tensor:
+    """residual += small_m_linear(x, weight) in place (the product rounded to x's dtype, then
+    the sum, as the layer's output and fused_add_rms_norm's add round them), in one launch
+    with small_m_linear's tiles. Returns the sums of squares of residual's new rows in parts,
+    [M, programs] float32, one a program: the next RMSNorm's statistics, for
+    small_m_prenormed_linear."""
+    m, k = x.shape
+    if (weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1
+            or residual.shape != (m, weight.shape[0]) or not residual.is_contiguous()
+            or residual.dtype != x.dtype):
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)} and residual "
+                         f"{tuple(residual.shape)} must share a contiguous K, and the "
+                         "residual be [M, N] of x's dtype")
+    block_k = block_k or max(128, 512 // triton.next_power_of_2(m))
+    return _launch("small_m_linear_into", x, weight, block_n or 8, block_k, prefetch, False,
+                   num_warps, programs_per_sm=programs_per_sm, into=residual)
+
+
+def small_m_prenormed_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                             parts: torch.Tensor, weight: torch.Tensor,
+                             block_n: int | None = None, block_k: int | None = None,
+                             num_warps: int = 4, prefetch: bool = False, swiglu: bool = False,
+                             programs_per_sm: int | None = None) -> torch.Tensor:
+    """small_m_linear(RMSNorm(x)) where small_m_linear_into left x, the residual stream, and
+    parts [M, P] float32, its sums of squares: x times the norm's weight goes into the
+    product, 1 / rms = rsqrt(sum(parts) / K + eps) scales its sums (swiglu: before SwiGLU).
+    The normed row is not rounded to x's dtype on the way, as the norm's own launch rounds it:
+    results agree with the norm then the linear to the dtype's precision, not bit for bit."""
+    m, k = x.shape
+    if (norm_weight.shape != (k,) or parts.dim() != 2 or parts.shape[0] != m
+            or parts.dtype != torch.float32 or not parts.is_contiguous()):
+        raise ValueError(f"x {tuple(x.shape)}, norm weight {tuple(norm_weight.shape)} and the "
+                         f"parts {tuple(parts.shape)} ({parts.dtype}) do not fit: the parts are "
+                         "[M, P] float32")
+    if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must share a "
+                         "contiguous K")
+    block_k = block_k or max(128, 512 // triton.next_power_of_2(m))
+    return _launch("small_m_prenormed_linear", x, weight, block_n or 8, block_k, prefetch,
+                   swiglu, num_warps, programs_per_sm=programs_per_sm, PRENORM=True,
+                   norm_w_ptr=norm_weight, eps=eps, parts_ptr=parts, num_parts=parts.shape[1],
+                   BLOCK_P=triton.next_power_of_2(parts.shape[1]))
+
+
 def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int,
             prefetch: bool, swiglu: bool, num_warps: int, num_stages: int = 3,
-            programs_per_sm: int | None = None, **norm) -> torch.Tensor:
-    """The kernel's launch for both entry points (shapes already checked but the rows and
+            programs_per_sm: int | None = None, into: torch.Tensor | None = None,
+            **norm) -> torch.Tensor:
+    """The kernel's launch for the entry points (shapes already checked but the rows and
     SwiGLU's halves): its output [M, N], or [M, N / 2] with swiglu; programs_per_sm (whole-K
-    tiles): runs of blocks a program, for about that many programs an SM."""
+    tiles): runs of blocks a program, for about that many programs an SM. into: the outputs
+    are added into it, and the sums of squares' parts [M, programs] are returned."""
     m, k = x.shape
     n = weight.shape[0]
     if not 1 <= m <= MAX_ROWS:
@@ -238,15 +377,20 @@ def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, block_n: int, bloc
         raise ValueError(f"{name}(swiglu=True): {n} weight rows are not gate and up halves, "
                          f"or block_n {block_n} holds no pair")
     outputs, per_program = (n // 2, block_n // 2) if swiglu else (n, block_n)
-    out = torch.empty(m, outputs, dtype=x.dtype, device=x.device)
     blocks = triton.cdiv(outputs, per_program)
     per_run = 1
     if programs_per_sm is not None:
         if not (prefetch and block_k >= k):
             raise ValueError(f"{name}: programs_per_sm takes a tile over the whole of K")
         per_run = triton.cdiv(blocks, programs_per_sm * sm_count(x.device, 2))
-    _small_m_linear_kernel[(triton.cdiv(blocks, per_run),)](
-        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+    programs = triton.cdiv(blocks, per_run)
+    if into is None:
+        out = torch.empty(m, outputs, dtype=x.dtype, device=x.device)
+    else:  # the kernel writes the parts, not out
+        out = torch.empty(m, programs, dtype=torch.float32, device=x.device)
+        norm.update(ADD_INTO=True, add_ptr=into, parts_ptr=out)
+    _small_m_linear_kernel[(programs,)](
+        x, weight, out, m, n, k, x.stride(0), weight.stride(0), outputs,
         M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN=outputs % per_program == 0 and k % block_k == 0, PREFETCH=prefetch,
         WHOLE_K=prefetch and block_k >= k, SWIGLU=swiglu, **pdl_options(x.device), **norm,

@@ -14,6 +14,7 @@ from torch import nn
 from echo.distributed.communication import all_reduce
 from echo.distributed.parallel_state import SINGLE, TPGroup
 from echo.layers.checkpoint_tensor import whole
+from echo.layers.linear import InResidual
 
 # checkpoint projection name -> (stacked parameter, half of w13: 0 gate, 1 up; None for w2)
 EXPERT_PROJECTIONS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", None)}
@@ -48,10 +49,25 @@ class FusedMoE(nn.Module):
                                requires_grad=False)
         self.w13.weight_loader = self._load_w13
         self.w2.weight_loader = self._load_w2
+        # one row (one rank) adds its output into the residual stream itself and hands the
+        # next norm over (added_to); set by start-up tuning with ECHO_NORM_HANDOVER
+        self.hands_over = False
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         out = moe_mlp(hidden, self.w13, self.w2, router_logits, self.top_k, self.renormalize)
         return all_reduce(out, self.tp) if self.reduce_results and self.tp.size > 1 else out
+
+    def added_to(self, hidden: torch.Tensor, router_logits: torch.Tensor,
+                 residual: torch.Tensor | None) -> torch.Tensor | InResidual:
+        """self(hidden, router_logits), or, for one row where hands_over, that output added
+        into residual by the experts' kernel (in place) and the new stream's statistics for
+        the next norm (echo_kernels.fused_moe.fused_moe_pairs' into)."""
+        if not self.hands_over or residual is None or hidden.shape[0] != 1 or self.tp.size > 1:
+            return self(hidden, router_logits)
+        from echo_kernels import fused_moe_from_logits
+
+        return InResidual(fused_moe_from_logits(hidden, self.w13, self.w2, router_logits,
+                                                self.top_k, self.renormalize, into=residual))
 
     # ---- loading: shard_id (expert, "gate" | "up" | "down") for one expert's tensor, None for
     # the packed stack -----------------------------------------------------------------------

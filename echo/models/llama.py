@@ -12,7 +12,13 @@ from echo.distributed.parallel_state import SINGLE, TPGroup
 from echo.layers.attention import Attention, ForwardContext
 from echo.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from echo.layers.layernorm import RMSNorm
-from echo.layers.linear import GateUpParallelLinear, QKVParallelLinear, RowParallelLinear
+from echo.layers.linear import (
+    GateUpParallelLinear,
+    InResidual,
+    QKVParallelLinear,
+    RowParallelLinear,
+    apply_norm,
+)
 from echo.layers.quantization import AwqConfig
 from echo.layers.rotary import RotaryEmbedding
 from echo.models.arch import ModelArch
@@ -62,12 +68,14 @@ class LlamaAttention(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(hidden), ctx)
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
-               ctx: ForwardContext) -> torch.Tensor:
-        """Attention and o_proj from qkv_proj's output."""
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext,
+               residual: torch.Tensor | None = None) -> torch.Tensor | InResidual:
+        """Attention and o_proj from qkv_proj's output; given the residual stream, o_proj may
+        add its output into it itself (RowParallelLinear.added_to)."""
         q, k, v = self.split_qkv(qkv)
         # the backend rotates q/k, fused with the KV-cache write on GPU
-        return self.o_proj(self.attn(q, k, v, ctx, self.rope_inputs(positions)))
+        return self.o_proj.added_to(self.attn(q, k, v, ctx, self.rope_inputs(positions)),
+                                    residual)
 
 
 class LlamaMLP(nn.Module):
@@ -84,11 +92,12 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.swiglu(x))
 
-    def normed(self, norm: RMSNorm, x: torch.Tensor,
-               residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual): the norm inside gate_up where tuned."""
+    def normed(self, norm: RMSNorm, x: torch.Tensor | InResidual, residual: torch.Tensor | None
+               ) -> tuple[torch.Tensor | InResidual, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual): the norm inside gate_up where tuned; the
+        first may be InResidual, down_proj's output already added into the second."""
         act, residual = self.gate_up_proj.normed_swiglu(norm, x, residual)
-        return self.down_proj(act), residual
+        return self.down_proj.added_to(act, residual), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -110,9 +119,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions, hidden, residual, ctx: ForwardContext):
         # each norm runs inside the linear layer after it where start-up tuning found that
-        # faster at one row (LinearBase.normed)
+        # faster at one row (LinearBase.normed), or is handed over by the one before
+        # (InResidual: hidden already added into residual)
         qkv, residual = self.self_attn.qkv_proj.normed(self.input_layernorm, hidden, residual)
-        hidden = self.self_attn.attend(positions, qkv, ctx)
+        hidden = self.self_attn.attend(positions, qkv, ctx, residual)
         return self.mlp.normed(self.post_attention_layernorm, hidden, residual)
 
 
@@ -142,12 +152,20 @@ class LlamaModel(nn.Module):
         aux = {}
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
-                aux[i] = hidden if residual is None else hidden + residual
+                aux[i] = _stream(hidden, residual)
             hidden, residual = layer(positions, hidden, residual, ctx)
         if self.aux_layers:  # in aux_layers' order, a layer named twice kept twice
             self.aux_hidden = [aux[i] for i in self.aux_layers]
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = apply_norm(self.norm, hidden, residual)
         return hidden
+
+
+def _stream(hidden: torch.Tensor | InResidual, residual: torch.Tensor | None) -> torch.Tensor:
+    """The residual stream a layer receives, as a tensor of its own (the layers update the
+    residual in place)."""
+    if residual is None:
+        return hidden
+    return residual.clone() if isinstance(hidden, InResidual) else hidden + residual
 
 
 class LlamaForCausalLM(nn.Module):

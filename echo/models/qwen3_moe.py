@@ -10,7 +10,7 @@ from torch import nn
 from echo.distributed.parallel_state import TPGroup
 from echo.layers.fused_moe import EXPERT_PROJECTIONS, FusedMoE
 from echo.layers.layernorm import RMSNorm
-from echo.layers.linear import ReplicatedLinear
+from echo.layers.linear import InResidual, ReplicatedLinear, apply_norm
 from echo.models.arch import ModelArch
 from echo.models.llama import norm_reduces
 from echo.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
@@ -33,18 +33,22 @@ class Qwen3MoeSparseBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))
 
-    def normed(self, norm: RMSNorm, x: torch.Tensor,
+    def normed(self, norm: RMSNorm, x: torch.Tensor | InResidual,
                residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(x + residual)), x + residual), as LlamaMLP.normed: where tuned, the norm
-        runs inside the router's kernel, which also stores the normed rows for the experts."""
+        runs inside the router's kernel, which also stores the normed rows for the experts.
+        x may be InResidual (o_proj's output already added into residual), and so may the
+        first result (the experts' output added, FusedMoE.added_to)."""
+        if isinstance(x, InResidual):
+            x, residual = residual, None
         kernel = self.gate.normed_kernel(norm, x)
         if kernel is None:
-            x, residual = norm(x, residual)
-            return self(x), residual
+            x, residual = apply_norm(norm, x, residual)
+            return self.experts.added_to(x, self.gate(x), residual), residual
         normed = torch.empty_like(x)
         logits, residual = kernel(x, residual, norm.weight, norm.eps, self.gate.weight,
                                   normed_out=normed)
-        return self.experts(normed, logits), residual
+        return self.experts.added_to(normed, logits, residual), residual
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):

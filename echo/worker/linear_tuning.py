@@ -30,7 +30,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from echo.layers.activation import silu_and_mul
-from echo.layers.linear import GateUpParallelLinear, LinearBase
+from echo.layers.fused_moe import FusedMoE
+from echo.layers.linear import (
+    GateUpParallelLinear,
+    LinearBase,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 
 # (block_n, block_k, prefetch, num_warps): the fastest tiles of bench_kernels.py's sweeps on an
 # H200, for Llama-3.1-8B and Qwen3-8B (TP=1 and 2) shapes. Warps other than 4 won on the small
@@ -87,6 +93,10 @@ class ShapeChoice:
     normed: bool = False  # layers timed with the RMSNorm before them
     norm_inside: bool = False  # the tile computes that norm itself (normed_kernels)
     repacked: bool = False  # AWQ layers in the tensor-core layout (awq_mma_gemv's settings)
+    # the norm handed over (ECHO_NORM_HANDOVER): (tile, us) of the tile that adds the layer's
+    # output into the residual stream (o_proj, down), or that normalises the stream from the
+    # handed-over sums of squares (qkv, gate/up) where it beat the best above
+    handover: tuple | None = None
 
     def describe(self) -> str:
         n, k = self.shape
@@ -114,8 +124,15 @@ class ShapeChoice:
             block_n, block_k, per_sm, stages = self.tile
             pick = (f"awq_gemv {block_k}x{block_n} {per_sm} programs an SM {stages} stages "
                     f"{self.best_us:.1f} us")
+        handover = ""
+        if self.handover is not None:
+            (block_n, block_k, prefetch, num_warps, *runs), us = self.handover
+            what = "norm handed over" if self.normed else "into the residual"
+            handover = (f"; {what}: {block_n}x{block_k}{' prefetch' if prefetch else ''} "
+                        f"{num_warps} warps{f', runs for {runs[0]} an SM' if runs else ''} "
+                        f"{us:.1f} us")
         return (f"{name} ({self.num_layers} layers): {baseline} {self.baseline_us:.1f} us -> "
-                f"{pick}")
+                f"{pick}{handover}")
 
 
 def preload_tiles(k: int) -> tuple[tuple, ...]:
@@ -178,6 +195,28 @@ def normed_gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int,
                              swiglu=swiglu, programs_per_sm=programs_per_sm)
 
 
+def into_gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int,
+              programs_per_sm: int | None = None) -> Callable:
+    """small_m_linear_into with a tile: fn(x, weight, residual) -> the sums of squares'
+    parts (RowParallelLinear.into_kernels)."""
+    from echo_kernels.linear import small_m_linear_into
+
+    return functools.partial(small_m_linear_into, block_n=block_n, block_k=block_k,
+                             num_warps=num_warps, prefetch=prefetch,
+                             programs_per_sm=programs_per_sm)
+
+
+def prenormed_gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int,
+                   programs_per_sm: int | None = None, swiglu: bool = False) -> Callable:
+    """small_m_prenormed_linear with a tile: fn(stream, norm weight, eps, parts, weight)
+    (LinearBase.prenormed_kernels)."""
+    from echo_kernels.linear import small_m_prenormed_linear
+
+    return functools.partial(small_m_prenormed_linear, block_n=block_n, block_k=block_k,
+                             num_warps=num_warps, prefetch=prefetch, swiglu=swiglu,
+                             programs_per_sm=programs_per_sm)
+
+
 @dataclass(frozen=True)
 class _Run:
     """One way to compute a layer at one row, as the tuning times it."""
@@ -197,6 +236,9 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
                          mma_candidates: Sequence[tuple] = AWQ_MMA_CANDIDATES,
                          make_mma_kernel: Callable[..., Matmul] = awq_mma,
                          gemv_runs: Sequence[int] = (),
+                         handover: bool = False,
+                         make_into_kernel: Callable[..., Callable] = into_gemv,
+                         make_prenormed_kernel: Callable[..., Callable] = prenormed_gemv,
                          ) -> list[ShapeChoice]:
     """Set `small_m_kernels[1]` on every bias-free linear layer whose shape a candidate wins
     by MIN_GAIN over the baseline (cuBLAS; awq_linear's default for AWQ layers, awq_mma_linear's
@@ -207,16 +249,37 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
     them (LinearBase.normed), against the tiles over the whole of K with the norm inside
     (`make_normed_kernel(*tile, swiglu=gated)`, to `normed_kernels[1]`). Each dense tile over
     the whole of K is timed again with its programs taking runs of blocks for each count of
-    programs an SM in gemv_runs (the tile gains that count as a fifth field)."""
+    programs an SM in gemv_runs (the tile gains that count as a fifth field).
+
+    handover: the norms between layers of one rank may be handed over instead of launched.
+    Row-parallel layers (o_proj, down) are timed again adding their output into the residual
+    stream (`make_into_kernel(*tile)`, fastest tile to `into_kernels[1]`), and a mixture of
+    experts does so in the kernel that sums its rows (`hands_over`); qkv and gate/up
+    normalising the stream from the handed-over sums of squares
+    (`make_prenormed_kernel(*tile, swiglu=gated)`, to `prenormed_kernels[1]` where faster than
+    their choice with the norm)."""
     by_shape: dict[tuple, list[LinearBase]] = defaultdict(list)
     for module in model.modules():
+        # a mixture of experts hands its norm over from the kernel that sums its k rows at
+        # one row: no other way to time against, that sum is stored either way
+        if isinstance(module, FusedMoE) and handover and module.tp.size == 1:
+            module.hands_over = True
         if isinstance(module, LinearBase) and module.bias is None:
             dense = module.quant is None
             gated = isinstance(module, GateUpParallelLinear)
             normed = dense and module.tp.size == 1 and module.follows_norm
-            by_shape[(*_shape(module), gated, normed, module.awq_repacked)].append(module)
+            # None: no norm handed over; True: the layer takes one (qkv, gate/up), False: it
+            # hands one over (o_proj, down)
+            hands = None
+            if handover and dense and module.tp.size == 1:
+                if isinstance(module, (QKVParallelLinear, GateUpParallelLinear)):
+                    hands = True
+                elif isinstance(module, RowParallelLinear):
+                    hands = False
+            key = (*_shape(module), gated, normed, module.awq_repacked, hands)
+            by_shape[key].append(module)
     choices = []
-    for (n, k, group, gated, normed, repacked), layers in by_shape.items():
+    for (n, k, group, gated, normed, repacked, hands), layers in by_shape.items():
         operands = [_operands(layer) for layer in layers]
         like = operands[0][0] if group is None else operands[0][2]  # weight or scales
         x = torch.randn(1, k, dtype=like.dtype, device=like.device)
@@ -256,11 +319,56 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
                 layer.swiglu_kernels[1] = make(*best.tile, swiglu=True)
             else:
                 layer.small_m_kernels[1] = make(*best.tile)
+        handed = None
+        if hands is not None:
+            handed = _tune_handover(layers, x, operands, tiles, hands, gated, timer,
+                                    best_us if best else baseline_us, make_into_kernel,
+                                    make_prenormed_kernel)
         choices.append(ShapeChoice((n, k), len(layers), baseline_us,
                                    best_us if best else baseline_us, best and best.tile, group,
                                    gated, bool(best and best.swiglu), normed,
-                                   bool(best and best.normed), repacked))
+                                   bool(best and best.normed), repacked, handed))
     return choices
+
+
+def _tune_handover(layers: list[LinearBase], x: torch.Tensor, operands: list[Operands],
+                   tiles: list[tuple], takes: bool, gated: bool, timer: Timer,
+                   chosen_us: float, make_into_kernel: Callable[..., Callable],
+                   make_prenormed_kernel: Callable[..., Callable]) -> tuple | None:
+    """The norm handed over, for layers of one shape: (tile, us) given to them, or None.
+    takes: qkv or gate/up, whose prenormed tile must beat chosen_us (their best with the
+    norm); else o_proj or down, which take their fastest tile that adds into the stream."""
+    if takes:  # as many parts as a producer of 4 outputs a program hands over
+        parts = torch.ones(1, max(1, x.shape[-1] // 4), dtype=torch.float32, device=x.device)
+        norm = (torch.ones(x.shape[-1], dtype=x.dtype, device=x.device), 1e-6, parts)
+        timed = [(timer(functools.partial(_prenormed_call, norm,
+                                          make_prenormed_kernel(*tile, swiglu=gated)),
+                        x, operands, lead="gemv"), tile) for tile in tiles]
+    else:
+        residual = torch.zeros(1, operands[0][0].shape[0], dtype=x.dtype, device=x.device)
+        timed = [(timer(functools.partial(_into_call, residual, make_into_kernel(*tile)), x,
+                        operands, lead="norm"), tile) for tile in tiles]
+    if not timed:
+        return None
+    us, tile = min(timed)
+    if takes and us >= chosen_us:
+        return None
+    for layer in layers:
+        if takes:
+            layer.prenormed_kernels[1] = make_prenormed_kernel(*tile, swiglu=gated)
+        else:
+            layer.into_kernels[1] = make_into_kernel(*tile)
+    return tile, us
+
+
+def _prenormed_call(norm: tuple, kernel: Callable, x: torch.Tensor, weight: torch.Tensor):
+    norm_weight, eps, parts = norm
+    return kernel(x, norm_weight, eps, parts, weight)
+
+
+def _into_call(residual: torch.Tensor, kernel: Callable, x: torch.Tensor,
+               weight: torch.Tensor) -> torch.Tensor:
+    return kernel(x, weight, residual)
 
 
 def _whole_k(tile: tuple, k: int) -> bool:

@@ -1,15 +1,16 @@
 """The one-row kernels start-up tuning may give a decoder's layers (worker/linear_tuning.py):
-the RMSNorm inside qkv's, gate/up's and a router's GEMV, SwiGLU inside gate/up's, assigned by
-hand here as the tuning would (it needs a GPU to time them), through the model's own forward,
-on the CPU under Triton's interpreter. A one-token prompt is the one-row step they serve;
-logits against the same model without them and against transformers."""
+the RMSNorm inside qkv's, gate/up's and a router's GEMV, SwiGLU inside gate/up's, the norm
+handed over (o_proj and down adding into the residual stream, qkv and gate/up normalising it
+from their sums of squares), assigned by hand here as the tuning would (it needs a GPU to time
+them), through the model's own forward, on the CPU under Triton's interpreter. A one-token
+prompt is the one-row step they serve; logits against the same model without them and against
+transformers."""
 
 import pytest
 import torch
 
-from echo.layers.linear import GateUpParallelLinear
 from echo.models.qwen3_moe import Qwen3MoeSparseBlock
-from echo.worker.linear_tuning import gemv, normed_gemv
+from echo.worker.linear_tuning import gemv, into_gemv, normed_gemv, prenormed_gemv
 from tests.helpers import load_hf
 from tests.models.test_logits_vs_transformers import (
     echo_logits,
@@ -23,9 +24,11 @@ from tests.models.test_qwen3_moe import write_tiny_moe
 WHOLE_K = (8, 64, True, 4)
 
 
-def fuse(model, norm_inside: bool, swiglu_inside: bool, calls: list) -> int:
+def fuse(model, norm_inside: bool, swiglu_inside: bool, calls: list,
+         handover: bool = False) -> int:
     """Give every layer that can take them the fused one-row kernels, each noting its calls
-    in `calls`; how many were given."""
+    in `calls`; how many calls a one-row forward makes of them (the first layer's qkv gets
+    no norm handed over: the embedding comes before it)."""
 
     def counted(kernel):
         def call(*args, **kwargs):
@@ -33,21 +36,33 @@ def fuse(model, norm_inside: bool, swiglu_inside: bool, calls: list) -> int:
             return kernel(*args, **kwargs)
         return call
 
-    given = 0
+    given, handed = 0, False  # handed: the layer before handed its norm over
     for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        dense = not isinstance(mlp, Qwen3MoeSparseBlock)
+        if handover:
+            attn.o_proj.into_kernels[1] = counted(into_gemv(8, 32, True, 4))
+            attn.qkv_proj.prenormed_kernels[1] = counted(prenormed_gemv(8, 32, False, 4))
+            if dense:  # a router normalises for itself (inside or its norm's launch)
+                # over the whole of the intermediate 96 (padded to 128), in runs of blocks
+                mlp.down_proj.into_kernels[1] = counted(into_gemv(4, 128, True, 4, 1))
+                mlp.gate_up_proj.prenormed_kernels[1] = counted(
+                    prenormed_gemv(*WHOLE_K, swiglu=True))
+            else:  # the experts' kernel adds into the stream (the next qkv's call shows it)
+                mlp.experts.hands_over = True
+            given += 1 + handed + 2 * dense
         if norm_inside:
-            layer.self_attn.qkv_proj.normed_kernels[1] = counted(normed_gemv(*WHOLE_K))
-            mlp = layer.mlp
-            if isinstance(mlp, Qwen3MoeSparseBlock):
-                mlp.gate.normed_kernels[1] = counted(normed_gemv(2, 64, True, 4))
-            else:
+            attn.qkv_proj.normed_kernels[1] = counted(normed_gemv(*WHOLE_K))
+            if dense:
                 mlp.gate_up_proj.normed_kernels[1] = counted(normed_gemv(*WHOLE_K, swiglu=True))
-            given += 2
-        if swiglu_inside and isinstance(getattr(layer.mlp, "gate_up_proj", None),
-                                        GateUpParallelLinear):
-            layer.mlp.gate_up_proj.swiglu_kernels[1] = counted(gemv(8, 32, False, 4,
-                                                                    swiglu=True))
+            else:
+                mlp.gate.normed_kernels[1] = counted(normed_gemv(2, 64, True, 4))
+            # a norm handed over goes before the norm inside
+            given += (not (handover and handed)) + (not (handover and dense))
+        if swiglu_inside and dense:
+            mlp.gate_up_proj.swiglu_kernels[1] = counted(gemv(8, 32, False, 4, swiglu=True))
             given += 1
+        handed = handover
     return given
 
 
@@ -57,13 +72,15 @@ def tiny_moe(tmp_path_factory):
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_moe"])
-@pytest.mark.parametrize("norm_inside,swiglu_inside", [(True, False), (False, True)])
-def test_one_token_logits_unchanged(fixture, norm_inside, swiglu_inside, request):
+@pytest.mark.parametrize("norm_inside,swiglu_inside,handover", [
+    (True, False, False), (False, True, False), (False, False, True), (True, False, True)])
+def test_one_token_logits_unchanged(fixture, norm_inside, swiglu_inside, handover, request):
+    # handed over and inside together: a MoE router's norm inside, of the stream o_proj added
     folder = request.getfixturevalue(fixture)
     prompt = [[37]]
     plain = echo_logits(make_runner(folder), prefill_output(prompt))
     runner, calls = make_runner(folder), []
-    given = fuse(runner.model, norm_inside, swiglu_inside, calls)
+    given = fuse(runner.model, norm_inside, swiglu_inside, calls, handover)
     fused = echo_logits(runner, prefill_output(prompt))
     assert given > 0 and len(calls) == given  # each kernel ran once, none fell back
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
