@@ -145,6 +145,13 @@ def norm_handover() -> bool:
     return os.environ.get("ECHO_NORM_HANDOVER", "0") == "1"
 
 
+def route_in_router() -> bool:
+    """At one row a mixture of experts' router GEMV, where tuned to echo's kernel with the norm
+    inside, also routes its logits in its last program, in place of moe_routing's own launch
+    (echo_kernels/linear.py; ECHO_ROUTE_IN_ROUTER, default 0 until a GPU has timed it)."""
+    return os.environ.get("ECHO_ROUTE_IN_ROUTER", "0") == "1"
+
+
 def awq_tensor_cores() -> bool:
     """AWQ layers on a GPU repack their weight at load for the tensor-core kernels
     (echo_kernels/awq_mma.py) instead of AutoAWQ's layout and awq.py's CUDA-core GEMV

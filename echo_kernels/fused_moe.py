@@ -143,37 +143,6 @@ def moe_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights, ids
 
 
-@triton.jit
-def route_row(logits_ptr, num_experts, top_k, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-              BLOCK_K: tl.constexpr):
-    """One token's routing, moe_routing's rule: (weights [BLOCK_K] float32, expert ids [BLOCK_K]
-    int32) from its logits at logits_ptr. A loop over the k picks where _moe_routing_kernel
-    unrolls them: the persistent decode step routes a token in every program, where the
-    unrolled picks spill (sm_90)."""
-    experts = tl.arange(0, BLOCK_E)
-    slots = tl.arange(0, BLOCK_K)
-    in_e = experts < num_experts
-    # past L1: a program of a later launch may find an earlier step's logits there
-    x = tl.load(logits_ptr + experts, mask=in_e, other=0.0, cache_modifier=".cg")
-    x = tl.where(in_e, x.to(tl.float32), float("-inf"))
-    p = tl.exp(x - tl.max(x, 0))
-    p = p / tl.sum(p, 0)
-    taken = ~in_e
-    weights = tl.zeros([BLOCK_K], tl.float32)
-    ids = tl.zeros([BLOCK_K], tl.int32)
-    for j in tl.range(0, top_k):
-        candidates = tl.where(taken, float("-inf"), x)
-        best = tl.max(candidates, 0)
-        pick = tl.min(tl.where((candidates == best) & ~taken, experts, BLOCK_E), 0)
-        chosen = experts == pick
-        weights = tl.where(slots == j, tl.sum(tl.where(chosen, p, 0.0), 0), weights)
-        ids = tl.where(slots == j, pick, ids)
-        taken = taken | chosen
-    if RENORMALIZE:
-        weights = weights / tl.sum(weights, 0)
-    return weights, ids
-
-
 # ---------------------------------------------------------------------------------------------
 # grouping by expert: count per chunk of pairs, prefix sums, scatter
 
@@ -617,24 +586,31 @@ def fused_moe_pairs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def fused_moe_from_logits(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                          router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                          into: torch.Tensor | None = None) -> torch.Tensor:
+                          router_logits: torch.Tensor, top_k: int,
+                          renormalize: bool) -> torch.Tensor:
     """The whole MoE MLP from the router's logits [M, E]: moe_routing's weights and experts,
-    then fused_moe's result; with into (at most PAIR_MAX pairs), fused_moe_pairs' hand-over:
-    the result added into it, the sums of squares' parts returned. (Routing inside the pair
-    GEMVs instead, which saves the routing launch, lost on an H100: e3d54d2,
-    docs/benchmarks.md.)"""
+    then fused_moe's result. (Routing inside the pair GEMVs instead, which saves the routing
+    launch, lost on an H100: e3d54d2, docs/benchmarks.md.)"""
     assert router_logits.dim() == 2 and router_logits.stride(1) == 1
     num_tokens = hidden.shape[0]
     assert router_logits.shape == (num_tokens, w13.shape[0]) and 1 <= top_k <= w13.shape[0]
-    routing = moe_routing(router_logits, top_k, renormalize)
+    return fused_moe(hidden, w13, w2, *moe_routing(router_logits, top_k, renormalize))
+
+
+def fused_moe_routed(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     into: torch.Tensor | None = None) -> torch.Tensor:
+    """fused_moe of a routing already made (moe_routing's, or a router GEMV's that routed
+    inside); with into (at most PAIR_MAX pairs), fused_moe_pairs' hand-over: the result added
+    into it, the sums of squares' parts returned."""
     if into is None:
-        return fused_moe(hidden, w13, w2, *routing)
+        return fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+    num_tokens, top_k = topk_ids.shape
     if num_tokens * top_k > PAIR_MAX:
-        raise ValueError(f"fused_moe_from_logits: into takes at most {PAIR_MAX} pairs, got "
+        raise ValueError(f"fused_moe_routed: into takes at most {PAIR_MAX} pairs, got "
                          f"{num_tokens} tokens of {top_k}")
     _check_moe_inputs(hidden, w13, w2)
-    return fused_moe_pairs(hidden, w13, w2, *routing, into=into)
+    return fused_moe_pairs(hidden, w13, w2, topk_weights, topk_ids, into=into)
 
 
 def _check_moe_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:

@@ -14,12 +14,15 @@ those parts (`small_m_prenormed_linear`). No launch for the norm, and the consum
 not cover K, as the norm inside one (`small_m_normed_linear`) must.
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from echo_kernels.activation import silu_times
 from echo_kernels.device import sm_count
+from echo_kernels.moe_route import route_row
 from echo_kernels.norm import apply_rms
 from echo_kernels.pdl import pdl_options, wait_for_inputs
 
@@ -85,6 +88,24 @@ def _rstd_from_parts(parts_ptr, rows, M, num_parts, K, eps, BLOCK_P: tl.constexp
     parts = tl.load(parts_ptr + rows[:, None] * num_parts + offs_p[None, :],
                     mask=(rows[:, None] < M) & (offs_p[None, :] < num_parts), other=0.0)
     return tl.math.rsqrt(tl.sum(parts, axis=1) / K + eps)
+
+
+@triton.jit
+def _route_when_last(logits_ptr, num_experts, arrivals_ptr, weights_ptr, ids_ptr, top_k,
+                     RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                     BLOCK_TOPK: tl.constexpr):
+    """The launch's last program to arrive routes the row of logits the launch stored
+    (moe_routing's rule: weights [top_k] float32 and expert ids int32) and zeroes the count
+    for the next launch."""
+    # every thread's stores before the arrival (the atomic releases them device-wide)
+    tl.debug_barrier()
+    if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        weights, ids = route_row(logits_ptr, num_experts, top_k, RENORMALIZE, BLOCK_E,
+                                 BLOCK_TOPK)
+        slots = tl.arange(0, BLOCK_TOPK)
+        tl.store(weights_ptr + slots, weights, mask=slots < top_k)
+        tl.store(ids_ptr + slots, ids, mask=slots < top_k)
+        tl.store(arrivals_ptr, 0)
 
 
 @triton.jit
@@ -163,6 +184,17 @@ def _small_m_linear_kernel(
     parts_ptr=None,
     num_parts=1,
     BLOCK_P: tl.constexpr = 1,
+    # ROUTE (one row of a mixture of experts' router): the last program to arrive at
+    # arrivals_ptr (an int32, zero between launches) routes the logits out_ptr holds then
+    # (_route_when_last: top_k weights to route_w_ptr, expert ids to route_ids_ptr)
+    ROUTE: tl.constexpr = False,
+    arrivals_ptr=None,
+    route_w_ptr=None,
+    route_ids_ptr=None,
+    top_k=1,
+    RENORMALIZE: tl.constexpr = False,
+    BLOCK_E: tl.constexpr = 1,
+    BLOCK_TOPK: tl.constexpr = 1,
 ):
     tl.static_assert(WHOLE_K or not NORM, "the norm inside needs a tile over the whole of K")
     tl.static_assert(not (ADD_INTO and SWIGLU), "SwiGLU's outputs are no residual stream")
@@ -227,6 +259,9 @@ def _small_m_linear_kernel(
                 _store_outputs(y, out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
         if ADD_INTO:
             tl.store(parts_ptr + rows * tl.num_programs(0) + tl.program_id(0), ss, mask=rows < M)
+        if ROUTE:
+            _route_when_last(out_ptr, n_out, arrivals_ptr, route_w_ptr, route_ids_ptr, top_k,
+                             RENORMALIZE, BLOCK_E, BLOCK_TOPK)
         return
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
     # NOTE: Triton's software pipeliner stages loads that feed tl.dot; these feed CUDA-core
@@ -261,18 +296,36 @@ def _small_m_linear_kernel(
         tl.store(parts_ptr + rows * tl.num_programs(0) + tl.program_id(0), ss, mask=rows < M)
     else:
         _store_outputs(y, out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
+    if ROUTE:
+        _route_when_last(out_ptr, n_out, arrivals_ptr, route_w_ptr, route_ids_ptr, top_k,
+                         RENORMALIZE, BLOCK_E, BLOCK_TOPK)
+
+
+@dataclass(frozen=True)
+class RouteInto:
+    """Where a router's GEMV puts one token's routing, computed by its last program
+    (moe_routing's rule): weights [1, top_k] float32, expert ids [1, top_k] int32; arrivals,
+    an int32 count that is zero between launches (the last program zeroes it again);
+    renormalize: the weights divided by their sum (Qwen3-MoE's norm_topk_prob)."""
+
+    weights: torch.Tensor
+    ids: torch.Tensor
+    arrivals: torch.Tensor
+    renormalize: bool
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None,
                    block_k: int | None = None, num_warps: int = 4,
                    num_stages: int = 3, prefetch: bool = False,
-                   swiglu: bool = False, programs_per_sm: int | None = None) -> torch.Tensor:
+                   swiglu: bool = False, programs_per_sm: int | None = None,
+                   route: RouteInto | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K] -> [M, N] in x's dtype, fp32 accumulation.
     swiglu: weight is SwiGLU's [gate; up] and the result silu(x @ gate^T) * (x @ up^T),
     [M, N / 2], each program computing block_n / 2 outputs from their gate and up rows.
     programs_per_sm (a prefetched tile over the whole of K): a program takes a run of blocks,
     so that about that many programs an SM share them, x loaded once a program and the next
-    block's weight loading while one is summed."""
+    block's weight loading while one is summed. route (one row): the result is a router's
+    logits, and the launch routes them too (RouteInto)."""
     m, k = x.shape
     if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must share a "
@@ -282,14 +335,16 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = 
     # M_PAD * BLOCK_N * BLOCK_K floats, so K per tile shrinks as M grows.
     block_k = block_k or max(128, 512 // triton.next_power_of_2(m))
     return _launch("small_m_linear", x, weight, block_n or 8, block_k, prefetch, swiglu,
-                   num_warps, num_stages=num_stages, programs_per_sm=programs_per_sm)
+                   num_warps, num_stages=num_stages, programs_per_sm=programs_per_sm,
+                   route=route)
 
 
 def small_m_normed_linear(x: torch.Tensor, residual: torch.Tensor | None,
                           norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                           block_n: int, num_warps: int = 4, swiglu: bool = False,
                           normed_out: torch.Tensor | None = None,
-                          programs_per_sm: int | None = None
+                          programs_per_sm: int | None = None,
+                          route: RouteInto | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """small_m_linear(RMSNorm(x + residual)) with the norm inside, one tile over the whole of
     K a block of block_n outputs: (its output, the sum x + residual, a new tensor; x itself
@@ -297,7 +352,7 @@ def small_m_normed_linear(x: torch.Tensor, residual: torch.Tensor | None,
     (like x): where the normed rows go too, for other layers that read them. A program takes
     one block, or with programs_per_sm a run of blocks, so that about that many programs an
     SM share them: the norm once a program, and the next block's weight loading while one is
-    summed."""
+    summed. route: as small_m_linear's (a router with the norm before it inside)."""
     k = x.shape[1]
     if (weight.shape[1] != k or norm_weight.shape != (k,) or not x.is_contiguous()
             or weight.stride(1) != 1 or (residual is not None and residual.shape != x.shape)
@@ -310,7 +365,7 @@ def small_m_normed_linear(x: torch.Tensor, residual: torch.Tensor | None,
                   swiglu, num_warps, NORM=True, HAS_RESIDUAL=residual is not None,
                   resid_ptr=x if residual is None else residual.contiguous(),
                   norm_w_ptr=norm_weight, sum_ptr=total, eps=eps, normed_ptr=normed_out,
-                  programs_per_sm=programs_per_sm)
+                  programs_per_sm=programs_per_sm, route=route)
     return out, total
 
 
@@ -364,11 +419,12 @@ def small_m_prenormed_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: fl
 def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int,
             prefetch: bool, swiglu: bool, num_warps: int, num_stages: int = 3,
             programs_per_sm: int | None = None, into: torch.Tensor | None = None,
-            **norm) -> torch.Tensor:
+            route: RouteInto | None = None, **norm) -> torch.Tensor:
     """The kernel's launch for the entry points (shapes already checked but the rows and
     SwiGLU's halves): its output [M, N], or [M, N / 2] with swiglu; programs_per_sm (whole-K
     tiles): runs of blocks a program, for about that many programs an SM. into: the outputs
-    are added into it, and the sums of squares' parts [M, programs] are returned."""
+    are added into it, and the sums of squares' parts [M, programs] are returned. route: the
+    outputs are one row of a router's logits, routed by the launch's last program."""
     m, k = x.shape
     n = weight.shape[0]
     if not 1 <= m <= MAX_ROWS:
@@ -389,6 +445,15 @@ def _launch(name: str, x: torch.Tensor, weight: torch.Tensor, block_n: int, bloc
     else:  # the kernel writes the parts, not out
         out = torch.empty(m, programs, dtype=torch.float32, device=x.device)
         norm.update(ADD_INTO=True, add_ptr=into, parts_ptr=out)
+    if route is not None:
+        top_k = route.weights.shape[1]
+        if m != 1 or swiglu or route.weights.shape != (1, top_k) or route.ids.shape != (1, top_k):
+            raise ValueError(f"{name}: routing inside takes one row of logits and [1, top_k] "
+                             "weights and ids")
+        norm.update(ROUTE=True, arrivals_ptr=route.arrivals, route_w_ptr=route.weights,
+                    route_ids_ptr=route.ids, top_k=top_k, RENORMALIZE=route.renormalize,
+                    BLOCK_E=triton.next_power_of_2(outputs),
+                    BLOCK_TOPK=triton.next_power_of_2(top_k))
     _small_m_linear_kernel[(programs,)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), outputs,
         M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,

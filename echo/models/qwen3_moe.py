@@ -36,7 +36,8 @@ class Qwen3MoeSparseBlock(nn.Module):
     def normed(self, norm: RMSNorm, x: torch.Tensor | InResidual,
                residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(x + residual)), x + residual), as LlamaMLP.normed: where tuned, the norm
-        runs inside the router's kernel, which also stores the normed rows for the experts.
+        runs inside the router's kernel, which also stores the normed rows for the experts and
+        may route them (FusedMoE.route_into).
         x may be InResidual (o_proj's output already added into residual), and so may the
         first result (the experts' output added, FusedMoE.added_to)."""
         if isinstance(x, InResidual):
@@ -46,9 +47,10 @@ class Qwen3MoeSparseBlock(nn.Module):
             x, residual = apply_norm(norm, x, residual)
             return self.experts.added_to(x, self.gate(x), residual), residual
         normed = torch.empty_like(x)
+        route = self.experts.route_into(x)  # the routing too, where the router's kernel can
         logits, residual = kernel(x, residual, norm.weight, norm.eps, self.gate.weight,
-                                  normed_out=normed)
-        return self.experts.added_to(normed, logits, residual), residual
+                                  normed_out=normed, route=route)
+        return self.experts.added_to(normed, logits, residual, route), residual
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):

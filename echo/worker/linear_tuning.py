@@ -237,6 +237,7 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
                          make_mma_kernel: Callable[..., Matmul] = awq_mma,
                          gemv_runs: Sequence[int] = (),
                          handover: bool = False,
+                         route_inside: bool = False,
                          make_into_kernel: Callable[..., Callable] = into_gemv,
                          make_prenormed_kernel: Callable[..., Callable] = prenormed_gemv,
                          ) -> list[ShapeChoice]:
@@ -257,13 +258,20 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
     experts does so in the kernel that sums its rows (`hands_over`); qkv and gate/up
     normalising the stream from the handed-over sums of squares
     (`make_prenormed_kernel(*tile, swiglu=gated)`, to `prenormed_kernels[1]` where faster than
-    their choice with the norm)."""
+    their choice with the norm).
+
+    route_inside: a mixture of experts of one rank gets an arrival count (`route_arrivals`),
+    so that its router's GEMV, where it runs one of the kernels with the norm inside, routes
+    the logits in its last program (untimed: the router's kernel is chosen as before)."""
     by_shape: dict[tuple, list[LinearBase]] = defaultdict(list)
     for module in model.modules():
         # a mixture of experts hands its norm over from the kernel that sums its k rows at
         # one row: no other way to time against, that sum is stored either way
-        if isinstance(module, FusedMoE) and handover and module.tp.size == 1:
-            module.hands_over = True
+        if isinstance(module, FusedMoE) and module.tp.size == 1:
+            module.hands_over = handover
+            if route_inside:
+                module.route_arrivals = torch.zeros(1, dtype=torch.int32,
+                                                    device=module.w13.device)
         if isinstance(module, LinearBase) and module.bias is None:
             dense = module.quant is None
             gated = isinstance(module, GateUpParallelLinear)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from echo_kernels import fused_moe, fused_moe_from_logits, moe_align_block_size, moe_routing
-from echo_kernels.fused_moe import PAIR_MAX, fused_moe_pairs
+from echo_kernels.fused_moe import PAIR_MAX, fused_moe_pairs, fused_moe_routed
 from echo_kernels.reference import fused_moe_ref, moe_align_block_size_ref, moe_routing_ref
 
 
@@ -238,10 +238,9 @@ def test_fused_moe_pairs_add_into_the_stream(device, dtype, rows, top_k, hidden_
 
 
 def test_fused_moe_into_takes_a_few_pairs(device):
-    hidden, w13, w2, _, _ = moe_inputs(5, 8, 8, 64, 32, torch.float32, device)
-    logits = torch.zeros(5, 8, device=device)
+    hidden, w13, w2, weights, ids = moe_inputs(5, 8, 8, 64, 32, torch.float32, device)
     with pytest.raises(ValueError, match="at most 32 pairs, got 5 tokens of 8"):
-        fused_moe_from_logits(hidden, w13, w2, logits, 8, True, into=torch.zeros_like(hidden))
+        fused_moe_routed(hidden, w13, w2, weights, ids, into=torch.zeros_like(hidden))
     with pytest.raises(ValueError, match="must be hidden's shape"):
         fused_moe_pairs(hidden[:1], w13, w2, torch.ones(1, 2, device=device),
                         torch.zeros(1, 2, dtype=torch.int32, device=device),
@@ -315,7 +314,7 @@ def test_gpu_qwen3_30b_shapes(rows):
     if rows * 8 <= PAIR_MAX:  # one or two tokens: added into the residual stream instead
         stream = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
         expected = (out.float() + stream.float()).to(torch.bfloat16)
-        parts = fused_moe_from_logits(hidden, w13, w2, logits, 8, True, into=stream)
+        parts = fused_moe_routed(hidden, w13, w2, weights, ids, into=stream)
         torch.testing.assert_close(stream, expected, atol=0, rtol=0)
         torch.testing.assert_close(parts.sum(1), stream.float().pow(2).sum(1), atol=0,
                                    rtol=1e-4)

@@ -190,6 +190,56 @@ def test_the_handover_checks_its_operands(device):
                                  torch.zeros(1, 4, dtype=torch.float64, device=device), w)
 
 
+@pytest.mark.parametrize("experts,top_k,renormalize,tile,normed", [
+    (8, 2, True, (2, 32, False, None), False),  # a K loop, 4 programs
+    (12, 3, False, (4, 64, True, None), True),  # whole K, the norm inside, a ragged block
+    (16, 8, True, (2, 64, True, 3), True),  # runs of blocks: 3 programs
+    (60, 4, True, (8, 64, True, None), False),  # 60 of 64: masked experts in the routing
+])
+def test_route_inside_matches_moe_routing(device, experts, top_k, renormalize, tile, normed):
+    # a router's GEMV whose last program routes the logits the launch stored, against
+    # moe_routing's reference on those logits; three launches on one arrival count (each
+    # leaves it at zero)
+    from echo_kernels.linear import RouteInto
+    from echo_kernels.reference import moe_routing_ref
+
+    block_n, block_k, prefetch, per_sm = tile
+    torch.manual_seed(experts)
+    k = 64
+    arrivals = torch.zeros(1, dtype=torch.int32, device=device)
+    for _ in range(3):
+        x = torch.randn(1, k, device=device)
+        w = torch.randn(experts, k, device=device) / k**0.5
+        route = RouteInto(torch.empty(1, top_k, device=device),
+                          torch.empty(1, top_k, dtype=torch.int32, device=device), arrivals,
+                          renormalize)
+        if normed:
+            logits, _ = small_m_normed_linear(x, None, torch.ones(k, device=device), 1e-6, w,
+                                              block_n, programs_per_sm=per_sm, route=route)
+            expected = linear_ref(rms_norm_ref(x, torch.ones(k, device=device), 1e-6), w,
+                                  False)
+        else:
+            logits = small_m_linear(x, w, block_n, block_k, prefetch=prefetch,
+                                    programs_per_sm=per_sm, route=route)
+            expected = linear_ref(x, w, False)
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+        want_w, want_ids = moe_routing_ref(logits, top_k, renormalize)
+        assert torch.equal(route.ids, want_ids)
+        torch.testing.assert_close(route.weights, want_w, atol=1e-6, rtol=1e-5)
+        assert arrivals.item() == 0
+
+
+def test_route_inside_takes_one_row(device):
+    from echo_kernels.linear import RouteInto
+
+    route = RouteInto(torch.empty(1, 2, device=device),
+                      torch.empty(1, 2, dtype=torch.int32, device=device),
+                      torch.zeros(1, dtype=torch.int32, device=device), True)
+    with pytest.raises(ValueError, match="routing inside takes one row"):
+        small_m_linear(torch.zeros(2, 64, device=device), torch.zeros(8, 64, device=device),
+                       route=route)
+
+
 def test_rejects_too_many_rows(device):
     with pytest.raises(ValueError, match="1..4 rows"):
         small_m_linear(torch.zeros(5, 64, device=device), torch.zeros(8, 64, device=device))
@@ -310,6 +360,32 @@ def test_gpu_the_norm_handed_over_at_model_shapes(producer, consumer, swiglu):
         out = small_m_prenormed_linear(stream, norm_w, 1e-6, parts, w2, block_n, block_k,
                                        warps, prefetch, swiglu, programs)
         torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_router_routes_inside_at_qwen3_30b_shapes():
+    # Qwen3-30B-A3B's router (128 x 2048, the norm inside, top 8 renormalized) through every
+    # tile over the whole of K the tuning offers, a block a program and in runs: the launch's
+    # last program routes the logits it stored, as moe_routing's reference routes them
+    from echo.worker.linear_tuning import RUN_PROGRAMS, preload_tiles
+    from echo_kernels.linear import RouteInto
+    from echo_kernels.reference import moe_routing_ref
+
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    norm_w = 1 + torch.randn(2048, device="cuda", dtype=torch.bfloat16) / 4
+    w = torch.randn(128, 2048, device="cuda", dtype=torch.bfloat16) / 2048**0.5
+    arrivals = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for (block_n, _, _, warps), programs in itertools.product(preload_tiles(2048),
+                                                              (None, *RUN_PROGRAMS)):
+        route = RouteInto(torch.empty(1, 8, device="cuda"),
+                          torch.empty(1, 8, dtype=torch.int32, device="cuda"), arrivals, True)
+        logits, _ = small_m_normed_linear(x, residual, norm_w, 1e-6, w, block_n, warps,
+                                          programs_per_sm=programs, route=route)
+        want_w, want_ids = moe_routing_ref(logits, 8, True)
+        assert torch.equal(route.ids, want_ids)
+        torch.testing.assert_close(route.weights, want_w, atol=1e-6, rtol=1e-5)
+        assert arrivals.item() == 0
 
 
 @pytest.mark.gpu

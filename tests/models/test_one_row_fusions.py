@@ -6,6 +6,8 @@ them), through the model's own forward, on the CPU under Triton's interpreter. A
 prompt is the one-row step they serve; logits against the same model without them and against
 transformers."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -92,3 +94,38 @@ def test_one_token_logits_unchanged(fixture, norm_inside, swiglu_inside, handove
                                echo_logits(make_runner(folder), prefill_output(prompts)),
                                atol=1e-5, rtol=1e-5)
     assert calls == []
+
+
+@pytest.mark.parametrize("handover", [False, True])
+def test_moe_router_routes_inside(tiny_moe, handover, monkeypatch):
+    # the router's GEMV with the norm inside also routes in its last program: the experts run
+    # from its routing (no moe_routing launch at one row), the logits as without it and as
+    # transformers'
+    # the module (echo_kernels' own `fused_moe` attribute is the function of that name)
+    moe_kernels = importlib.import_module("echo_kernels.fused_moe")
+    prompt = [[37]]
+    plain = echo_logits(make_runner(tiny_moe), prefill_output(prompt))
+    runner = make_runner(tiny_moe)
+    fuse(runner.model, True, False, [], handover)
+    sparse = [layer.mlp for layer in runner.model.model.layers
+              if isinstance(layer.mlp, Qwen3MoeSparseBlock)]
+    for block in sparse:
+        block.experts.route_arrivals = torch.zeros(1, dtype=torch.int32)
+    launches, routed = [], []
+
+    def counted(name, fn, calls):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(moe_kernels, "moe_routing",
+                        counted("routing", moe_kernels.moe_routing, launches))
+    monkeypatch.setattr(moe_kernels, "fused_moe_routed",
+                        counted("experts", moe_kernels.fused_moe_routed, routed))
+    fused = echo_logits(runner, prefill_output(prompt))
+    assert launches == [] and len(routed) == len(sparse) > 0
+    assert all(block.experts.route_arrivals.item() == 0 for block in sparse)
+    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused, hf_logits(load_hf(tiny_moe), prompt[0]), atol=1e-4,
+                               rtol=1e-4)

@@ -280,7 +280,8 @@ def test_the_norm_is_handed_over_where_it_pays():
     choices = tune_one_row_linears(net, timer, lambda k: [tile, preload], kernel_for,
                                    make_normed_kernel=normed_kernel_for, handover=True,
                                    make_into_kernel=into_kernel_for,
-                                   make_prenormed_kernel=prenormed_kernel_for)
+                                   make_prenormed_kernel=prenormed_kernel_for,
+                                   route_inside=True)
     by_shape = {(c.shape, c.gated): c for c in choices}
     assert by_shape[(down, False)].tile is None  # cuBLAS stays for a plain call
     assert by_shape[(down, False)].handover == (preload, 8.0)
@@ -289,6 +290,7 @@ def test_the_norm_is_handed_over_where_it_pays():
     assert "norm handed over: 8x4 prefetch 4 warps 4.0 us" in by_shape[(qkv, False)].describe()
     assert by_shape[(gated, True)].handover is None and net.g1.prenormed_kernels == {}
     assert net.experts.hands_over
+    assert net.experts.route_arrivals.tolist() == [0]  # the router may route inside
 
     norm = RMSNorm(8)
     norm.weight.data.normal_()
@@ -324,7 +326,7 @@ def test_without_handover_no_layer_hands_a_norm_over():
                                    make_prenormed_kernel=prenormed_kernel_for)
     assert all(c.handover is None for c in choices)
     assert net.down.into_kernels == {} and net.qkv.prenormed_kernels == {}
-    assert not net.experts.hands_over
+    assert not net.experts.hands_over and net.experts.route_arrivals is None
 
 
 class AwqNet(torch.nn.Module):
