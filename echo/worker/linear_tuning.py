@@ -276,18 +276,18 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
             dense = module.quant is None
             gated = isinstance(module, GateUpParallelLinear)
             normed = dense and module.tp.size == 1 and module.follows_norm
-            # None: no norm handed over; True: the layer takes one (qkv, gate/up), False: it
-            # hands one over (o_proj, down)
-            hands = None
+            # its part in a norm handed over: "takes" one (qkv, gate/up), "gives" one
+            # (o_proj, down), or None
+            role = None
             if handover and dense and module.tp.size == 1:
                 if isinstance(module, (QKVParallelLinear, GateUpParallelLinear)):
-                    hands = True
+                    role = "takes"
                 elif isinstance(module, RowParallelLinear):
-                    hands = False
-            key = (*_shape(module), gated, normed, module.awq_repacked, hands)
+                    role = "gives"
+            key = (*_shape(module), gated, normed, module.awq_repacked, role)
             by_shape[key].append(module)
     choices = []
-    for (n, k, group, gated, normed, repacked, hands), layers in by_shape.items():
+    for (n, k, group, gated, normed, repacked, role), layers in by_shape.items():
         operands = [_operands(layer) for layer in layers]
         like = operands[0][0] if group is None else operands[0][2]  # weight or scales
         x = torch.randn(1, k, dtype=like.dtype, device=like.device)
@@ -328,8 +328,8 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
             else:
                 layer.small_m_kernels[1] = make(*best.tile)
         handed = None
-        if hands is not None:
-            handed = _tune_handover(layers, x, operands, tiles, hands, gated, timer,
+        if role is not None:
+            handed = _tune_handover(layers, x, operands, tiles, role == "takes", gated, timer,
                                     best_us if best else baseline_us, make_into_kernel,
                                     make_prenormed_kernel)
         choices.append(ShapeChoice((n, k), len(layers), baseline_us,
