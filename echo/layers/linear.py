@@ -99,6 +99,11 @@ class LinearBase(nn.Module):
         x, residual = apply_norm(norm, x, residual)
         return (then or self)(x), residual
 
+    def takes_norm(self, rows: int) -> bool:
+        """Whether, at this many rows, this layer normalises a stream whose norm was handed
+        over (prenormed_kernels), so that the layer before should hand it over."""
+        return rows in self.prenormed_kernels
+
     def normed_kernel(self, norm: RMSNorm, x: torch.Tensor) -> Callable | None:
         """The tuned kernel with `norm` inside for x's row count, if any (never when the norm
         also all-reduces)."""

@@ -92,12 +92,17 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.swiglu(x))
 
-    def normed(self, norm: RMSNorm, x: torch.Tensor | InResidual, residual: torch.Tensor | None
-               ) -> tuple[torch.Tensor | InResidual, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual): the norm inside gate_up where tuned; the
-        first may be InResidual, down_proj's output already added into the second."""
+    def takes_norm(self, rows: int) -> bool:
+        """Whether gate_up reads the norm before it handed over, at this many rows."""
+        return self.gate_up_proj.takes_norm(rows)
+
+    def normed(self, norm: RMSNorm, x: torch.Tensor | InResidual, residual: torch.Tensor | None,
+               hand_over: bool = False) -> tuple[torch.Tensor | InResidual, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual): the norm inside gate_up where tuned.
+        hand_over (the next layer takes its norm handed over): the first may be InResidual,
+        down_proj's output already added into the second."""
         act, residual = self.gate_up_proj.normed_swiglu(norm, x, residual)
-        return self.down_proj.added_to(act, residual), residual
+        return self.down_proj.added_to(act, residual if hand_over else None), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -117,13 +122,21 @@ class LlamaDecoderLayer(nn.Module):
         """The block after attention (a mixture of experts overrides it)."""
         return LlamaMLP(arch, tp, f"model.layers.{layer_idx}.mlp")
 
-    def forward(self, positions, hidden, residual, ctx: ForwardContext):
+    def takes_norm(self, rows: int) -> bool:
+        """Whether qkv reads the layer's input norm handed over, at this many rows."""
+        return self.self_attn.qkv_proj.takes_norm(rows)
+
+    def forward(self, positions, hidden, residual, ctx: ForwardContext,
+                hand_over: bool = False):
+        """(hidden, residual) for the next layer; hand_over (the next layer takes its norm
+        handed over, takes_norm): hidden may be InResidual, already added into residual."""
         # each norm runs inside the linear layer after it where start-up tuning found that
-        # faster at one row (LinearBase.normed), or is handed over by the one before
-        # (InResidual: hidden already added into residual)
+        # faster at one row (LinearBase.normed), or is handed over by the one before where
+        # the one after takes it (InResidual: hidden already added into residual)
         qkv, residual = self.self_attn.qkv_proj.normed(self.input_layernorm, hidden, residual)
-        hidden = self.self_attn.attend(positions, qkv, ctx, residual)
-        return self.mlp.normed(self.post_attention_layernorm, hidden, residual)
+        mlp_takes = self.mlp.takes_norm(qkv.shape[0])
+        hidden = self.self_attn.attend(positions, qkv, ctx, residual if mlp_takes else None)
+        return self.mlp.normed(self.post_attention_layernorm, hidden, residual, hand_over)
 
 
 class LlamaModel(nn.Module):
@@ -149,11 +162,13 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         # partial sums: the first layer's input norm all-reduces them, fused with its norm
         residual = torch.zeros_like(hidden) if self.embeds_unreduced else None
-        aux = {}
+        aux, rows = {}, input_ids.shape[0]
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
                 aux[i] = _stream(hidden, residual)
-            hidden, residual = layer(positions, hidden, residual, ctx)
+            # the norm handed over only to a layer that takes it (never to the final norm)
+            hand_over = i + 1 < len(self.layers) and self.layers[i + 1].takes_norm(rows)
+            hidden, residual = layer(positions, hidden, residual, ctx, hand_over)
         if self.aux_layers:  # in aux_layers' order, a layer named twice kept twice
             self.aux_hidden = [aux[i] for i in self.aux_layers]
         hidden, _ = apply_norm(self.norm, hidden, residual)

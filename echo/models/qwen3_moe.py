@@ -33,24 +33,32 @@ class Qwen3MoeSparseBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))
 
-    def normed(self, norm: RMSNorm, x: torch.Tensor | InResidual,
-               residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def takes_norm(self, rows: int) -> bool:
+        """False: the router normalises for itself (and stores the normed rows the experts
+        read), so o_proj hands it nothing."""
+        return False
+
+    def normed(self, norm: RMSNorm, x: torch.Tensor | InResidual, residual: torch.Tensor,
+               hand_over: bool = False) -> tuple[torch.Tensor | InResidual, torch.Tensor]:
         """(self(norm(x + residual)), x + residual), as LlamaMLP.normed: where tuned, the norm
         runs inside the router's kernel, which also stores the normed rows for the experts and
         may route them (FusedMoE.route_into).
-        x may be InResidual (o_proj's output already added into residual), and so may the
-        first result (the experts' output added, FusedMoE.added_to)."""
+        x may be InResidual (o_proj's output already added into residual), and with
+        hand_over the first result (the experts' output added, FusedMoE.added_to)."""
         if isinstance(x, InResidual):
             x, residual = residual, None
         kernel = self.gate.normed_kernel(norm, x)
         if kernel is None:
             x, residual = apply_norm(norm, x, residual)
-            return self.experts.added_to(x, self.gate(x), residual), residual
-        normed = torch.empty_like(x)
-        route = self.experts.route_into(x)  # the routing too, where the router's kernel can
-        logits, residual = kernel(x, residual, norm.weight, norm.eps, self.gate.weight,
-                                  normed_out=normed, route=route)
-        return self.experts.added_to(normed, logits, residual, route), residual
+            logits, route = self.gate(x), None
+        else:
+            normed = torch.empty_like(x)
+            route = self.experts.route_into(x)  # the routing too, where the router's kernel can
+            logits, residual = kernel(x, residual, norm.weight, norm.eps, self.gate.weight,
+                                      normed_out=normed, route=route)
+            x = normed
+        into = residual if hand_over else None  # where the experts may add their output
+        return self.experts.added_to(x, logits, into, route), residual
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):

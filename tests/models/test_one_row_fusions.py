@@ -38,21 +38,25 @@ def fuse(model, norm_inside: bool, swiglu_inside: bool, calls: list,
             return kernel(*args, **kwargs)
         return call
 
-    given, handed = 0, False  # handed: the layer before handed its norm over
-    for layer in model.model.layers:
+    layers = model.model.layers
+    given = 0
+    for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         dense = not isinstance(mlp, Qwen3MoeSparseBlock)
+        # handed over to every qkv but the first (the embedding comes before it) and to dense
+        # layers' gate/up; never to a router, which normalises for itself, or the final norm
+        handed_in, hands_on = handover and i > 0, handover and i + 1 < len(layers)
         if handover:
             attn.o_proj.into_kernels[1] = counted(into_gemv(8, 32, True, 4))
             attn.qkv_proj.prenormed_kernels[1] = counted(prenormed_gemv(8, 32, False, 4))
-            if dense:  # a router normalises for itself (inside or its norm's launch)
+            if dense:
                 # over the whole of the intermediate 96 (padded to 128), in runs of blocks
                 mlp.down_proj.into_kernels[1] = counted(into_gemv(4, 128, True, 4, 1))
                 mlp.gate_up_proj.prenormed_kernels[1] = counted(
                     prenormed_gemv(*WHOLE_K, swiglu=True))
             else:  # the experts' kernel adds into the stream (the next qkv's call shows it)
                 mlp.experts.hands_over = True
-            given += 1 + handed + 2 * dense
+            given += handed_in + 2 * dense + (dense and hands_on)
         if norm_inside:
             attn.qkv_proj.normed_kernels[1] = counted(normed_gemv(*WHOLE_K))
             if dense:
@@ -60,11 +64,10 @@ def fuse(model, norm_inside: bool, swiglu_inside: bool, calls: list,
             else:
                 mlp.gate.normed_kernels[1] = counted(normed_gemv(2, 64, True, 4))
             # a norm handed over goes before the norm inside
-            given += (not (handover and handed)) + (not (handover and dense))
+            given += (not handed_in) + (not (handover and dense))
         if swiglu_inside and dense:
             mlp.gate_up_proj.swiglu_kernels[1] = counted(gemv(8, 32, False, 4, swiglu=True))
             given += 1
-        handed = handover
     return given
 
 
