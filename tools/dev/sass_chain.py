@@ -4,6 +4,7 @@ its sm_90 SASS, compiled on a machine without a GPU.
     python tools/dev/sass_chain.py paged-decode [--model qwen3-0.6b] [--sass FILE]
     python tools/dev/sass_chain.py gemv --shape 4096x1024 --tile 4x512 --prefetch --warps 2 \
         [--mode plain|normed|into|prenormed|route] [--runs 4] [--swiglu]
+    python tools/dev/sass_chain.py moe-down [--mode plain|into]
 
 At batch 1 most of echo's kernels move a few kilobytes a program, so a program's time is its
 chain of dependent loads (each ~0.5-1 us from L2 or HBM) and, in a one-warp program, the
@@ -285,7 +286,30 @@ def gemv_args(args: argparse.Namespace) -> tuple[object, dict, dict]:
     return _small_m_linear_kernel, kernel_args, {"num_warps": args.warps}
 
 
-KERNELS = {"paged-decode": lambda args: paged_decode_args(args.model), "gemv": gemv_args}
+def moe_down_args(args: argparse.Namespace) -> tuple[object, dict, dict]:
+    """fused_moe's pair down kernel at Qwen3-30B-A3B's shapes (128 experts, H = 2048, I = 768,
+    k = 8) with its default tile (PAIR_DOWN_CONFIG); --mode into: the sum added into the
+    residual stream, the block's sum of squares handed over (anything else: stored)."""
+    from echo_kernels.fused_moe import PAIR_DOWN_CONFIG, _moe_pair_down_kernel
+
+    block_n, block_k, warps = PAIR_DOWN_CONFIG
+    bf16, hidden, inter, top_k = torch.bfloat16, 2048, 768, 8
+    blocks = hidden // block_n
+    kernel_args = dict(
+        act_ptr=torch.empty(top_k, inter, dtype=bf16),
+        w2_ptr=torch.empty(128, hidden, inter, dtype=bf16),
+        weights_ptr=torch.empty(top_k), ids_ptr=torch.empty(top_k, dtype=torch.int32),
+        rows_ptr=torch.empty(top_k, hidden, dtype=bf16),
+        arrivals_ptr=torch.empty(blocks, dtype=torch.int32),
+        out_ptr=torch.empty(1, hidden, dtype=bf16), parts_ptr=torch.empty(1, blocks),
+        hidden_size=hidden, inter_size=inter, stride_we=hidden * inter, stride_wn=inter,
+        stride_om=hidden, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=True,
+        USE_PDL=True, ADD_INTO=args.mode == "into")
+    return _moe_pair_down_kernel, kernel_args, {"num_warps": warps}
+
+
+KERNELS = {"paged-decode": lambda args: paged_decode_args(args.model), "gemv": gemv_args,
+           "moe-down": moe_down_args}
 
 
 def main() -> None:
@@ -299,7 +323,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1, help="gemv: blocks a program")
     parser.add_argument("--swiglu", action="store_true", help="gemv: SwiGLU of its halves")
     parser.add_argument("--mode", default="plain",
-                        choices=("plain", "normed", "into", "prenormed", "route"))
+                        choices=("plain", "normed", "into", "prenormed", "route"),
+                        help="gemv: the variant; moe-down: plain or into")
     parser.add_argument("--sass", type=Path, help="also write the whole SASS here")
     parser.add_argument("--loads", action="store_true", help="list every global load")
     args = parser.parse_args()
