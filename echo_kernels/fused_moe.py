@@ -481,7 +481,6 @@ def _moe_pair_down_kernel(
     rows_ptr,  # [M*k, H] out: weight * (w2[e] @ act) of each pair, in hidden's dtype
     arrivals_ptr,  # [M, cdiv(H, BLOCK_N)] int32, zeroed by the gate_up kernel
     out_ptr,  # [M, H] out: the sum of each token's k rows (ADD_INTO: in and out, + that sum)
-    parts_ptr,  # ADD_INTO: [M, cdiv(H, BLOCK_N)] float32 out, each block's sum of squares
     hidden_size,
     inter_size,
     stride_we,
@@ -493,6 +492,7 @@ def _moe_pair_down_kernel(
     EVEN: tl.constexpr,  # hidden_size % BLOCK_N == 0 and inter_size % BLOCK_K == 0
     USE_PDL: tl.constexpr,
     ADD_INTO: tl.constexpr = False,  # out_ptr is the residual stream: add the sum into it
+    parts_ptr=None,  # ADD_INTO: [M, cdiv(H, BLOCK_N)] float32 out, each block's sum of squares
 ):
     num_n = tl.cdiv(hidden_size, BLOCK_N)
     pair = (tl.program_id(0) // num_n).to(tl.int64)
@@ -572,16 +572,17 @@ def fused_moe_pairs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     down_k = min(down_k, triton.next_power_of_2(inter_size))
     num_down_n = triton.cdiv(hidden_size, down_n)
     arrivals = torch.empty(num_tokens, num_down_n, dtype=torch.int32, device=device)
-    parts = torch.empty(num_tokens, num_down_n, dtype=torch.float32, device=device)
+    parts = None if into is None else torch.empty(num_tokens, num_down_n, dtype=torch.float32,
+                                                  device=device)
     _moe_pair_gate_up_kernel[(num_pairs * triton.cdiv(inter_size, up_n),)](
         hidden, w13, act, ids, arrivals, arrivals.numel(), top_k, hidden_size, inter_size,
         hidden.stride(0), w13.stride(0), w13.stride(1), BLOCK_N=up_n, BLOCK_K=up_k,
         EVEN=inter_size % up_n == 0 and hidden_size % up_k == 0, num_warps=up_warps, **pdl)
     _moe_pair_down_kernel[(num_pairs * num_down_n,)](
-        act, w2, weights, ids, rows, arrivals, out, parts, hidden_size, inter_size,
-        w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_N=down_n, BLOCK_K=down_k,
+        act, w2, weights, ids, rows, arrivals, out, hidden_size, inter_size, w2.stride(0),
+        w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_N=down_n, BLOCK_K=down_k,
         EVEN=hidden_size % down_n == 0 and inter_size % down_k == 0, num_warps=down_warps,
-        ADD_INTO=into is not None, **pdl)
+        ADD_INTO=into is not None, parts_ptr=parts, **pdl)
     return out if into is None else parts
 
 

@@ -251,51 +251,42 @@ def _small_m_linear_kernel(
                 outs = next_outs
         else:
             y = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
-            if PRENORM:
-                y = y * rstd[:, None]
-            if ADD_INTO:
-                ss += _add_outputs(y, r, add_ptr, rows, outs, M, n_out, stride_om)
-            else:
-                _store_outputs(y, out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
-        if ADD_INTO:
-            tl.store(parts_ptr + rows * tl.num_programs(0) + tl.program_id(0), ss, mask=rows < M)
-        if ROUTE:
-            _route_when_last(out_ptr, n_out, arrivals_ptr, route_w_ptr, route_ids_ptr, top_k,
-                             RENORMALIZE, BLOCK_E, BLOCK_TOPK)
-        return
-    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    # NOTE: Triton's software pipeliner stages loads that feed tl.dot; these feed CUDA-core
-    # math, so PREFETCH double-buffers them in registers by hand to keep two tiles in flight
-    if PREFETCH:
-        # the weight is never written by a kernel: its first tile may load before the wait
-        w_next = weight_tile(w_ptrs, cols, offs_k, 0, N, K, EVEN)
-    wait_for_inputs(USE_PDL)
-    if ADD_INTO:
-        r = _block_residual(add_ptr, rows, outs, M, n_out, stride_om)
-    if PRENORM:
-        rstd = _rstd_from_parts(parts_ptr, rows, M, num_parts, K, eps, BLOCK_P)
-    for k0 in range(0, K, BLOCK_K):
-        if PREFETCH:
-            w = w_next
-            # past the last tile the mask is all false: no memory is read
-            w_next = weight_tile(w_ptrs, cols, offs_k, k0 + BLOCK_K, N, K, False)
-        else:
-            w = weight_tile(w_ptrs, cols, offs_k, k0, N, K, EVEN)
-        # (not `x`: Triton carries the whole-K branch's x, of x's dtype, into this loop)
-        x_tile = tl.load(x_ptrs + k0, mask=(rows[:, None] < M) & (k0 + offs_k[None, :] < K),
-                         other=0.0).to(tl.float32)
-        if PRENORM:
-            x_tile = x_tile * tl.load(norm_w_ptr + k0 + offs_k, mask=k0 + offs_k < K,
-                                      other=0.0).to(tl.float32)[None, :]
-        acc += w.to(tl.float32)[None, :, :] * x_tile[:, None, :]
-    y = tl.sum(acc, axis=2)
-    if PRENORM:
-        y = y * rstd[:, None]
-    if ADD_INTO:
-        ss = _add_outputs(y, r, add_ptr, rows, outs, M, n_out, stride_om)
-        tl.store(parts_ptr + rows * tl.num_programs(0) + tl.program_id(0), ss, mask=rows < M)
     else:
-        _store_outputs(y, out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
+        acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        # NOTE: Triton's software pipeliner stages loads that feed tl.dot; these feed CUDA-core
+        # math, so PREFETCH double-buffers them in registers by hand to keep two tiles in flight
+        if PREFETCH:
+            # the weight is never written by a kernel: its first tile may load before the wait
+            w_next = weight_tile(w_ptrs, cols, offs_k, 0, N, K, EVEN)
+        wait_for_inputs(USE_PDL)
+        if ADD_INTO:
+            r = _block_residual(add_ptr, rows, outs, M, n_out, stride_om)
+        if PRENORM:
+            rstd = _rstd_from_parts(parts_ptr, rows, M, num_parts, K, eps, BLOCK_P)
+        for k0 in range(0, K, BLOCK_K):
+            if PREFETCH:
+                w = w_next
+                # past the last tile the mask is all false: no memory is read
+                w_next = weight_tile(w_ptrs, cols, offs_k, k0 + BLOCK_K, N, K, False)
+            else:
+                w = weight_tile(w_ptrs, cols, offs_k, k0, N, K, EVEN)
+            x_tile = tl.load(x_ptrs + k0,
+                             mask=(rows[:, None] < M) & (k0 + offs_k[None, :] < K),
+                             other=0.0).to(tl.float32)
+            if PRENORM:
+                x_tile = x_tile * tl.load(norm_w_ptr + k0 + offs_k, mask=k0 + offs_k < K,
+                                          other=0.0).to(tl.float32)[None, :]
+            acc += w.to(tl.float32)[None, :, :] * x_tile[:, None, :]
+        y = tl.sum(acc, axis=2)
+    if not (WHOLE_K and RUNS):  # one block's sums y (runs store theirs in their loop)
+        if PRENORM:
+            y = y * rstd[:, None]
+        if ADD_INTO:
+            ss += _add_outputs(y, r, add_ptr, rows, outs, M, n_out, stride_om)
+        else:
+            _store_outputs(y, out_ptr, rows, outs, M, n_out, stride_om, SWIGLU)
+    if ADD_INTO:
+        tl.store(parts_ptr + rows * tl.num_programs(0) + tl.program_id(0), ss, mask=rows < M)
     if ROUTE:
         _route_when_last(out_ptr, n_out, arrivals_ptr, route_w_ptr, route_ids_ptr, top_k,
                          RENORMALIZE, BLOCK_E, BLOCK_TOPK)
@@ -326,17 +317,23 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = 
     so that about that many programs an SM share them, x loaded once a program and the next
     block's weight loading while one is summed. route (one row): the result is a router's
     logits, and the launch routes them too (RouteInto)."""
-    m, k = x.shape
-    if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+    _check_shared_k(x, weight)
+    return _launch("small_m_linear", x, weight, block_n or 8, block_k or _default_block_k(x),
+                   prefetch, swiglu, num_warps, num_stages=num_stages,
+                   programs_per_sm=programs_per_sm, route=route)
+
+
+def _check_shared_k(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.shape[1] != x.shape[1] or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must share a "
                          "contiguous K")
+
+
+def _default_block_k(x: torch.Tensor) -> int:
     # NOTE: swept on an H200 at M=1 (bench_kernels.py --only linear --sweep): 8 x 512 tiles
     # were best at Llama-3.1-8B's qkv/o_proj/down shapes. The accumulator holds
     # M_PAD * BLOCK_N * BLOCK_K floats, so K per tile shrinks as M grows.
-    block_k = block_k or max(128, 512 // triton.next_power_of_2(m))
-    return _launch("small_m_linear", x, weight, block_n or 8, block_k, prefetch, swiglu,
-                   num_warps, num_stages=num_stages, programs_per_sm=programs_per_sm,
-                   route=route)
+    return max(128, 512 // triton.next_power_of_2(x.shape[0]))
 
 
 def small_m_normed_linear(x: torch.Tensor, residual: torch.Tensor | None,
@@ -378,16 +375,15 @@ def small_m_linear_into(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
     with small_m_linear's tiles. Returns the sums of squares of residual's new rows in parts,
     [M, programs] float32, one a program: the next RMSNorm's statistics, for
     small_m_prenormed_linear."""
-    m, k = x.shape
-    if (weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1
-            or residual.shape != (m, weight.shape[0]) or not residual.is_contiguous()
+    _check_shared_k(x, weight)
+    if (residual.shape != (x.shape[0], weight.shape[0]) or not residual.is_contiguous()
             or residual.dtype != x.dtype):
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)} and residual "
                          f"{tuple(residual.shape)} must share a contiguous K, and the "
                          "residual be [M, N] of x's dtype")
-    block_k = block_k or max(128, 512 // triton.next_power_of_2(m))
-    return _launch("small_m_linear_into", x, weight, block_n or 8, block_k, prefetch, False,
-                   num_warps, programs_per_sm=programs_per_sm, into=residual)
+    return _launch("small_m_linear_into", x, weight, block_n or 8,
+                   block_k or _default_block_k(x), prefetch, False, num_warps,
+                   programs_per_sm=programs_per_sm, into=residual)
 
 
 def small_m_prenormed_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -406,12 +402,10 @@ def small_m_prenormed_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: fl
         raise ValueError(f"x {tuple(x.shape)}, norm weight {tuple(norm_weight.shape)} and the "
                          f"parts {tuple(parts.shape)} ({parts.dtype}) do not fit: the parts are "
                          "[M, P] float32")
-    if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must share a "
-                         "contiguous K")
-    block_k = block_k or max(128, 512 // triton.next_power_of_2(m))
-    return _launch("small_m_prenormed_linear", x, weight, block_n or 8, block_k, prefetch,
-                   swiglu, num_warps, programs_per_sm=programs_per_sm, PRENORM=True,
+    _check_shared_k(x, weight)
+    return _launch("small_m_prenormed_linear", x, weight, block_n or 8,
+                   block_k or _default_block_k(x), prefetch, swiglu, num_warps,
+                   programs_per_sm=programs_per_sm, PRENORM=True,
                    norm_w_ptr=norm_weight, eps=eps, parts_ptr=parts, num_parts=parts.shape[1],
                    BLOCK_P=triton.next_power_of_2(parts.shape[1]))
 

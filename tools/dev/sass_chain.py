@@ -301,10 +301,10 @@ def moe_down_args(args: argparse.Namespace) -> tuple[object, dict, dict]:
         weights_ptr=torch.empty(top_k), ids_ptr=torch.empty(top_k, dtype=torch.int32),
         rows_ptr=torch.empty(top_k, hidden, dtype=bf16),
         arrivals_ptr=torch.empty(blocks, dtype=torch.int32),
-        out_ptr=torch.empty(1, hidden, dtype=bf16), parts_ptr=torch.empty(1, blocks),
-        hidden_size=hidden, inter_size=inter, stride_we=hidden * inter, stride_wn=inter,
-        stride_om=hidden, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=True,
-        USE_PDL=True, ADD_INTO=args.mode == "into")
+        out_ptr=torch.empty(1, hidden, dtype=bf16), hidden_size=hidden, inter_size=inter,
+        stride_we=hidden * inter, stride_wn=inter, stride_om=hidden, TOP_K=top_k,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=True, USE_PDL=True, ADD_INTO=args.mode == "into",
+        parts_ptr=torch.empty(1, blocks) if args.mode == "into" else None)
     return _moe_pair_down_kernel, kernel_args, {"num_warps": warps}
 
 
