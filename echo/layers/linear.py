@@ -77,8 +77,8 @@ class LinearBase(nn.Module):
         # row count -> fn(x, residual, norm weight, eps, weight) -> (self(RMSNorm(x +
         # residual)), x + residual) in one launch (normed)
         self.normed_kernels: dict[int, Callable] = {}
-        # row count -> fn(stream, norm weight, eps, parts, weight) -> self(RMSNorm(stream)) in
-        # one launch (SwiGLU's output for gate/up), where the layer before handed the norm
+        # row count -> fn(stream, norm weight, eps, parts, *operands()) -> self(RMSNorm(stream))
+        # in one launch (SwiGLU's output for gate/up), where the layer before handed the norm
         # over (InResidual)
         self.prenormed_kernels: dict[int, Callable] = {}
 
@@ -91,7 +91,8 @@ class LinearBase(nn.Module):
         if isinstance(x, InResidual):
             kernel = _tuned(self.prenormed_kernels, residual)
             if kernel is not None:
-                return kernel(residual, norm.weight, norm.eps, x.parts, self.weight), residual
+                return (kernel(residual, norm.weight, norm.eps, x.parts, *self.operands()),
+                        residual)
             x, residual = residual, None  # the stream is the sum: the norm of it alone
         kernel = self.normed_kernel(norm, x)
         if kernel is not None:
@@ -177,6 +178,10 @@ class LinearBase(nn.Module):
         if kernel is None:
             from echo_kernels import awq_linear as kernel
         return kernel(x.contiguous(), *args, swiglu=swiglu)
+
+    def operands(self) -> tuple:
+        """A kernel's arguments after x: (weight,), or awq_operands()."""
+        return (self.weight,) if self.quant is None else self.awq_operands()
 
     def awq_operands(self) -> tuple:
         """An AWQ kernel's arguments after x: (qweight, qzeros, scales, group_size), and the
@@ -341,8 +346,8 @@ class RowParallelLinear(LinearBase):
             raise ValueError("a row-parallel bias is added after the all-reduce: "
                              "reduce_results=False needs bias=False")
         self.reduce_results = reduce_results
-        # row count -> fn(x, weight, residual) adding self(x) into the residual stream in
-        # place and returning the new stream's sums of squares in parts (added_to), where
+        # row count -> fn(x, *operands(), residual) adding self(x) into the residual stream
+        # in place and returning the new stream's sums of squares in parts (added_to), where
         # start-up tuning hands the next norm over (ECHO_NORM_HANDOVER)
         self.into_kernels: dict[int, Callable] = {}
 
@@ -353,7 +358,7 @@ class RowParallelLinear(LinearBase):
         kernel = _tuned(self.into_kernels, x)
         if kernel is None or residual is None:
             return self(x)
-        return InResidual(kernel(x, self.weight, residual))
+        return InResidual(kernel(x, *self.operands(), residual))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.dim() == 1:  # bias: not sharded, added once after the reduce

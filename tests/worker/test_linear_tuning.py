@@ -492,3 +492,98 @@ def test_gpu_tuning_with_real_timings_keeps_outputs(monkeypatch, tiny_llama):
     assert greedy(gpu_llm(tiny_llama)) == expected
     monkeypatch.setenv("ECHO_NORM_HANDOVER", "1")  # the norms handed over where they pay
     assert greedy(gpu_llm(tiny_llama)) == expected
+
+
+def test_repacked_awq_layers_hand_the_norm_over_where_it_pays():
+    """AWQ layers in the tensor-core layout (repacked on the CPU, as on a GPU at load): down,
+    with its arrival counts, takes its fastest setting adding into the stream (the kernel's
+    default among them); qkv normalises the stream from the handed-over sums where that beats
+    the norm's launch then its choice, gate/up not; down without arrival counts is not
+    offered the hand-over. The layers then run the chosen kernels with their AWQ operands."""
+    from echo_kernels.awq_mma import arrival_counts, awq_dequantize_repacked, repack_awq
+
+    group, k = AwqConfig(group_size=64), 128
+    net = torch.nn.ModuleDict({
+        "qkv": QKVParallelLinear(k, 32, 2, 1, quant=group),  # N = 128
+        "gate_up": GateUpParallelLinear(k, 96, quant=group),  # N = 192
+        "down": RowParallelLinear(k, 256, quant=group),  # N = 256
+        "lone": RowParallelLinear(k, 384, quant=group)})  # no arrival counts: N = 384
+    original = {}
+    for seed, (name, layer) in enumerate(net.items()):
+        n = layer.output_size
+        qweight, qzeros, scales = awq_tensors(k, n, 64, "cpu", seed)
+        original[name] = (qweight, qzeros, scales.float(), 64)
+        layer.qweight = torch.nn.Parameter(repack_awq(qweight, 64), requires_grad=False)
+        layer.qzeros.data, layer.scales.data = qzeros, scales.float()
+        layer.awq_repacked = True
+    net["down"].awq_arrivals = arrival_counts(256, torch.device("cpu"))
+
+    def dense(rq, qzeros, scales, group_size):
+        return awq_dequantize_repacked(rq, qzeros, scales, group_size, torch.float32)
+
+    def into_for(*setting):
+        def kernel(x, rq, qzeros, scales, group_size, arrivals, residual):
+            assert arrivals is net["down"].awq_arrivals
+            residual += x @ dense(rq, qzeros, scales, group_size).t()
+            squares = residual.float().pow(2)
+            return torch.stack([squares[:, :100].sum(1), squares[:, 100:].sum(1)], 1)
+
+        kernel.tile = setting
+        return kernel
+
+    def prenormed_for(*setting, swiglu=False):
+        def kernel(stream, norm_weight, eps, parts, rq, qzeros, scales, group_size, arrivals):
+            rstd = torch.rsqrt(parts.sum(1, keepdim=True) / stream.shape[1] + eps)
+            y = (stream * rstd * norm_weight) @ dense(rq, qzeros, scales, group_size).t()
+            return (silu_and_mul(y) if swiglu else y) + 4000.0
+
+        kernel.tile = setting
+        return kernel
+
+    def mma_for(*setting):  # a plain product no faster than the default here
+        def kernel(x, rq, qzeros, scales, group_size, arrivals=None, swiglu=False):
+            y = x @ dense(rq, qzeros, scales, group_size).t()
+            return silu_and_mul(y) if swiglu else y
+
+        kernel.tile = setting
+        return kernel
+
+    small, wide = (4, 1, 4, 1), (4, 2, 4, 1)
+    qkv, gate_up, down = (8, 2, 32, 4), (12, 2, 32, 4), (16, 2, 32, 4)  # repacked shapes
+    with_swiglu = "_matmul_with_swiglu"
+    times = collections.defaultdict(lambda: 20.0, {
+        (qkv, ("cublas", (AFTER_NORM,))): 10.0, (qkv, (small, (PRENORMED,))): 8.0,
+        (qkv, (wide, (PRENORMED,))): 8.5,
+        (gate_up, ("cublas", (AFTER_NORM, with_swiglu))): 7.0,
+        (gate_up, ((), (PRENORMED,))): 7.5,
+        (down, ((), (INTO,))): 5.0, (down, (wide, (INTO,))): 5.5})
+    timer, _ = fake_timer(times)
+    choices = tune_one_row_linears(net, timer, mma_candidates=[small, wide],
+                                   make_mma_kernel=mma_for, handover=True,
+                                   make_mma_into_kernel=into_for,
+                                   make_mma_prenormed_kernel=prenormed_for)
+    by_shape = {(c.shape, c.gated): c for c in choices}
+    assert by_shape[((256, k), False)].handover == ((), 5.0)
+    assert "into the residual: awq_mma default setting 5.0 us" in \
+        by_shape[((256, k), False)].describe()
+    assert by_shape[((128, k), False)].handover == (small, 8.0)
+    assert "norm handed over: awq_mma 4 warps x 1 tiles 4 programs an SM 1 ahead 8.0 us" in \
+        by_shape[((128, k), False)].describe()
+    assert by_shape[((192, k), True)].handover is None and net["gate_up"].prenormed_kernels == {}
+    assert by_shape[((384, k), False)].handover is None and net["lone"].into_kernels == {}
+    assert net["qkv"].takes_norm(1) and not net["gate_up"].takes_norm(1)
+
+    x, residual = torch.randn(1, k), torch.randn(1, 256)
+    before = residual.clone()
+    handed = net["down"].added_to(x, residual)
+    assert isinstance(handed, InResidual)
+    torch.testing.assert_close(residual, before + awq_linear_ref(x, *original["down"]))
+    stream = torch.randn(1, k)
+    handed = InResidual(stream.pow(2).sum(1, keepdim=True))
+    norm = RMSNorm(k)
+    norm.weight.data.normal_()
+    out, same = net["qkv"].normed(norm, handed, stream)
+    assert same is stream
+    torch.testing.assert_close(out, awq_linear_ref(rms_norm_ref(stream, norm.weight, 1e-6),
+                                                   *original["qkv"]) + 4000.0,
+                               rtol=1e-4, atol=1e-4)
