@@ -137,21 +137,6 @@ def gemv_runs() -> bool:
     return os.environ.get("ECHO_GEMV_RUNS", "1") == "1"
 
 
-def norm_handover() -> bool:
-    """The one-row tuning also times the norms between dense layers handed over instead of
-    launched: o_proj and down adding their output into the residual stream with its sums of
-    squares, qkv and gate/up normalising the stream from them (echo_kernels/linear.py;
-    ECHO_NORM_HANDOVER, default 0 until a GPU has timed it)."""
-    return os.environ.get("ECHO_NORM_HANDOVER", "0") == "1"
-
-
-def route_in_router() -> bool:
-    """At one row a mixture of experts' router GEMV, where tuned to echo's kernel with the norm
-    inside, also routes its logits in its last program, in place of moe_routing's own launch
-    (echo_kernels/linear.py; ECHO_ROUTE_IN_ROUTER, default 0 until a GPU has timed it)."""
-    return os.environ.get("ECHO_ROUTE_IN_ROUTER", "0") == "1"
-
-
 def awq_tensor_cores() -> bool:
     """AWQ layers on a GPU repack their weight at load for the tensor-core kernels
     (echo_kernels/awq_mma.py) instead of AutoAWQ's layout and awq.py's CUDA-core GEMV

@@ -245,19 +245,6 @@ def _halves(v, BF16: gl.constexpr):
 
 
 @gluon.jit
-def _times_halves(v, w, BF16: gl.constexpr):
-    """Int32 pairs of halves v * w, each half rounded once (the product of two halves is
-    exact in float32, so this rounds as float32 math then a cast would)."""
-    if BF16:  # fma with -0.0 keeps the product's sign at zero; mul.bf16x2 needs sm_90
-        return gl.inline_asm_elementwise(
-            "{ .reg .b32 z; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $1, $2, z; }", "=r,r,r",
-            [v, w], dtype=gl.int32, is_pure=True, pack=1)
-    else:
-        return gl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [v, w],
-                                         dtype=gl.int32, is_pure=True, pack=1)
-
-
-@gluon.jit
 def _weight_pair(words, magic, SHIFT: gl.constexpr, BF16: gl.constexpr):
     """[..., 2]: the weights 1 + q u at nibbles SHIFT / 4 and SHIFT / 4 + 4 (k0 = 0, 1), ORed
     into the mantissa of 1.0 in both halves (magic comes in a register, so that the mask and
@@ -341,14 +328,12 @@ def _sum_layout(splits, bm, warps):
 @gluon.jit
 def _sum_splits(partial_ptr, out_ptr, row0, rows, col0, N, stride_os, num_splits,
                 SPLITS: gl.constexpr, BM: gl.constexpr, WARPS: gl.constexpr,
-                SWIGLU: gl.constexpr, INTO: gl.constexpr, parts_ptr, part, num_parts):
+                SWIGLU: gl.constexpr):
     """out[row0 + r, col0 + c] = the sum over splits of the partials [num_splits, M, N]
     (r < rows, c < BM), in an order fixed by the shapes; SWIGLU: silu(gate) * up, gate at
     column col0 + c and up N / 2 further, out [M, N / 2], gate and up rounded to out's dtype
-    first as awq.py's split sum does; INTO: out is the residual stream and the sum is added
-    into it (rounded as linear.py's _add_outputs rounds), each row's sum of squares of the
-    new values going to parts_ptr[row, part] ([M, num_parts]). A few rows at a time, every
-    split's partials of them loaded at once (one memory latency)."""
+    first as awq.py's split sum does. A few rows at a time, every split's partials of them
+    loaded at once (one memory latency)."""
     R: gl.constexpr = _sum_rows(SPLITS, BM)
     layout: gl.constexpr = _sum_layout(SPLITS, BM, WARPS)
     out_layout: gl.constexpr = gl.SliceLayout(0, layout)  # [R, BM] after the sum
@@ -371,15 +356,7 @@ def _sum_splits(partial_ptr, out_ptr, row0, rows, col0, N, stride_os, num_splits
             # activation.silu_times (a triton.jit Gluon cannot call)
             act = (gate / (1.0 + gl.exp2(-gate * 1.4426950408889634))).to(dtype)
             total = act.to(gl.float32) * up
-        dst = out_ptr + (row0 + r0 + r) * width + col0 + c
-        if INTO:
-            total = (total.to(dtype).to(gl.float32)
-                     + gl.load(dst, mask=row_ok, other=0.0).to(gl.float32))
-            squares = total.to(dtype).to(gl.float32)
-            ss = gl.sum(squares * squares, axis=1)  # [R]
-            pr = gl.arange(0, R, layout=gl.SliceLayout(1, out_layout))
-            gl.store(parts_ptr + (row0 + r0 + pr) * num_parts + part, ss, mask=r0 + pr < rows)
-        gl.store(dst, total.to(dtype), mask=row_ok)
+        gl.store(out_ptr + (row0 + r0 + r) * width + col0 + c, total.to(dtype), mask=row_ok)
 
 
 @gluon.jit(do_not_specialize=["M", "groups_per_split", "num_splits"])
@@ -407,23 +384,7 @@ def _awq_mma_kernel(
     SUM_SPLITS: gl.constexpr,  # 0, or num_splits rounded up to a power of two: the last
     # split of a column block to finish adds the partial sums (no split-sum launch)
     SWIGLU: gl.constexpr,  # with SUM_SPLITS: store silu(gate) * up of the product's halves
-    # INTO (with SUM_SPLITS, no SWIGLU): sum_ptr is the residual stream [M, N], the product is
-    # added into it, and each column block's sums of squares of the new stream go to
-    # parts_ptr [M, num_parts] (the next RMSNorm's statistics, handed over)
-    INTO: gl.constexpr = False,
-    # PRENORM (with X_SPLIT, one row): x is the residual stream whose RMSNorm (weight
-    # norm_w_ptr, eps) is the layer's input, its sums of squares in num_parts parts at
-    # parts_ptr: x times the norm's weight goes into the product, 1 / rms scales its sums
-    PRENORM: gl.constexpr = False,
-    parts_ptr=None,
-    num_parts=1,
-    norm_w_ptr=None,  # as int32 pairs of halves, like x
-    eps=1e-6,
-    BLOCK_P: gl.constexpr = 1,  # num_parts rounded up to a power of two
 ):
-    gl.static_assert(not INTO or (SUM_SPLITS > 0 and not SWIGLU),
-                     "the stream takes the sum of the splits, no SwiGLU")
-    gl.static_assert(not PRENORM or X_SPLIT > 0, "the norm handed over takes one row")
     BM: gl.constexpr = 16 * WARPS * TILES
     STEPS: gl.constexpr = GROUP // 16
     INV_U: gl.constexpr = 128.0 if BF16 else 1024.0
@@ -470,27 +431,17 @@ def _awq_mma_kernel(
         words_next = gl.load(rq_ptr + w_offs + gl.minimum(first + 1, end - 1) * (GROUP * 2))
     s = gl.load(scales_ptr + first * N + cn)
     zq = gl.load(qzeros_ptr + first * n_packed + cn // 8)
-    if X_SPLIT > 0:  # the split's x as one line of int32 pairs
-        x_line: gl.constexpr = gl.BlockedLayout([max(1, X_SPLIT * GROUP // 2 // (32 * WARPS))],
-                                                [32], [WARPS], [0])
-        xi = gl.arange(0, X_SPLIT * (GROUP // 2), layout=x_line)
-        x_in_split = xi < (end - first) * (GROUP // 2)
-        if PRENORM:  # the norm's weight there, never written by a kernel
-            nw = gl.load(norm_w_ptr + first * (GROUP // 2) + xi, mask=x_in_split, other=0)
     if USE_PDL:  # pdl.wait_for_inputs' wait (a triton.jit Gluon cannot call)
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
     if X_SPLIT > 0:
         # one load of the split's x, so that the loop's loads are the weights, scales and zeros
         # alone, and x holds registers only while its group is summed
-        xv = gl.load(x_ptr + first * (GROUP // 2) + xi, mask=x_in_split, other=0)
-        if PRENORM:  # x times the norm's weight; 1 / rms from the parts, for the sums
-            xv = _times_halves(xv, nw, BF16)
-            p_line: gl.constexpr = gl.BlockedLayout([max(1, BLOCK_P // (32 * WARPS))], [32],
-                                                    [WARPS], [0])
-            offs_p = gl.arange(0, BLOCK_P, layout=p_line)
-            parts = gl.load(parts_ptr + offs_p, mask=offs_p < num_parts, other=0.0)
-            rstd = gl.rsqrt(gl.sum(parts, axis=0) / K + eps)
+        x_line: gl.constexpr = gl.BlockedLayout([max(1, X_SPLIT * GROUP // 2 // (32 * WARPS))],
+                                                [32], [WARPS], [0])
+        xi = gl.arange(0, X_SPLIT * (GROUP // 2), layout=x_line)
+        xv = gl.load(x_ptr + first * (GROUP // 2) + xi, mask=xi < (end - first) * (GROUP // 2),
+                     other=0)
         x_smem = gl.allocate_shared_memory(
             gl.int32, [X_SPLIT, 4, GROUP // 8],
             gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]),
@@ -545,8 +496,6 @@ def _awq_mma_kernel(
             words_next = words_after
         if X_SPLIT == 0:
             xb = xb_next
-    if PRENORM:
-        total = total * rstd
     if USE_PDL:  # the next kernel launches now, not at the wait (module docstring)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
                                   dtype=gl.int32, is_pure=False, pack=1)
@@ -564,8 +513,7 @@ def _awq_mma_kernel(
         if arrived == (2 * num_splits if SWIGLU else num_splits) - 1:
             gl.store(counter, 0)  # for the next launch: nobody else counts here in this one
             _sum_splits(out_ptr, sum_ptr, row0, gl.minimum(rows, ROWS), (pid_n % blocks) * BM,
-                        N, stride_os, num_splits, SUM_SPLITS, BM, WARPS, SWIGLU, INTO,
-                        parts_ptr, pid_n % blocks, num_parts)
+                        N, stride_os, num_splits, SUM_SPLITS, BM, WARPS, SWIGLU)
 
 
 def max_registers(sum_inside: bool, rows: int, tiles: int, ahead: int = 1) -> int | None:
@@ -588,9 +536,7 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
                  warps: int | None = None, tiles: int | None = None, per_sm: int | None = None,
                  rows: int | None = None, split_k: int | None = None,
                  ahead: int | None = None, x_shared: bool | None = None,
-                 swiglu: bool = False, into: torch.Tensor | None = None,
-                 prenorm: tuple[torch.Tensor, float, torch.Tensor] | None = None
-                 ) -> torch.Tensor:
+                 swiglu: bool = False) -> torch.Tensor:
     """x [M, K] (fp16/bf16, CUDA) @ the repacked AWQ weight [K, N] -> [M, N] in x's dtype;
     swiglu: silu(gate) * up of the product's halves, [M, N / 2]. A program takes `rows` rows
     (8, 16 or 32; each reads its weights again, from the L2 when they run together) and WARPS x
@@ -600,8 +546,7 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
     for splits of up to X_SHARED_GROUPS groups): the split's x loaded once into shared memory.
     None: the settings of _ONE_ROW or _ROWS. arrivals (arrival_counts(N), zero between calls,
     as each call leaves it): the last split of a column block to finish adds the splits'
-    partial sums, instead of a second launch. into and prenorm hand an RMSNorm over between
-    layers (awq_mma_gemv_into, awq_mma_prenormed_gemv)."""
+    partial sums, instead of a second launch."""
     m, k = x.shape
     n = rq.shape[0] * 16
     assert rq.shape[1] * CHUNK == k and x.dtype in _MAGIC
@@ -616,30 +561,13 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
     programs = n // (16 * warps * tiles) * triton.cdiv(m, rows)
     num_splits, per_split = _num_splits(split_k, programs, groups, per_sm, x.device)
     if x_shared is None:
-        x_shared = m == 1 and (per_split <= X_SHARED_GROUPS or prenorm is not None)
+        x_shared = m == 1 and per_split <= X_SHARED_GROUPS
     assert not x_shared or m == 1, "x_shared takes one row"
-    handover = {}
-    if prenorm is not None:
-        norm_weight, eps, parts = prenorm
-        if not x_shared or norm_weight.shape != (k,) or parts.shape[0] != 1:
-            raise ValueError(f"awq_mma_prenormed_gemv takes one row, x in shared memory and a "
-                             f"norm weight of K={k}, got x {tuple(x.shape)}, x_shared "
-                             f"{x_shared}, weight {tuple(norm_weight.shape)}, parts "
-                             f"{tuple(parts.shape)}")
-        handover = dict(PRENORM=True, parts_ptr=parts, num_parts=parts.shape[1],
-                        norm_w_ptr=norm_weight.view(torch.int32), eps=eps,
-                        BLOCK_P=triton.next_power_of_2(parts.shape[1]))
 
     pdl = pdl_options(x.device)
     block = 16 * warps * tiles
     # SwiGLU's gate and up blocks pair up only where N / 2 holds whole blocks
     fused = arrivals is not None and num_splits > 1 and not (swiglu and n // 2 % block)
-    if into is not None:  # the stream takes the sum, whatever the splits: the sum inside
-        if arrivals is None or swiglu:
-            raise ValueError("awq_mma_gemv_into needs the layer's arrival counts, no SwiGLU")
-        fused = True
-        parts = torch.empty(m, n // block, dtype=torch.float32, device=x.device)
-        handover = dict(INTO=True, parts_ptr=parts, num_parts=n // block)
     if fused:
         counts = n // block // (2 if swiglu else 1) * triton.cdiv(m, rows)
         assert arrivals.dtype == torch.int32 and arrivals.numel() >= counts, \
@@ -654,48 +582,13 @@ def awq_mma_gemv(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor, scales
             AHEAD=ahead, X_SPLIT=triton.next_power_of_2(per_split) if x_shared else 0,
             SUM_SPLITS=triton.next_power_of_2(num_splits) if fused else 0,
             SWIGLU=swiglu, launch_pdl=pdl["launch_pdl"], num_warps=warps,
-            maxnreg=max_registers(fused, rows, tiles, ahead), **handover)
+            maxnreg=max_registers(fused, rows, tiles, ahead))
 
     if not fused:
         return _launch_split(launch, num_splits, m, n, x, pdl, swiglu)
-    total = into if into is not None else torch.empty(m, n // 2 if swiglu else n,
-                                                      dtype=x.dtype, device=x.device)
+    total = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
     launch(torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device), m * n, total)
-    return parts if into is not None else total
-
-
-def awq_mma_gemv_into(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor,
-                      scales: torch.Tensor, group_size: int, arrivals: torch.Tensor,
-                      residual: torch.Tensor, **settings) -> torch.Tensor:
-    """residual += awq_mma_gemv(x, ...) in place (the product rounded to x's dtype, then the
-    sum, as linear.small_m_linear_into rounds), by the last split of each column block, in
-    one launch (settings: awq_mma_gemv's). Returns the sums of squares of residual's new rows
-    in parts, [M, N / columns a program] float32: the next RMSNorm's statistics, for
-    awq_mma_prenormed_gemv or linear.small_m_prenormed_linear."""
-    if (residual.shape != (x.shape[0], rq.shape[0] * 16) or not residual.is_contiguous()
-            or residual.dtype != x.dtype):
-        raise ValueError(f"awq_mma_gemv_into: residual {tuple(residual.shape)} "
-                         f"({residual.dtype}) is not x's rows of the layer's outputs, "
-                         f"contiguous, in x's dtype")
-    return awq_mma_gemv(x, rq, qzeros, scales, group_size, arrivals, into=residual, **settings)
-
-
-def awq_mma_prenormed_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                           parts: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor,
-                           scales: torch.Tensor, group_size: int,
-                           arrivals: torch.Tensor | None = None, *, swiglu: bool = False,
-                           **settings) -> torch.Tensor:
-    """awq_mma_gemv(RMSNorm(x)) at one row, where the layer before left x, the residual
-    stream, and parts [1, P] float32, its sums of squares (awq_mma_gemv_into,
-    linear.small_m_linear_into): x times the norm's weight, rounded to x's dtype, goes into
-    shared memory, and 1 / rms = rsqrt(sum(parts) / K + eps) scales the split's sums (swiglu:
-    before SwiGLU). Results agree with the norm's launch then the GEMV to the dtype's
-    precision, not bit for bit (the norm's launch rounds x / rms first)."""
-    if parts.dtype != torch.float32 or not parts.is_contiguous() or not norm_weight.is_contiguous():
-        raise ValueError(f"awq_mma_prenormed_gemv: parts {tuple(parts.shape)} ({parts.dtype}) "
-                         "must be contiguous float32, and the norm weight contiguous")
-    return awq_mma_gemv(x, rq, qzeros, scales, group_size, arrivals, swiglu=swiglu,
-                        prenorm=(norm_weight.to(x.dtype), eps, parts), **settings)
+    return total
 
 
 def awq_gemm_repacked(x: torch.Tensor, rq: torch.Tensor, qzeros: torch.Tensor,

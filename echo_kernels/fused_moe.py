@@ -17,10 +17,7 @@ would sit alone in a tile of 16 rows. Then fused_moe_pairs runs each pair as a G
 cores (as echo_kernels.linear does for dense layers): one launch for gate_up, one for down,
 whose programs also sum a token's k rows: the last of a token's k pairs to finish a column
 block adds the k rows in slot order (an arrival count per token and block; the order of the
-sum does not depend on which pair arrives last, so the output stays deterministic). Given the
-residual stream (`into`), that program adds the sum into it instead and stores the block's sum
-of squares of the new values: the next RMSNorm handed over, as echo_kernels.linear's
-small_m_linear_into hands it over.
+sum does not depend on which pair arrives last, so the output stays deterministic).
 """
 
 import torch
@@ -140,6 +137,37 @@ def moe_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_R=block_r, BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k), **pdl_options(device),
         num_warps=num_warps or max(1, min(4, block_r * block_e // 256)))
+    return weights, ids
+
+
+@triton.jit
+def route_row(logits_ptr, num_experts, top_k, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """One token's routing, moe_routing's rule: (weights [BLOCK_K] float32, expert ids [BLOCK_K]
+    int32) from its logits at logits_ptr. A loop over the k picks where _moe_routing_kernel
+    unrolls them: the persistent decode step routes a token in every program, where the
+    unrolled picks spill (sm_90)."""
+    experts = tl.arange(0, BLOCK_E)
+    slots = tl.arange(0, BLOCK_K)
+    in_e = experts < num_experts
+    # past L1: a program of a later launch may find an earlier step's logits there
+    x = tl.load(logits_ptr + experts, mask=in_e, other=0.0, cache_modifier=".cg")
+    x = tl.where(in_e, x.to(tl.float32), float("-inf"))
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    taken = ~in_e
+    weights = tl.zeros([BLOCK_K], tl.float32)
+    ids = tl.zeros([BLOCK_K], tl.int32)
+    for j in tl.range(0, top_k):
+        candidates = tl.where(taken, float("-inf"), x)
+        best = tl.max(candidates, 0)
+        pick = tl.min(tl.where((candidates == best) & ~taken, experts, BLOCK_E), 0)
+        chosen = experts == pick
+        weights = tl.where(slots == j, tl.sum(tl.where(chosen, p, 0.0), 0), weights)
+        ids = tl.where(slots == j, pick, ids)
+        taken = taken | chosen
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, 0)
     return weights, ids
 
 
@@ -480,7 +508,7 @@ def _moe_pair_down_kernel(
     ids_ptr,  # [M*k] int32
     rows_ptr,  # [M*k, H] out: weight * (w2[e] @ act) of each pair, in hidden's dtype
     arrivals_ptr,  # [M, cdiv(H, BLOCK_N)] int32, zeroed by the gate_up kernel
-    out_ptr,  # [M, H] out: the sum of each token's k rows (ADD_INTO: in and out, + that sum)
+    out_ptr,  # [M, H] out: the sum of each token's k rows
     hidden_size,
     inter_size,
     stride_we,
@@ -491,8 +519,6 @@ def _moe_pair_down_kernel(
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # hidden_size % BLOCK_N == 0 and inter_size % BLOCK_K == 0
     USE_PDL: tl.constexpr,
-    ADD_INTO: tl.constexpr = False,  # out_ptr is the residual stream: add the sum into it
-    parts_ptr=None,  # ADD_INTO: [M, cdiv(H, BLOCK_N)] float32 out, each block's sum of squares
 ):
     num_n = tl.cdiv(hidden_size, BLOCK_N)
     pair = (tl.program_id(0) // num_n).to(tl.int64)
@@ -518,13 +544,11 @@ def _moe_pair_down_kernel(
         a = tl.load(a_ptrs + k0, mask=k0 + offs_k < inter_size, other=0.0)
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
     col_ok = cols < hidden_size
-    token = pair // TOP_K
-    if ADD_INTO:  # the stream's values, for whichever pair arrives last (only it writes them)
-        stream = tl.load(out_ptr + token * stride_om + cols, mask=col_ok, other=0.0)
     row = tl.sum(acc, 1) * weight
     tl.store(rows_ptr + pair * hidden_size + cols, row.to(rows_ptr.dtype.element_ty), mask=col_ok)
     # every thread's stores before the arrival (the atomic releases them device-wide)
     tl.debug_barrier()
+    token = pair // TOP_K
     arrival = arrivals_ptr + token * num_n + block
     if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == TOP_K - 1:
         # the last of the token's pairs here: its k rows are written, sum them in slot order
@@ -532,37 +556,23 @@ def _moe_pair_down_kernel(
         for j in tl.static_range(TOP_K):
             total += tl.load(rows_ptr + (token * TOP_K + j) * hidden_size + cols, mask=col_ok,
                              other=0.0, cache_modifier=".cg").to(tl.float32)
-        dtype: tl.constexpr = out_ptr.dtype.element_ty
-        if ADD_INTO:  # rounded as the sum, then fused_add_rms_norm's add, round them
-            total = (total.to(dtype).to(tl.float32) + stream.to(tl.float32)).to(dtype)
-            squares = total.to(tl.float32) * total.to(tl.float32)
-            tl.store(parts_ptr + token * num_n + block, tl.sum(squares, 0))
-        tl.store(out_ptr + token * stride_om + cols, total.to(dtype), mask=col_ok)
+        tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty),
+                 mask=col_ok)
 
 
 def fused_moe_pairs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                     gate_up_config: tuple[int, int, int] = PAIR_GATE_UP_CONFIG,
-                    down_config: tuple[int, int, int] = PAIR_DOWN_CONFIG,
-                    into: torch.Tensor | None = None) -> torch.Tensor:
+                    down_config: tuple[int, int, int] = PAIR_DOWN_CONFIG) -> torch.Tensor:
     """fused_moe with each (token, expert) pair a GEMV (the arguments and the result as there);
-    the configs are (BLOCK_N, BLOCK_K, num_warps) of the gate_up and the down kernel. into
-    (the residual stream, [M, H] contiguous, hidden's dtype): the result is added into it in
-    place (rounded to the dtype, then the sum, as fused_add_rms_norm adds) and the sums of
-    squares of its new rows are returned in parts, [M, column blocks] float32: the next
-    RMSNorm's statistics (echo_kernels.linear.small_m_prenormed_linear)."""
+    the configs are (BLOCK_N, BLOCK_K, num_warps) of the gate_up and the down kernel."""
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
     inter_size = w13.shape[1] // 2
     num_pairs = num_tokens * top_k
     device, dtype = hidden.device, hidden.dtype
     weights, ids = topk_weights.contiguous().view(-1), topk_ids.contiguous().view(-1)
-    if into is not None and (into.shape != hidden.shape or into.dtype != dtype
-                             or not into.is_contiguous()):
-        raise ValueError(f"fused_moe_pairs: into {tuple(into.shape)} ({into.dtype}) must be "
-                         f"hidden's shape {tuple(hidden.shape)} and dtype, contiguous")
-    out = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device) if into is None \
-        else into
+    out = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
     act = torch.empty(num_pairs, inter_size, dtype=dtype, device=device)
     rows = torch.empty(num_pairs, hidden_size, dtype=dtype, device=device)
     pdl = pdl_options(device)
@@ -572,8 +582,6 @@ def fused_moe_pairs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     down_k = min(down_k, triton.next_power_of_2(inter_size))
     num_down_n = triton.cdiv(hidden_size, down_n)
     arrivals = torch.empty(num_tokens, num_down_n, dtype=torch.int32, device=device)
-    parts = None if into is None else torch.empty(num_tokens, num_down_n, dtype=torch.float32,
-                                                  device=device)
     _moe_pair_gate_up_kernel[(num_pairs * triton.cdiv(inter_size, up_n),)](
         hidden, w13, act, ids, arrivals, arrivals.numel(), top_k, hidden_size, inter_size,
         hidden.stride(0), w13.stride(0), w13.stride(1), BLOCK_N=up_n, BLOCK_K=up_k,
@@ -582,8 +590,8 @@ def fused_moe_pairs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         act, w2, weights, ids, rows, arrivals, out, hidden_size, inter_size, w2.stride(0),
         w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_N=down_n, BLOCK_K=down_k,
         EVEN=hidden_size % down_n == 0 and inter_size % down_k == 0, num_warps=down_warps,
-        ADD_INTO=into is not None, parts_ptr=parts, **pdl)
-    return out if into is None else parts
+        **pdl)
+    return out
 
 
 def fused_moe_from_logits(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -596,22 +604,6 @@ def fused_moe_from_logits(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     num_tokens = hidden.shape[0]
     assert router_logits.shape == (num_tokens, w13.shape[0]) and 1 <= top_k <= w13.shape[0]
     return fused_moe(hidden, w13, w2, *moe_routing(router_logits, top_k, renormalize))
-
-
-def fused_moe_routed(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                     topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                     into: torch.Tensor | None = None) -> torch.Tensor:
-    """fused_moe of a routing already made (moe_routing's, or a router GEMV's that routed
-    inside); with into (at most PAIR_MAX pairs), fused_moe_pairs' hand-over: the result added
-    into it, the sums of squares' parts returned."""
-    if into is None:
-        return fused_moe(hidden, w13, w2, topk_weights, topk_ids)
-    num_tokens, top_k = topk_ids.shape
-    if num_tokens * top_k > PAIR_MAX:
-        raise ValueError(f"fused_moe_routed: into takes at most {PAIR_MAX} pairs, got "
-                         f"{num_tokens} tokens of {top_k}")
-    _check_moe_inputs(hidden, w13, w2)
-    return fused_moe_pairs(hidden, w13, w2, topk_weights, topk_ids, into=into)
 
 
 def _check_moe_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:

@@ -47,7 +47,7 @@ import triton.language as tl
 from echo_kernels.attention.common import LOG2E, online_softmax_step
 from echo_kernels.awq import _ONE_BITS, _group_offsets, _unpack_offsets
 from echo_kernels.device import sm_count
-from echo_kernels.moe_route import route_row
+from echo_kernels.fused_moe import route_row
 from echo_kernels.norm import apply_rms
 from echo_kernels.rope import rotated_rows
 

@@ -3,14 +3,13 @@
 #   source .gpu/prelude.sh; tools/gpu_acceptance.sh STAGE...
 # Stages: tests (or tests-kernels, then tests-rest), kernels latency batch1 offline profile
 # profile-tail serving int8-pool kv-offload kv-offload-repeat structured awq awq-mma
-# awq-mma-steps moe persistent persistent-models persistent-awq flag-ab ab-latency, and tp and
+# awq-mma-steps moe persistent persistent-models persistent-awq ab-latency, and tp and
 # profile-tp (two GPUs). Rough minutes on an H200:
 # tests 14 (two calls: tests-kernels 7, tests-rest 7, on a machine just started), kernels 2,
 # latency 3, batch1 5 (3.5 on an H100 before its second AWQ run), offline 5, profile 5,
 # profile-tail 2, serving 4, int8-pool 2, kv-offload 7, kv-offload-repeat 3, structured 4, awq 8,
 # awq-mma 5 and awq-mma-steps 5 (guesses: their parts ran on an H100 in 2-4 minutes each), moe 6,
-# persistent 6, persistent-models 8 and persistent-awq 8 (a guess: not yet run), flag-ab 6
-# for two models (a guess: not yet run), ab-latency 1
+# persistent 6, persistent-models 8 and persistent-awq 8 (a guess: not yet run), ab-latency 1
 # a model and tree (a guess), tp 6 (plus start-up): pick
 # what fits the device budget. Logs and JSON go to a scratch folder that is packed into $OUT/STAGE.tar.gz (the
 # device tool returns few files), and the key lines are printed. Every process started here is ended here, by PID.
@@ -282,24 +281,6 @@ stage_commands() {
       for model in llama-3.1-8b-awq qwen3-8b-awq; do
         persistent_latency "$dir" $model "" "--persistent-decode" \
           "--num-scheduler-steps 8 --persistent-decode"
-      done ;;
-    flag-ab)  # a flag's A/B at batch 1: FLAG (default ECHO_NORM_HANDOVER, #27: the norm
-      # handed over between GEMVs; ECHO_ROUTE_IN_ROUTER, #28: the router's GEMV routing in
-      # its last program), FLAG_TESTS (default: the one-row kernels' and tuning's GPU tests),
-      # then bench_latency with the flag 0 and 1, alternately, twice each, for FLAG_MODELS
-      # (MODEL:STEPS a launch; default qwen3-0.6b:8 llama-3.1-8b:1)
-      local flag=${FLAG:-ECHO_NORM_HANDOVER} run value
-      # shellcheck disable=SC2086
-      timeout 300 $PY -m pytest -m gpu -q -p no:cacheprovider --tb=short -rfE \
-        ${FLAG_TESTS:-tests/kernels/test_small_m_linear.py tests/worker/test_linear_tuning.py} \
-        2>&1 | tee "$dir/flag_tests.log" | tail -4
-      for run in ${FLAG_MODELS:-qwen3-0.6b:8 llama-3.1-8b:1}; do
-        for value in 0 1 0 1; do
-          echo "${run%:*}, ${run#*:} steps a launch, $flag=$value"
-          env "$flag=$value" timeout 200 $PY tools/bench_latency.py --model "${run%:*}" \
-            --max-model-len 2048 --iters 2 --num-scheduler-steps "${run#*:}" 2>&1 \
-            | tee -a "$dir/flag_${run%:*}_$value.log" | grep -E "one-row|decode"
-        done
       done ;;
     ab-latency)  # this tree against other commits', batch 1, alternately, twice each:
       # AB_BASE (a `git archive` tar of each, made beside this tree before the call, e.g.

@@ -14,7 +14,6 @@ from torch import nn
 from echo.distributed.communication import all_reduce
 from echo.distributed.parallel_state import SINGLE, TPGroup
 from echo.layers.checkpoint_tensor import whole
-from echo.layers.linear import InResidual
 
 # checkpoint projection name -> (stacked parameter, half of w13: 0 gate, 1 up; None for w2)
 EXPERT_PROJECTIONS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", None)}
@@ -49,46 +48,10 @@ class FusedMoE(nn.Module):
                                requires_grad=False)
         self.w13.weight_loader = self._load_w13
         self.w2.weight_loader = self._load_w2
-        # one row (one rank) adds its output into the residual stream itself and hands the
-        # next norm over (added_to); set by start-up tuning with ECHO_NORM_HANDOVER
-        self.hands_over = False
-        # one row (one rank): an int32 arrival count, zero between launches, at which the
-        # router's GEMV routes in its last program (route_into); set by start-up tuning with
-        # ECHO_ROUTE_IN_ROUTER
-        self.route_arrivals: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         out = moe_mlp(hidden, self.w13, self.w2, router_logits, self.top_k, self.renormalize)
         return all_reduce(out, self.tp) if self.reduce_results and self.tp.size > 1 else out
-
-    def route_into(self, x: torch.Tensor):
-        """Where the router's GEMV over x is to put x's routing (echo_kernels.linear.RouteInto),
-        where it routes inside its launch; else None."""
-        if self.route_arrivals is None or x.shape[0] != 1:
-            return None
-        from echo_kernels.linear import RouteInto
-
-        return RouteInto(torch.empty(1, self.top_k, dtype=torch.float32, device=x.device),
-                         torch.empty(1, self.top_k, dtype=torch.int32, device=x.device),
-                         self.route_arrivals, self.renormalize)
-
-    def added_to(self, hidden: torch.Tensor, router_logits: torch.Tensor,
-                 residual: torch.Tensor | None, route=None) -> torch.Tensor | InResidual:
-        """self(hidden, router_logits), or, for one row where hands_over, that output added
-        into residual by the experts' kernel (in place) and the new stream's statistics for
-        the next norm (echo_kernels.fused_moe.fused_moe_pairs' into). route: the routing the
-        router's GEMV made of router_logits (route_into), used in place of moe_routing's."""
-        hands = (self.hands_over and residual is not None and hidden.shape[0] == 1
-                 and self.tp.size == 1)
-        if route is None and not hands:
-            return self(hidden, router_logits)
-        from echo_kernels.fused_moe import fused_moe_routed, moe_routing
-
-        routing = ((route.weights, route.ids) if route is not None
-                   else moe_routing(router_logits, self.top_k, self.renormalize))
-        if not hands:  # route_into's one row, one rank: no all-reduce
-            return fused_moe_routed(hidden, self.w13, self.w2, *routing)
-        return InResidual(fused_moe_routed(hidden, self.w13, self.w2, *routing, into=residual))
 
     # ---- loading: shard_id (expert, "gate" | "up" | "down") for one expert's tensor, None for
     # the packed stack -----------------------------------------------------------------------

@@ -16,7 +16,6 @@ On a GPU, `use_awq_tensor_cores` may then repack `qweight` for the tensor-core k
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,16 +34,6 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
         raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size "
                          f"({denominator})")
     return numerator // denominator
-
-
-@dataclass(frozen=True)
-class InResidual:
-    """A layer's output that its kernel already added into the residual stream
-    (RowParallelLinear.added_to, FusedMoE.added_to), with the new stream's sums of squares in
-    parts, [M, P] float32: the next RMSNorm's statistics, handed over in place of the norm's
-    own launch (echo_kernels.linear.small_m_linear_into)."""
-
-    parts: torch.Tensor
 
 
 class LinearBase(nn.Module):
@@ -77,33 +66,17 @@ class LinearBase(nn.Module):
         # row count -> fn(x, residual, norm weight, eps, weight) -> (self(RMSNorm(x +
         # residual)), x + residual) in one launch (normed)
         self.normed_kernels: dict[int, Callable] = {}
-        # row count -> fn(stream, norm weight, eps, parts, *operands()) -> self(RMSNorm(stream))
-        # in one launch (SwiGLU's output for gate/up), where the layer before handed the norm
-        # over (InResidual)
-        self.prenormed_kernels: dict[int, Callable] = {}
 
-    def normed(self, norm: RMSNorm, x: torch.Tensor | InResidual, residual: torch.Tensor | None,
+    def normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
                then: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(then(norm(x + residual)), x + residual), then being this layer (self) unless
-        given; x alone where residual is None, and residual alone where x is InResidual
-        (already added). The norm runs inside this layer's kernel where start-up tuning found
-        that faster (that kernel computes `then` itself)."""
-        if isinstance(x, InResidual):
-            kernel = _tuned(self.prenormed_kernels, residual)
-            if kernel is not None:
-                return (kernel(residual, norm.weight, norm.eps, x.parts, *self.operands()),
-                        residual)
-            x, residual = residual, None  # the stream is the sum: the norm of it alone
+        given; x alone where residual is None. The norm runs inside this layer's kernel where
+        start-up tuning found that faster (that kernel computes `then` itself)."""
         kernel = self.normed_kernel(norm, x)
         if kernel is not None:
             return kernel(x, residual, norm.weight, norm.eps, self.weight)
-        x, residual = apply_norm(norm, x, residual)
+        x, residual = _norm(norm, x, residual)
         return (then or self)(x), residual
-
-    def takes_norm(self, rows: int) -> bool:
-        """Whether, at this many rows, this layer normalises a stream whose norm was handed
-        over (prenormed_kernels), so that the layer before should hand it over."""
-        return rows in self.prenormed_kernels
 
     def normed_kernel(self, norm: RMSNorm, x: torch.Tensor) -> Callable | None:
         """The tuned kernel with `norm` inside for x's row count, if any (never when the norm
@@ -179,10 +152,6 @@ class LinearBase(nn.Module):
             from echo_kernels import awq_linear as kernel
         return kernel(x.contiguous(), *args, swiglu=swiglu)
 
-    def operands(self) -> tuple:
-        """A kernel's arguments after x: (weight,), or awq_operands()."""
-        return (self.weight,) if self.quant is None else self.awq_operands()
-
     def awq_operands(self) -> tuple:
         """An AWQ kernel's arguments after x: (qweight, qzeros, scales, group_size), and the
         arrival counts when repacked."""
@@ -202,12 +171,9 @@ def _tuned(kernels: dict[int, Callable], x: torch.Tensor) -> Callable | None:
     return kernels.get(x.shape[0]) if kernels else None
 
 
-def apply_norm(norm: RMSNorm, x: torch.Tensor | InResidual,
-               residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + residual), x + residual), or (norm(x), x) where residual is None, or
-    (norm(residual), residual) where x is InResidual (already added)."""
-    if isinstance(x, InResidual):
-        x, residual = residual, None
+def _norm(norm: RMSNorm, x: torch.Tensor,
+          residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual), or (norm(x), x) where residual is None."""
     if residual is None:
         return norm(x), x
     return norm(x, residual)
@@ -346,19 +312,6 @@ class RowParallelLinear(LinearBase):
             raise ValueError("a row-parallel bias is added after the all-reduce: "
                              "reduce_results=False needs bias=False")
         self.reduce_results = reduce_results
-        # row count -> fn(x, *operands(), residual) adding self(x) into the residual stream
-        # in place and returning the new stream's sums of squares in parts (added_to), where
-        # start-up tuning hands the next norm over (ECHO_NORM_HANDOVER)
-        self.into_kernels: dict[int, Callable] = {}
-
-    def added_to(self, x: torch.Tensor,
-                 residual: torch.Tensor | None) -> torch.Tensor | InResidual:
-        """self(x), or, where a tuned kernel adds it into residual itself (in place), the
-        new stream's statistics for the next norm (the caller's residual now holds the sum)."""
-        kernel = _tuned(self.into_kernels, x)
-        if kernel is None or residual is None:
-            return self(x)
-        return InResidual(kernel(x, *self.operands(), residual))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.dim() == 1:  # bias: not sharded, added once after the reduce

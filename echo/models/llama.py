@@ -12,13 +12,7 @@ from echo.distributed.parallel_state import SINGLE, TPGroup
 from echo.layers.attention import Attention, ForwardContext
 from echo.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from echo.layers.layernorm import RMSNorm
-from echo.layers.linear import (
-    GateUpParallelLinear,
-    InResidual,
-    QKVParallelLinear,
-    RowParallelLinear,
-    apply_norm,
-)
+from echo.layers.linear import GateUpParallelLinear, QKVParallelLinear, RowParallelLinear
 from echo.layers.quantization import AwqConfig
 from echo.layers.rotary import RotaryEmbedding
 from echo.models.arch import ModelArch
@@ -68,14 +62,12 @@ class LlamaAttention(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(hidden), ctx)
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext,
-               residual: torch.Tensor | None = None) -> torch.Tensor | InResidual:
-        """Attention and o_proj from qkv_proj's output; given the residual stream, o_proj may
-        add its output into it itself (RowParallelLinear.added_to)."""
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
+               ctx: ForwardContext) -> torch.Tensor:
+        """Attention and o_proj from qkv_proj's output."""
         q, k, v = self.split_qkv(qkv)
         # the backend rotates q/k, fused with the KV-cache write on GPU
-        return self.o_proj.added_to(self.attn(q, k, v, ctx, self.rope_inputs(positions)),
-                                    residual)
+        return self.o_proj(self.attn(q, k, v, ctx, self.rope_inputs(positions)))
 
 
 class LlamaMLP(nn.Module):
@@ -92,17 +84,11 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.swiglu(x))
 
-    def takes_norm(self, rows: int) -> bool:
-        """Whether gate_up reads the norm before it handed over, at this many rows."""
-        return self.gate_up_proj.takes_norm(rows)
-
-    def normed(self, norm: RMSNorm, x: torch.Tensor | InResidual, residual: torch.Tensor | None,
-               hand_over: bool = False) -> tuple[torch.Tensor | InResidual, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual): the norm inside gate_up where tuned.
-        hand_over (the next layer takes its norm handed over): the first may be InResidual,
-        down_proj's output already added into the second."""
+    def normed(self, norm: RMSNorm, x: torch.Tensor,
+               residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual): the norm inside gate_up where tuned."""
         act, residual = self.gate_up_proj.normed_swiglu(norm, x, residual)
-        return self.down_proj.added_to(act, residual if hand_over else None), residual
+        return self.down_proj(act), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -122,21 +108,12 @@ class LlamaDecoderLayer(nn.Module):
         """The block after attention (a mixture of experts overrides it)."""
         return LlamaMLP(arch, tp, f"model.layers.{layer_idx}.mlp")
 
-    def takes_norm(self, rows: int) -> bool:
-        """Whether qkv reads the layer's input norm handed over, at this many rows."""
-        return self.self_attn.qkv_proj.takes_norm(rows)
-
-    def forward(self, positions, hidden, residual, ctx: ForwardContext,
-                hand_over: bool = False):
-        """(hidden, residual) for the next layer; hand_over (the next layer takes its norm
-        handed over, takes_norm): hidden may be InResidual, already added into residual."""
+    def forward(self, positions, hidden, residual, ctx: ForwardContext):
         # each norm runs inside the linear layer after it where start-up tuning found that
-        # faster at one row (LinearBase.normed), or is handed over by the one before where
-        # the one after takes it (InResidual: hidden already added into residual)
+        # faster at one row (LinearBase.normed)
         qkv, residual = self.self_attn.qkv_proj.normed(self.input_layernorm, hidden, residual)
-        mlp_takes = self.mlp.takes_norm(qkv.shape[0])
-        hidden = self.self_attn.attend(positions, qkv, ctx, residual if mlp_takes else None)
-        return self.mlp.normed(self.post_attention_layernorm, hidden, residual, hand_over)
+        hidden = self.self_attn.attend(positions, qkv, ctx)
+        return self.mlp.normed(self.post_attention_layernorm, hidden, residual)
 
 
 class LlamaModel(nn.Module):
@@ -162,25 +139,15 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         # partial sums: the first layer's input norm all-reduces them, fused with its norm
         residual = torch.zeros_like(hidden) if self.embeds_unreduced else None
-        aux, rows = {}, input_ids.shape[0]
+        aux = {}
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
-                aux[i] = _stream(hidden, residual)
-            # the norm handed over only to a layer that takes it (never to the final norm)
-            hand_over = i + 1 < len(self.layers) and self.layers[i + 1].takes_norm(rows)
-            hidden, residual = layer(positions, hidden, residual, ctx, hand_over)
+                aux[i] = hidden if residual is None else hidden + residual
+            hidden, residual = layer(positions, hidden, residual, ctx)
         if self.aux_layers:  # in aux_layers' order, a layer named twice kept twice
             self.aux_hidden = [aux[i] for i in self.aux_layers]
-        hidden, _ = apply_norm(self.norm, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
         return hidden
-
-
-def _stream(hidden: torch.Tensor | InResidual, residual: torch.Tensor | None) -> torch.Tensor:
-    """The residual stream a layer receives, as a tensor of its own (the layers update the
-    residual in place)."""
-    if residual is None:
-        return hidden
-    return residual.clone() if isinstance(hidden, InResidual) else hidden + residual
 
 
 class LlamaForCausalLM(nn.Module):

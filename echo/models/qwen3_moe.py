@@ -10,7 +10,7 @@ from torch import nn
 from echo.distributed.parallel_state import TPGroup
 from echo.layers.fused_moe import EXPERT_PROJECTIONS, FusedMoE
 from echo.layers.layernorm import RMSNorm
-from echo.layers.linear import InResidual, ReplicatedLinear, apply_norm
+from echo.layers.linear import ReplicatedLinear
 from echo.models.arch import ModelArch
 from echo.models.llama import norm_reduces
 from echo.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
@@ -33,32 +33,18 @@ class Qwen3MoeSparseBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))
 
-    def takes_norm(self, rows: int) -> bool:
-        """False: the router normalises for itself (and stores the normed rows the experts
-        read), so o_proj hands it nothing."""
-        return False
-
-    def normed(self, norm: RMSNorm, x: torch.Tensor | InResidual, residual: torch.Tensor,
-               hand_over: bool = False) -> tuple[torch.Tensor | InResidual, torch.Tensor]:
+    def normed(self, norm: RMSNorm, x: torch.Tensor,
+               residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(x + residual)), x + residual), as LlamaMLP.normed: where tuned, the norm
-        runs inside the router's kernel, which also stores the normed rows for the experts and
-        may route them (FusedMoE.route_into).
-        x may be InResidual (o_proj's output already added into residual), and with
-        hand_over the first result (the experts' output added, FusedMoE.added_to)."""
-        if isinstance(x, InResidual):
-            x, residual = residual, None
+        runs inside the router's kernel, which also stores the normed rows for the experts."""
         kernel = self.gate.normed_kernel(norm, x)
         if kernel is None:
-            x, residual = apply_norm(norm, x, residual)
-            logits, route = self.gate(x), None
-        else:
-            normed = torch.empty_like(x)
-            route = self.experts.route_into(x)  # the routing too, where the router's kernel can
-            logits, residual = kernel(x, residual, norm.weight, norm.eps, self.gate.weight,
-                                      normed_out=normed, route=route)
-            x = normed
-        into = residual if hand_over else None  # where the experts may add their output
-        return self.experts.added_to(x, logits, into, route), residual
+            x, residual = norm(x, residual)
+            return self(x), residual
+        normed = torch.empty_like(x)
+        logits, residual = kernel(x, residual, norm.weight, norm.eps, self.gate.weight,
+                                  normed_out=normed)
+        return self.experts(normed, logits), residual
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):

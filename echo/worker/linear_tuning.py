@@ -30,13 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from echo.layers.activation import silu_and_mul
-from echo.layers.fused_moe import FusedMoE
-from echo.layers.linear import (
-    GateUpParallelLinear,
-    LinearBase,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from echo.layers.linear import GateUpParallelLinear, LinearBase
 
 # (block_n, block_k, prefetch, num_warps): the fastest tiles of bench_kernels.py's sweeps on an
 # H200, for Llama-3.1-8B and Qwen3-8B (TP=1 and 2) shapes. Warps other than 4 won on the small
@@ -93,12 +87,6 @@ class ShapeChoice:
     normed: bool = False  # layers timed with the RMSNorm before them
     norm_inside: bool = False  # the tile computes that norm itself (normed_kernels)
     repacked: bool = False  # AWQ layers in the tensor-core layout (awq_mma_gemv's settings)
-    # the norm handed over (ECHO_NORM_HANDOVER): (tile, us) of the tile that adds the layer's
-    # output into the residual stream (o_proj, down), or that normalises the stream from the
-    # handed-over sums of squares (qkv, gate/up) where it beat the best above; () the
-    # AWQ kernel's default setting
-    handover: tuple | None = None
-    role: str | None = None  # in a norm handed over: "takes" (qkv, gate/up) or "gives"
 
     def describe(self) -> str:
         n, k = self.shape
@@ -112,7 +100,9 @@ class ShapeChoice:
             name, baseline, pick = (f"AWQ {n}x{k} group {self.awq_group}"
                                     f"{' + SwiGLU' if self.gated else ''}", kernel, "default")
         if self.tile and self.repacked:
-            pick = f"{_mma_text(self.tile)} {self.best_us:.1f} us"
+            warps, tiles, per_sm, ahead = self.tile
+            pick = (f"awq_mma {warps} warps x {tiles} tiles {per_sm} programs an SM {ahead} "
+                    f"ahead {self.best_us:.1f} us")
         elif self.tile and self.awq_group is None:
             block_n, block_k, prefetch, num_warps, *runs = self.tile
             pick = (f"small_m_linear {block_n}x{block_k}{' prefetch' if prefetch else ''} "
@@ -124,27 +114,8 @@ class ShapeChoice:
             block_n, block_k, per_sm, stages = self.tile
             pick = (f"awq_gemv {block_k}x{block_n} {per_sm} programs an SM {stages} stages "
                     f"{self.best_us:.1f} us")
-        handover = ""
-        if self.handover is not None:
-            tile, us = self.handover
-            what = "norm handed over" if self.role == "takes" else "into the residual"
-            if self.repacked:
-                text = _mma_text(tile)
-            else:
-                block_n, block_k, prefetch, num_warps, *runs = tile
-                text = (f"{block_n}x{block_k}{' prefetch' if prefetch else ''} {num_warps} "
-                        f"warps{f', runs for {runs[0]} an SM' if runs else ''}")
-            handover = f"; {what}: {text} {us:.1f} us"
         return (f"{name} ({self.num_layers} layers): {baseline} {self.baseline_us:.1f} us -> "
-                f"{pick}{handover}")
-
-
-def _mma_text(setting: tuple) -> str:
-    """awq_mma_gemv's setting in words (): its default."""
-    if not setting:
-        return "awq_mma default setting"
-    warps, tiles, per_sm, ahead = setting
-    return f"awq_mma {warps} warps x {tiles} tiles {per_sm} programs an SM {ahead} ahead"
+                f"{pick}")
 
 
 def preload_tiles(k: int) -> tuple[tuple, ...]:
@@ -197,26 +168,6 @@ def awq_mma_default(x, rq, qzeros, scales, group_size, arrivals=None,
     return awq_mma_linear(x, rq, qzeros, scales, group_size, arrivals, swiglu)
 
 
-def mma_into(*setting: int) -> Callable:
-    """awq_mma_gemv_into with awq_mma_gemv's settings (warps, tiles, per_sm, ahead; none: its
-    defaults): fn(x, *awq_operands(), residual) -> the parts (RowParallelLinear.into_kernels)."""
-    from echo_kernels.awq_mma import awq_mma_gemv_into
-
-    return functools.partial(awq_mma_gemv_into, **_mma_settings(setting))
-
-
-def mma_prenormed(*setting: int, swiglu: bool = False) -> Callable:
-    """awq_mma_prenormed_gemv with a setting as mma_into's: fn(stream, norm weight, eps,
-    parts, *awq_operands()) (LinearBase.prenormed_kernels)."""
-    from echo_kernels.awq_mma import awq_mma_prenormed_gemv
-
-    return functools.partial(awq_mma_prenormed_gemv, swiglu=swiglu, **_mma_settings(setting))
-
-
-def _mma_settings(setting: tuple) -> dict:
-    return dict(zip(("warps", "tiles", "per_sm", "ahead"), setting))
-
-
 def normed_gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int,
                 programs_per_sm: int | None = None, swiglu: bool = False) -> Callable:
     """small_m_normed_linear with a preload tile's rows and warps (its tile covers K), and with
@@ -225,28 +176,6 @@ def normed_gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int,
 
     return functools.partial(small_m_normed_linear, block_n=block_n, num_warps=num_warps,
                              swiglu=swiglu, programs_per_sm=programs_per_sm)
-
-
-def into_gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int,
-              programs_per_sm: int | None = None) -> Callable:
-    """small_m_linear_into with a tile: fn(x, weight, residual) -> the sums of squares'
-    parts (RowParallelLinear.into_kernels)."""
-    from echo_kernels.linear import small_m_linear_into
-
-    return functools.partial(small_m_linear_into, block_n=block_n, block_k=block_k,
-                             num_warps=num_warps, prefetch=prefetch,
-                             programs_per_sm=programs_per_sm)
-
-
-def prenormed_gemv(block_n: int, block_k: int, prefetch: bool, num_warps: int,
-                   programs_per_sm: int | None = None, swiglu: bool = False) -> Callable:
-    """small_m_prenormed_linear with a tile: fn(stream, norm weight, eps, parts, weight)
-    (LinearBase.prenormed_kernels)."""
-    from echo_kernels.linear import small_m_prenormed_linear
-
-    return functools.partial(small_m_prenormed_linear, block_n=block_n, block_k=block_k,
-                             num_warps=num_warps, prefetch=prefetch, swiglu=swiglu,
-                             programs_per_sm=programs_per_sm)
 
 
 @dataclass(frozen=True)
@@ -268,12 +197,6 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
                          mma_candidates: Sequence[tuple] = AWQ_MMA_CANDIDATES,
                          make_mma_kernel: Callable[..., Matmul] = awq_mma,
                          gemv_runs: Sequence[int] = (),
-                         handover: bool = False,
-                         route_inside: bool = False,
-                         make_into_kernel: Callable[..., Callable] = into_gemv,
-                         make_prenormed_kernel: Callable[..., Callable] = prenormed_gemv,
-                         make_mma_into_kernel: Callable[..., Callable] = mma_into,
-                         make_mma_prenormed_kernel: Callable[..., Callable] = mma_prenormed,
                          ) -> list[ShapeChoice]:
     """Set `small_m_kernels[1]` on every bias-free linear layer whose shape a candidate wins
     by MIN_GAIN over the baseline (cuBLAS; awq_linear's default for AWQ layers, awq_mma_linear's
@@ -284,49 +207,17 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
     them (LinearBase.normed), against the tiles over the whole of K with the norm inside
     (`make_normed_kernel(*tile, swiglu=gated)`, to `normed_kernels[1]`). Each dense tile over
     the whole of K is timed again with its programs taking runs of blocks for each count of
-    programs an SM in gemv_runs (the tile gains that count as a fifth field).
-
-    handover: the norms between layers of one rank may be handed over instead of launched.
-    Row-parallel layers (o_proj, down) are timed again adding their output into the residual
-    stream (`make_into_kernel(*tile)`, fastest tile to `into_kernels[1]`), and a mixture of
-    experts does so in the kernel that sums its rows (`hands_over`); qkv and gate/up
-    normalising the stream from the handed-over sums of squares
-    (`make_prenormed_kernel(*tile, swiglu=gated)`, to `prenormed_kernels[1]` where faster than
-    their choice with the norm). AWQ layers in the tensor-core layout do the same through
-    `make_mma_into_kernel(*setting)` (o_proj and down, with their arrival counts) and
-    `make_mma_prenormed_kernel(*setting, swiglu=gated)`, over awq_mma_gemv's default setting
-    (no arguments) and the candidates, against the norm's launch then their choice.
-
-    route_inside: a mixture of experts of one rank gets an arrival count (`route_arrivals`),
-    so that its router's GEMV, where it runs one of the kernels with the norm inside, routes
-    the logits in its last program (untimed: the router's kernel is chosen as before)."""
+    programs an SM in gemv_runs (the tile gains that count as a fifth field)."""
     by_shape: dict[tuple, list[LinearBase]] = defaultdict(list)
     for module in model.modules():
-        # a mixture of experts hands its norm over from the kernel that sums its k rows at
-        # one row: no other way to time against, that sum is stored either way
-        if isinstance(module, FusedMoE) and module.tp.size == 1:
-            module.hands_over = handover
-            if route_inside:
-                module.route_arrivals = torch.zeros(1, dtype=torch.int32,
-                                                    device=module.w13.device)
         if isinstance(module, LinearBase) and module.bias is None:
             dense = module.quant is None
             gated = isinstance(module, GateUpParallelLinear)
             normed = dense and module.tp.size == 1 and module.follows_norm
-            # its part in a norm handed over: "takes" one (qkv, gate/up), "gives" one
-            # (o_proj, down), or None
-            role = None
-            if handover and module.tp.size == 1 and (dense or module.awq_repacked):
-                if isinstance(module, (QKVParallelLinear, GateUpParallelLinear)):
-                    role = "takes"
-                elif isinstance(module, RowParallelLinear) and (
-                        dense or module.awq_arrivals is not None):  # AWQ: sums inside
-                    role = "gives"
-            key = (*_shape(module), gated, normed, module.awq_repacked, role)
-            by_shape[key].append(module)
+            by_shape[(*_shape(module), gated, normed, module.awq_repacked)].append(module)
     choices = []
-    for (n, k, group, gated, normed, repacked, role), layers in by_shape.items():
-        operands = [layer.operands() for layer in layers]
+    for (n, k, group, gated, normed, repacked), layers in by_shape.items():
+        operands = [_operands(layer) for layer in layers]
         like = operands[0][0] if group is None else operands[0][2]  # weight or scales
         x = torch.randn(1, k, dtype=like.dtype, device=like.device)
         if group is None:
@@ -365,70 +256,11 @@ def tune_one_row_linears(model: nn.Module, timer: Timer,
                 layer.swiglu_kernels[1] = make(*best.tile, swiglu=True)
             else:
                 layer.small_m_kernels[1] = make(*best.tile)
-        handed = None
-        if role is not None:
-            chosen_us = best_us if best else baseline_us
-            if role == "takes" and not normed:  # AWQ: the norm's launch, then the choice
-                norm = (torch.randn_like(x), torch.ones(k, dtype=x.dtype, device=x.device),
-                        1e-6)
-                chosen_us = timer(_after_norm(norm, (best or runs[0]).fn), x, operands,
-                                  lead="gemv")
-            # a producer's outputs a part: a dense one's 4-row tiles, awq_mma_gemv_into's
-            # default 64 columns a program
-            makers = ((make_mma_into_kernel, make_mma_prenormed_kernel, 64) if repacked
-                      else (make_into_kernel, make_prenormed_kernel, 4))
-            handed = _tune_handover(layers, x, n, operands,
-                                    [()] + tiles if repacked else tiles, role == "takes", gated,
-                                    timer, chosen_us, *makers)
         choices.append(ShapeChoice((n, k), len(layers), baseline_us,
                                    best_us if best else baseline_us, best and best.tile, group,
                                    gated, bool(best and best.swiglu), normed,
-                                   bool(best and best.normed), repacked, handed, role))
+                                   bool(best and best.normed), repacked))
     return choices
-
-
-def _tune_handover(layers: list[LinearBase], x: torch.Tensor, n: int,
-                   operands: list[Operands], tiles: list[tuple], takes: bool, gated: bool,
-                   timer: Timer, chosen_us: float, make_into_kernel: Callable[..., Callable],
-                   make_prenormed_kernel: Callable[..., Callable],
-                   outputs_a_part: int) -> tuple | None:
-    """The norm handed over, for layers of one shape (N = n): (tile, us) given to them, or
-    None. takes: qkv or gate/up, whose prenormed tile must beat chosen_us (their best with the
-    norm), timed with a part of the sums of squares for every outputs_a_part of the stream (as
-    a producer hands them over); else o_proj or down, which take their fastest tile that adds
-    into the stream."""
-    if takes:
-        parts = torch.ones(1, max(1, x.shape[-1] // outputs_a_part), dtype=torch.float32,
-                           device=x.device)
-        norm = (torch.ones(x.shape[-1], dtype=x.dtype, device=x.device), 1e-6, parts)
-        timed = [(timer(functools.partial(_prenormed_call, norm,
-                                          make_prenormed_kernel(*tile, swiglu=gated)),
-                        x, operands, lead="gemv"), tile) for tile in tiles]
-    else:
-        residual = torch.zeros(1, n, dtype=x.dtype, device=x.device)
-        timed = [(timer(functools.partial(_into_call, residual, make_into_kernel(*tile)), x,
-                        operands, lead="norm"), tile) for tile in tiles]
-    if not timed:
-        return None
-    us, tile = min(timed)
-    if takes and us >= chosen_us:
-        return None
-    for layer in layers:
-        if takes:
-            layer.prenormed_kernels[1] = make_prenormed_kernel(*tile, swiglu=gated)
-        else:
-            layer.into_kernels[1] = make_into_kernel(*tile)
-    return tile, us
-
-
-def _prenormed_call(norm: tuple, kernel: Callable, x: torch.Tensor, *operands):
-    norm_weight, eps, parts = norm
-    return kernel(x, norm_weight, eps, parts, *operands)
-
-
-def _into_call(residual: torch.Tensor, kernel: Callable, x: torch.Tensor,
-               *operands) -> torch.Tensor:
-    return kernel(x, *operands, residual)
 
 
 def _whole_k(tile: tuple, k: int) -> bool:
@@ -485,6 +317,10 @@ def _shape(layer: LinearBase) -> tuple[int, int, int | None]:
     return layer.scales.shape[1], layer.qzeros.shape[0] * group, group
 
 
+def _operands(layer: LinearBase) -> Operands:
+    if layer.quant is None:
+        return (layer.weight,)
+    return layer.awq_operands()
 
 
 def cuda_graph_timer(fn: Matmul, x: torch.Tensor, operands: list[Operands],

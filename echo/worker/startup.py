@@ -144,8 +144,7 @@ def tune_one_row_linears(runner) -> None:
     from echo.worker.linear_tuning import tune_one_row_linears as tune
 
     runs = RUN_PROGRAMS if envs.gemv_runs() else ()
-    for choice in tune(runner.model, cuda_graph_timer, gemv_runs=runs,
-                       handover=envs.norm_handover(), route_inside=envs.route_in_router()):
+    for choice in tune(runner.model, cuda_graph_timer, gemv_runs=runs):
         if runner.tp.rank == 0:
             print(f"echo: one-row linear {choice.describe()}", file=sys.stderr, flush=True)
     # the timing graphs' private pools stay cached after the graphs are gone; with the KV

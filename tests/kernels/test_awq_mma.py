@@ -20,12 +20,10 @@ from echo_kernels.awq_mma import (
     awq_dequantize_repacked,
     awq_gemm_repacked,
     awq_mma_gemv,
-    awq_mma_gemv_into,
     awq_mma_linear,
-    awq_mma_prenormed_gemv,
     repack_awq,
 )
-from echo_kernels.reference import awq_linear_ref, awq_unpack_ref, rms_norm_ref
+from echo_kernels.reference import awq_linear_ref, awq_unpack_ref
 
 # the one-row settings the start-up tuning times: the kernel's own and its candidates
 ONE_ROW_SETTINGS = [awq_mma._ONE_ROW, *AWQ_MMA_CANDIDATES]
@@ -285,104 +283,3 @@ def test_a_gate_up_layer_repacked_at_load_keeps_its_outputs(sum_inside):
     for x, (product, glu) in zip(xs, before):
         for got, want in ((layer.matmul(x).float(), product), (layer.swiglu(x).float(), glu)):
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-
-
-def handed_over(k: int, n: int, group_size: int, setting: dict, seed: int = 0):
-    """awq_mma_gemv_into at one row: (the stream before, after, the parts, the reference's
-    sum: the product rounded to bf16, then added and rounded as fused_add_rms_norm adds)."""
-    qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda", seed=seed)
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    stream = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
-    before = stream.clone()
-    arrivals = arrival_counts(n, x.device)
-    parts = awq_mma_gemv_into(x, repack_awq(qweight, group_size), qzeros, scales, group_size,
-                              arrivals, stream, **setting)
-    assert not arrivals.any()
-    product = awq_linear_ref(x.float(), qweight, qzeros, scales, group_size)
-    want = (product.to(torch.bfloat16).float() + before.float()).to(torch.bfloat16)
-    return before, stream, parts, want
-
-
-def assert_prenormed(stream, parts, k, n, group_size, setting, seed=1, swiglu=False,
-                     arrivals=True):
-    """awq_mma_prenormed_gemv of the stream against the norm's reference then the AWQ
-    reference (SwiGLU after), for a random norm weight."""
-    qweight, qzeros, scales = awq_tensors(k, n, group_size, "cuda", seed=seed)
-    norm_weight = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
-    counts = arrival_counts(n, stream.device) if arrivals else None
-    got = awq_mma_prenormed_gemv(stream, norm_weight, 1e-6, parts,
-                                 repack_awq(qweight, group_size), qzeros, scales, group_size,
-                                 counts, swiglu=swiglu, **setting)
-    want = awq_linear_ref(rms_norm_ref(stream, norm_weight, 1e-6).float(), qweight, qzeros,
-                          scales, group_size)
-    if swiglu:
-        gate, up = want.chunk(2, dim=-1)
-        want = F.silu(gate) * up
-    tol = 2e-2 if swiglu else 1e-2
-    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
-    assert counts is None or not counts.any()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("setting", [{}, dict(split_k=1), dict(split_k=3),
-                                     dict(split_k=5, ahead=2), dict(tiles=2, per_sm=4)],
-                         ids=str)
-@pytest.mark.parametrize("group_size", [64, 128])
-def test_the_norm_handed_over_between_awq_gemvs(group_size, setting):
-    """One row: the producer adds its product into the residual stream (its splits summed
-    inside, whatever their count) and hands over each column block's sum of squares; the
-    consumer normalises the stream from them inside its GEMV (SwiGLU after, too): the add's
-    and the norm's references."""
-    k, n = 640, 512
-    before, stream, parts, want = handed_over(k, n, group_size, setting)
-    torch.testing.assert_close(stream.float(), want.float(), rtol=1e-2,
-                               atol=1e-2 * want.float().abs().max().item())
-    assert parts.shape == (1, n // (16 * 4 * setting.get("tiles", 1)))
-    torch.testing.assert_close(parts.sum(1), stream.float().pow(2).sum(1), rtol=1e-5, atol=0)
-    for swiglu in (False, True):
-        for arrivals in (True, False):
-            assert_prenormed(stream, parts, n, 256, group_size, setting, swiglu=swiglu,
-                             arrivals=arrivals)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("setting", [(), *AWQ_MMA_CANDIDATES], ids=str)
-def test_every_handover_setting_the_tuning_offers(setting):
-    """Llama-3.1-8B's shapes (group 128): o_proj 4096 x 4096 adding into the stream, qkv 6144
-    x 4096 and gate/up 28672 x 4096 (SwiGLU inside) normalising it, through the default
-    setting and each of the start-up tuning's AWQ_MMA_CANDIDATES."""
-    options = dict(zip(("warps", "tiles", "per_sm", "ahead"), setting))
-    _, stream, parts, want = handed_over(4096, 4096, 128, options, seed=len(setting))
-    torch.testing.assert_close(stream.float(), want.float(), rtol=1e-2,
-                               atol=1e-2 * want.float().abs().max().item())
-    torch.testing.assert_close(parts.sum(1), stream.float().pow(2).sum(1), rtol=1e-5, atol=0)
-    assert_prenormed(stream, parts, 4096, 6144, 128, options)
-    assert_prenormed(stream, parts, 4096, 28672, 128, options, swiglu=True)
-
-
-def test_the_handover_refuses_what_it_cannot_take(device):
-    """Errors before any launch (CPU too): a residual that is not x's rows of the outputs, a
-    producer without arrival counts or with SwiGLU, a consumer of two rows or with x kept in
-    registers, parts of another dtype."""
-    k, n, group_size = 128, 128, 64
-    qweight, qzeros, scales = awq_tensors(k, n, group_size, device)
-    rq = repack_awq(qweight, group_size)
-    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-    arrivals = arrival_counts(n, x.device)
-    with pytest.raises(ValueError, match="residual"):
-        awq_mma_gemv_into(x, rq, qzeros, scales, group_size, arrivals,
-                          torch.zeros(1, n + 16, device=device, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="arrival counts"):
-        awq_mma_gemv_into(x, rq, qzeros, scales, group_size, None,
-                          torch.zeros(1, n, device=device, dtype=torch.bfloat16))
-    norm_weight = torch.ones(k, device=device, dtype=torch.bfloat16)
-    parts = torch.ones(1, 2, device=device)
-    with pytest.raises(ValueError, match="one row"):
-        awq_mma_prenormed_gemv(x.expand(2, k).contiguous(), norm_weight, 1e-6, torch.ones(2, 2),
-                               rq, qzeros, scales, group_size)
-    with pytest.raises(ValueError, match="one row"):
-        awq_mma_prenormed_gemv(x, norm_weight, 1e-6, parts, rq, qzeros, scales, group_size,
-                               x_shared=False)
-    with pytest.raises(ValueError, match="float32"):
-        awq_mma_prenormed_gemv(x, norm_weight, 1e-6, parts.double(), rq, qzeros, scales,
-                               group_size)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from echo_kernels import fused_moe, fused_moe_from_logits, moe_align_block_size, moe_routing
-from echo_kernels.fused_moe import PAIR_MAX, fused_moe_pairs, fused_moe_routed
+from echo_kernels.fused_moe import fused_moe_pairs
 from echo_kernels.reference import fused_moe_ref, moe_align_block_size_ref, moe_routing_ref
 
 
@@ -216,37 +216,6 @@ def test_fused_moe_pairs_tiles(device, gate_up, down):
     torch.testing.assert_close(out, fused_moe_ref(*inputs), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows, top_k, hidden_size, down", [
-    (1, 2, 64, (8, 128, 2)),  # the default tile of the down kernel (PAIR_DOWN_CONFIG)
-    (3, 3, 96, (32, 32, 2)),  # three blocks a token, the last one a masked tail
-    (4, 8, 64, (4, 16, 1)),  # k = 8 of 8 (Qwen3-30B-A3B's k): 32 pairs, PAIR_MAX
-])
-def test_fused_moe_pairs_add_into_the_stream(device, dtype, rows, top_k, hidden_size, down):
-    # the result added into the residual stream, rounded to the dtype and then the sum, as
-    # fused_add_rms_norm adds it; each column block's sum of squares of the new rows
-    inputs = moe_inputs(rows, 8, top_k, hidden_size, 48, dtype, device, seed=4)
-    gen = torch.Generator().manual_seed(5)
-    stream = torch.randn(rows, hidden_size, generator=gen).to(dtype).to(device)
-    expected = (fused_moe_ref(*inputs).float() + stream.float()).to(dtype)
-    parts = fused_moe_pairs(*inputs, down_config=down, into=stream)
-    atol, rtol = TOLERANCE[dtype]
-    torch.testing.assert_close(stream, expected, atol=atol, rtol=rtol)
-    assert parts.shape == (rows, -(-hidden_size // down[0])) and parts.dtype == torch.float32
-    torch.testing.assert_close(parts.sum(1), stream.float().pow(2).sum(1), atol=1e-3,
-                               rtol=1e-5)
-
-
-def test_fused_moe_into_takes_a_few_pairs(device):
-    hidden, w13, w2, weights, ids = moe_inputs(5, 8, 8, 64, 32, torch.float32, device)
-    with pytest.raises(ValueError, match="at most 32 pairs, got 5 tokens of 8"):
-        fused_moe_routed(hidden, w13, w2, weights, ids, into=torch.zeros_like(hidden))
-    with pytest.raises(ValueError, match="must be hidden's shape"):
-        fused_moe_pairs(hidden[:1], w13, w2, torch.ones(1, 2, device=device),
-                        torch.zeros(1, 2, dtype=torch.int32, device=device),
-                        into=torch.zeros(1, 32, device=device))
-
-
 def moe_from_logits_ref(hidden, w13, w2, logits, top_k, renormalize):
     return fused_moe_ref(hidden, w13, w2, *moe_routing_ref(logits, top_k, renormalize))
 
@@ -311,10 +280,3 @@ def test_gpu_qwen3_30b_shapes(rows):
     torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
     # the model's entry point: the same routing, then the same kernels
     torch.testing.assert_close(fused_moe_from_logits(hidden, w13, w2, logits, 8, True), out)
-    if rows * 8 <= PAIR_MAX:  # one or two tokens: added into the residual stream instead
-        stream = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
-        expected = (out.float() + stream.float()).to(torch.bfloat16)
-        parts = fused_moe_routed(hidden, w13, w2, weights, ids, into=stream)
-        torch.testing.assert_close(stream, expected, atol=0, rtol=0)
-        torch.testing.assert_close(parts.sum(1), stream.float().pow(2).sum(1), atol=0,
-                                   rtol=1e-4)

@@ -6,12 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from echo_kernels.linear import (
-    small_m_linear,
-    small_m_linear_into,
-    small_m_normed_linear,
-    small_m_prenormed_linear,
-)
+from echo_kernels.linear import small_m_linear, small_m_normed_linear
 from echo_kernels.reference import rms_norm_ref
 
 
@@ -126,120 +121,6 @@ def test_runs_of_blocks_need_a_tile_over_the_whole_of_k(device):
                        8, 128, prefetch=True, programs_per_sm=2)
 
 
-# (block_n, a tile over the whole of K (else 32 columns a tile), prefetch, programs_per_sm):
-# K loops with and without prefetch, whole-K tiles a block a program and in runs of blocks
-HANDOVER_TILES = [(8, False, False, None), (16, False, True, None), (8, True, True, None),
-                  (4, True, True, 1), (4, True, True, 3)]
-
-
-def handover_tile(tile: tuple, k: int) -> tuple:
-    """(block_n, block_k, prefetch, programs_per_sm) of a HANDOVER_TILES entry at K."""
-    block_n, whole_k, prefetch, per_sm = tile
-    return block_n, 1 << (k - 1).bit_length() if whole_k else 32, prefetch, per_sm
-
-
-@pytest.mark.parametrize("m,n,k", [(1, 64, 256), (3, 40, 96), (2, 48, 128)])
-@pytest.mark.parametrize("tile", HANDOVER_TILES)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_into_adds_to_the_residual_and_hands_over_its_sums_of_squares(device, m, n, k, tile,
-                                                                       dtype):
-    # against the layer's output, then fused_add_rms_norm's add: rounded to the dtype each,
-    # the sum of squares of the new rows in float32 (ragged N and K, padded rows, runs)
-    block_n, block_k, prefetch, per_sm = handover_tile(tile, k)
-    torch.manual_seed(0)
-    x = torch.randn(m, k, device=device).to(dtype)
-    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
-    residual = torch.randn(m, n, device=device).to(dtype)
-    expected = (linear_ref(x, w, False).float() + residual.float()).to(dtype)
-    parts = small_m_linear_into(x, w, residual, block_n, block_k, prefetch=prefetch,
-                                programs_per_sm=per_sm)
-    torch.testing.assert_close(residual.float(), expected.float(), atol=2e-3, rtol=2e-3)
-    assert parts.dtype == torch.float32 and parts.shape[0] == m and parts.shape[1] > 1
-    torch.testing.assert_close(parts.sum(1), residual.float().pow(2).sum(1), atol=1e-3,
-                               rtol=1e-4)
-
-
-@pytest.mark.parametrize("m,n,k,swiglu", [(1, 64, 256, False), (3, 40, 96, False),
-                                          (2, 48, 128, True), (1, 12, 64, True)])
-@pytest.mark.parametrize("tile", HANDOVER_TILES)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_prenormed_matches_the_norm_then_the_linear(device, m, n, k, swiglu, tile, dtype):
-    # the parts as any split of the rows' sums of squares gives them (here 5 uneven ones)
-    block_n, block_k, prefetch, per_sm = handover_tile(tile, k)
-    torch.manual_seed(0)
-    stream = torch.randn(m, k, device=device).to(dtype)
-    norm_w = (1 + 0.1 * torch.randn(k, device=device)).to(dtype)
-    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
-    squares = stream.float().pow(2)
-    parts = torch.stack([c.sum(1) for c in squares.tensor_split([3, 10, 11, 40], dim=1)], 1)
-    out = small_m_prenormed_linear(stream, norm_w, 1e-6, parts, w, block_n, block_k,
-                                   prefetch=prefetch, swiglu=swiglu, programs_per_sm=per_sm)
-    expected = linear_ref(rms_norm_ref(stream, norm_w, 1e-6), w, swiglu)
-    assert out.shape == expected.shape and out.dtype == dtype
-    # the normed row stays float32 inside (the norm's launch rounds it to the dtype)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
-
-
-def test_the_handover_checks_its_operands(device):
-    x, w = torch.zeros(1, 64, device=device), torch.zeros(8, 64, device=device)
-    with pytest.raises(ValueError, match="residual be \\[M, N\\]"):
-        small_m_linear_into(x, w, torch.zeros(1, 64, device=device))
-    with pytest.raises(ValueError, match="parts are \\[M, P\\] float32"):
-        small_m_prenormed_linear(x, torch.ones(64, device=device), 1e-6,
-                                 torch.zeros(1, 4, dtype=torch.float64, device=device), w)
-
-
-@pytest.mark.parametrize("experts,top_k,renormalize,tile,normed", [
-    (8, 2, True, (2, 32, False, None), False),  # a K loop, 4 programs
-    (12, 3, False, (4, 64, True, None), True),  # whole K, the norm inside, a ragged block
-    (16, 8, True, (2, 64, True, 3), True),  # runs of blocks: 3 programs
-    (60, 4, True, (8, 64, True, None), False),  # 60 of 64: masked experts in the routing
-])
-def test_route_inside_matches_moe_routing(device, experts, top_k, renormalize, tile, normed):
-    # a router's GEMV whose last program routes the logits the launch stored, against
-    # moe_routing's reference on those logits; three launches on one arrival count (each
-    # leaves it at zero)
-    from echo_kernels.linear import RouteInto
-    from echo_kernels.reference import moe_routing_ref
-
-    block_n, block_k, prefetch, per_sm = tile
-    torch.manual_seed(experts)
-    k = 64
-    arrivals = torch.zeros(1, dtype=torch.int32, device=device)
-    for _ in range(3):
-        x = torch.randn(1, k, device=device)
-        w = torch.randn(experts, k, device=device) / k**0.5
-        route = RouteInto(torch.empty(1, top_k, device=device),
-                          torch.empty(1, top_k, dtype=torch.int32, device=device), arrivals,
-                          renormalize)
-        if normed:
-            logits, _ = small_m_normed_linear(x, None, torch.ones(k, device=device), 1e-6, w,
-                                              block_n, programs_per_sm=per_sm, route=route)
-            expected = linear_ref(rms_norm_ref(x, torch.ones(k, device=device), 1e-6), w,
-                                  False)
-        else:
-            logits = small_m_linear(x, w, block_n, block_k, prefetch=prefetch,
-                                    programs_per_sm=per_sm, route=route)
-            expected = linear_ref(x, w, False)
-        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
-        want_w, want_ids = moe_routing_ref(logits, top_k, renormalize)
-        assert torch.equal(route.ids, want_ids)
-        torch.testing.assert_close(route.weights, want_w, atol=1e-6, rtol=1e-5)
-        assert arrivals.item() == 0
-
-
-def test_route_inside_takes_one_row(device):
-    from echo_kernels.linear import RouteInto
-
-    route = RouteInto(torch.empty(1, 2, device=device),
-                      torch.empty(1, 2, dtype=torch.int32, device=device),
-                      torch.zeros(1, dtype=torch.int32, device=device), True)
-    with pytest.raises(ValueError, match="routing inside takes one row"):
-        small_m_linear(torch.zeros(2, 64, device=device), torch.zeros(8, 64, device=device),
-                       route=route)
-
-
 def test_rejects_too_many_rows(device):
     with pytest.raises(ValueError, match="1..4 rows"):
         small_m_linear(torch.zeros(5, 64, device=device), torch.zeros(8, 64, device=device))
@@ -312,80 +193,6 @@ def test_gpu_normed_at_model_shapes(n, k, swiglu):
         # the same rounding points; the sum of squares may round apart in its last bit
         torch.testing.assert_close(normed_out, normed, atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("producer,consumer,swiglu", [
-    ((1024, 2048), (6144, 1024), True),  # Qwen3-0.6B: o_proj -> gate/up
-    ((1024, 3072), (4096, 1024), False),  # Qwen3-0.6B: down -> the next qkv
-    ((4096, 4096), (28672, 4096), True),  # Llama-3.1-8B: o_proj -> gate/up
-    ((4096, 14336), (6144, 4096), False),  # Llama-3.1-8B: down -> the next qkv
-])
-def test_gpu_the_norm_handed_over_at_model_shapes(producer, consumer, swiglu):
-    # o_proj or down adding into the residual stream and handing its sums of squares over,
-    # then qkv or gate/up normalising the stream from them, through every tile the tuning
-    # offers (and runs of blocks for those over the whole of K), against the layer, the add +
-    # RMSNorm launch and the next layer
-    from echo.worker.linear_tuning import RUN_PROGRAMS, gemv_candidates
-    from echo_kernels import fused_add_rms_norm, silu_and_mul
-
-    (n, k), (n2, k2) = producer, consumer
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-    residual = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
-    norm_w = 1 + torch.randn(n, device="cuda", dtype=torch.bfloat16) / 4
-    w2 = torch.randn(n2, k2, device="cuda", dtype=torch.bfloat16) / k2**0.5
-    layer_out = F.linear(x.float(), w.float()).to(torch.bfloat16)
-    normed, total = fused_add_rms_norm(layer_out, residual.clone(), norm_w, 1e-6)
-    expected = F.linear(normed.float(), w2.float()).to(torch.bfloat16)
-    if swiglu:
-        expected = silu_and_mul(expected)
-
-    def with_runs(k):
-        for block_n, block_k, prefetch, warps in gemv_candidates(k):
-            whole = prefetch and block_k >= k
-            for programs in (None, *RUN_PROGRAMS) if whole else (None,):
-                yield block_n, block_k, prefetch, warps, programs
-
-    parts = None
-    for block_n, block_k, prefetch, warps, programs in with_runs(k):
-        stream = residual.clone()
-        parts = small_m_linear_into(x, w, stream, block_n, block_k, warps, prefetch,
-                                    programs)
-        # the product may round apart from cuBLAS's in its last bit, and the sum with it
-        torch.testing.assert_close(stream, total, atol=2e-2, rtol=1e-2)
-        torch.testing.assert_close(parts.sum(1), stream.float().pow(2).sum(1), atol=0,
-                                   rtol=1e-4)
-    for block_n, block_k, prefetch, warps, programs in with_runs(k2):
-        out = small_m_prenormed_linear(stream, norm_w, 1e-6, parts, w2, block_n, block_k,
-                                       warps, prefetch, swiglu, programs)
-        torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
-
-
-@pytest.mark.gpu
-def test_gpu_router_routes_inside_at_qwen3_30b_shapes():
-    # Qwen3-30B-A3B's router (128 x 2048, the norm inside, top 8 renormalized) through every
-    # tile over the whole of K the tuning offers, a block a program and in runs: the launch's
-    # last program routes the logits it stored, as moe_routing's reference routes them
-    from echo.worker.linear_tuning import RUN_PROGRAMS, preload_tiles
-    from echo_kernels.linear import RouteInto
-    from echo_kernels.reference import moe_routing_ref
-
-    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
-    residual = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
-    norm_w = 1 + torch.randn(2048, device="cuda", dtype=torch.bfloat16) / 4
-    w = torch.randn(128, 2048, device="cuda", dtype=torch.bfloat16) / 2048**0.5
-    arrivals = torch.zeros(1, dtype=torch.int32, device="cuda")
-    for (block_n, _, _, warps), programs in itertools.product(preload_tiles(2048),
-                                                              (None, *RUN_PROGRAMS)):
-        route = RouteInto(torch.empty(1, 8, device="cuda"),
-                          torch.empty(1, 8, dtype=torch.int32, device="cuda"), arrivals, True)
-        logits, _ = small_m_normed_linear(x, residual, norm_w, 1e-6, w, block_n, warps,
-                                          programs_per_sm=programs, route=route)
-        want_w, want_ids = moe_routing_ref(logits, 8, True)
-        assert torch.equal(route.ids, want_ids)
-        torch.testing.assert_close(route.weights, want_w, atol=1e-6, rtol=1e-5)
-        assert arrivals.item() == 0
 
 
 @pytest.mark.gpu

@@ -104,15 +104,9 @@ def test_presets_have_the_published_parameter_counts(preset, billions):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("one_row_fusions", [False, True])
-def test_gpu_kernels_and_graphs_give_transformers_greedy_tokens(tiny_moe, one_row_fusions,
-                                                                monkeypatch):
+def test_gpu_kernels_and_graphs_give_transformers_greedy_tokens(tiny_moe):
     """On the GPU the routing and experts are echo_kernels.fused_moe's, decodes replay CUDA
-    graphs; float32 so the tokens can be compared exactly. one_row_fusions: the norms handed
-    over and the routers routing inside, wherever the start-up tuning gives them."""
-    if one_row_fusions:
-        monkeypatch.setenv("ECHO_NORM_HANDOVER", "1")
-        monkeypatch.setenv("ECHO_ROUTE_IN_ROUTER", "1")
+    graphs; float32 so the tokens can be compared exactly."""
     prompt = list(range(10, 40))
     expected = hf_greedy_tokens(load_hf(tiny_moe), prompt, 32)
     assert echo_greedy_tokens(tiny_moe, [prompt], 32, device="cuda", dtype="float32") == \

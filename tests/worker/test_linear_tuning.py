@@ -2,7 +2,6 @@
 default) only where it is timed faster by the margin, and a tuned layer then uses it for one-row
 inputs only."""
 
-import collections
 import functools
 
 import pytest
@@ -11,12 +10,10 @@ import torch.nn.functional as F
 
 from echo.distributed.parallel_state import SINGLE
 from echo.layers.activation import silu_and_mul
-from echo.layers.fused_moe import FusedMoE
 from echo.layers.layernorm import RMSNorm
 from echo.layers.linear import (
     ColumnParallelLinear,
     GateUpParallelLinear,
-    InResidual,
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
@@ -50,7 +47,6 @@ def kernel_for(*tile, swiglu=False):
 
 # what the tuning wraps around a kernel it times (linear_tuning's partials)
 AFTER_NORM, THEN_SWIGLU, NORM_INSIDE = "_norm_then_matmul", "_matmul_then_swiglu", "_normed_call"
-PRENORMED, INTO = "_prenormed_call", "_into_call"
 
 
 def fake_timer(times):
@@ -72,7 +68,7 @@ def fake_timer(times):
             fn = fn.args[-1]  # the wrapped kernel is each partial's last argument
         key = getattr(fn, "tile", "cublas")
         # behind a GEMV exactly where the layer is timed with the norm before it
-        assert (lead == "gemv") == bool({AFTER_NORM, NORM_INSIDE, PRENORMED} & set(around))
+        assert (lead == "gemv") == (AFTER_NORM in around or NORM_INSIDE in around)
         return times[(tuple(weight.shape), (key, tuple(around)) if around else key)]
 
     return timer, seen
@@ -233,100 +229,6 @@ def test_runs_of_blocks_are_timed_as_fifth_tile_fields():
                                              net.qkv.weight) + 3000.0)
     torch.testing.assert_close(net.plain(one), F.linear(one, net.plain.weight) + 1000.0)
     assert net.plain.small_m_kernels[1].tile == runs4
-
-
-class HandoverNet(GatedNet):
-    def __init__(self):
-        super().__init__()
-        self.down = RowParallelLinear(8, 8)  # (8, 8): hands its norm over
-        self.down.weight.data.normal_()
-        self.experts = FusedMoE(4, 2, 8, 8, True)  # hands it over where its rows are summed
-
-
-def into_kernel_for(*tile):
-    def kernel(x, w, residual):  # residual += the layer's output; the parts: 2 of its squares
-        residual += F.linear(x, w)
-        squares = residual.float().pow(2)
-        return torch.stack([squares[:, :3].sum(1), squares[:, 3:].sum(1)], 1)
-
-    kernel.tile = tile
-    return kernel
-
-
-def prenormed_kernel_for(*tile, swiglu=False):
-    def kernel(stream, norm_weight, eps, parts, w):  # the norm from the parts, then the layer
-        rstd = torch.rsqrt(parts.sum(1, keepdim=True) / stream.shape[1] + eps)
-        y = F.linear(stream * rstd * norm_weight, w)
-        return (silu_and_mul(y) if swiglu else y) + 4000.0
-
-    kernel.tile = tile
-    return kernel
-
-
-def test_the_norm_is_handed_over_where_it_pays():
-    # o_proj/down take their fastest tile adding into the stream; qkv the tile normalising
-    # from the handed-over sums where it beats its best with the norm (5.0), gate/up not (its
-    # best is 7.0, the hand-over's 7.5)
-    net = HandoverNet()
-    tile, preload = (8, 4, True, 4), (2, 8, True, 4)
-    qkv, gated, down = (16, 8), (12, 8), (8, 8)
-    times = collections.defaultdict(lambda: 20.0, {
-        (qkv, ("cublas", (AFTER_NORM,))): 10.0, (qkv, (tile, (AFTER_NORM,))): 5.0,
-        (qkv, (tile, (PRENORMED,))): 4.0, (qkv, (preload, (PRENORMED,))): 4.5,
-        (gated, ("cublas", (AFTER_NORM, THEN_SWIGLU))): 7.0,
-        (gated, (tile, (PRENORMED,))): 7.5,
-        (down, "cublas"): 6.0, (down, (tile, (INTO,))): 9.0, (down, (preload, (INTO,))): 8.0})
-    timer, _ = fake_timer(times)
-    choices = tune_one_row_linears(net, timer, lambda k: [tile, preload], kernel_for,
-                                   make_normed_kernel=normed_kernel_for, handover=True,
-                                   make_into_kernel=into_kernel_for,
-                                   make_prenormed_kernel=prenormed_kernel_for,
-                                   route_inside=True)
-    by_shape = {(c.shape, c.gated): c for c in choices}
-    assert by_shape[(down, False)].tile is None  # cuBLAS stays for a plain call
-    assert by_shape[(down, False)].handover == (preload, 8.0)
-    assert "into the residual: 2x8 prefetch 4 warps 8.0 us" in by_shape[(down, False)].describe()
-    assert by_shape[(qkv, False)].handover == (tile, 4.0)
-    assert "norm handed over: 8x4 prefetch 4 warps 4.0 us" in by_shape[(qkv, False)].describe()
-    assert by_shape[(gated, True)].handover is None and net.g1.prenormed_kernels == {}
-    assert net.experts.hands_over
-    assert net.experts.route_arrivals.tolist() == [0]  # the router may route inside
-
-    norm = RMSNorm(8)
-    norm.weight.data.normal_()
-    x, residual = torch.randn(1, 8), torch.randn(1, 8)
-    before = residual.clone()
-    handed = net.down.added_to(x, residual)
-    assert isinstance(handed, InResidual)
-    torch.testing.assert_close(residual, before + F.linear(x, net.down.weight))
-    torch.testing.assert_close(handed.parts.sum(1), residual.pow(2).sum(1))
-    out, stream = net.qkv.normed(norm, handed, residual)
-    assert stream is residual
-    torch.testing.assert_close(out, F.linear(rms_norm_ref(residual, norm.weight, 1e-6),
-                                             net.qkv.weight) + 4000.0)
-    # gate/up took no hand-over: the norm of the stream alone, then its choice (cuBLAS)
-    act, stream = net.g1.normed_swiglu(norm, handed, residual)
-    assert stream is residual
-    torch.testing.assert_close(act, silu_and_mul(F.linear(
-        rms_norm_ref(residual, norm.weight, 1e-6), net.g1.weight)))
-    # two rows, or no residual: the layer's own output
-    two = torch.randn(2, 8)
-    torch.testing.assert_close(net.down.added_to(two, torch.zeros(2, 8)),
-                               F.linear(two, net.down.weight))
-    torch.testing.assert_close(net.down.added_to(x, None), F.linear(x, net.down.weight))
-
-
-def test_without_handover_no_layer_hands_a_norm_over():
-    net = HandoverNet()
-    tile = (8, 4, True, 4)
-    timer, _ = fake_timer(collections.defaultdict(lambda: 20.0))
-    choices = tune_one_row_linears(net, timer, lambda k: [tile], kernel_for,
-                                   make_normed_kernel=normed_kernel_for,
-                                   make_into_kernel=into_kernel_for,
-                                   make_prenormed_kernel=prenormed_kernel_for)
-    assert all(c.handover is None for c in choices)
-    assert net.down.into_kernels == {} and net.qkv.prenormed_kernels == {}
-    assert not net.experts.hands_over and net.experts.route_arrivals is None
 
 
 class AwqNet(torch.nn.Module):
@@ -490,100 +392,3 @@ def test_gpu_tuning_with_real_timings_keeps_outputs(monkeypatch, tiny_llama):
     expected = greedy(gpu_llm(tiny_llama))
     monkeypatch.setenv("ECHO_TUNE_SMALL_M", "1")
     assert greedy(gpu_llm(tiny_llama)) == expected
-    monkeypatch.setenv("ECHO_NORM_HANDOVER", "1")  # the norms handed over where they pay
-    assert greedy(gpu_llm(tiny_llama)) == expected
-
-
-def test_repacked_awq_layers_hand_the_norm_over_where_it_pays():
-    """AWQ layers in the tensor-core layout (repacked on the CPU, as on a GPU at load): down,
-    with its arrival counts, takes its fastest setting adding into the stream (the kernel's
-    default among them); qkv normalises the stream from the handed-over sums where that beats
-    the norm's launch then its choice, gate/up not; down without arrival counts is not
-    offered the hand-over. The layers then run the chosen kernels with their AWQ operands."""
-    from echo_kernels.awq_mma import arrival_counts, awq_dequantize_repacked, repack_awq
-
-    group, k = AwqConfig(group_size=64), 128
-    net = torch.nn.ModuleDict({
-        "qkv": QKVParallelLinear(k, 32, 2, 1, quant=group),  # N = 128
-        "gate_up": GateUpParallelLinear(k, 96, quant=group),  # N = 192
-        "down": RowParallelLinear(k, 256, quant=group),  # N = 256
-        "lone": RowParallelLinear(k, 384, quant=group)})  # no arrival counts: N = 384
-    original = {}
-    for seed, (name, layer) in enumerate(net.items()):
-        n = layer.output_size
-        qweight, qzeros, scales = awq_tensors(k, n, 64, "cpu", seed)
-        original[name] = (qweight, qzeros, scales.float(), 64)
-        layer.qweight = torch.nn.Parameter(repack_awq(qweight, 64), requires_grad=False)
-        layer.qzeros.data, layer.scales.data = qzeros, scales.float()
-        layer.awq_repacked = True
-    net["down"].awq_arrivals = arrival_counts(256, torch.device("cpu"))
-
-    def dense(rq, qzeros, scales, group_size):
-        return awq_dequantize_repacked(rq, qzeros, scales, group_size, torch.float32)
-
-    def into_for(*setting):
-        def kernel(x, rq, qzeros, scales, group_size, arrivals, residual):
-            assert arrivals is net["down"].awq_arrivals
-            residual += x @ dense(rq, qzeros, scales, group_size).t()
-            squares = residual.float().pow(2)
-            return torch.stack([squares[:, :100].sum(1), squares[:, 100:].sum(1)], 1)
-
-        kernel.tile = setting
-        return kernel
-
-    def prenormed_for(*setting, swiglu=False):
-        def kernel(stream, norm_weight, eps, parts, rq, qzeros, scales, group_size, arrivals):
-            rstd = torch.rsqrt(parts.sum(1, keepdim=True) / stream.shape[1] + eps)
-            y = (stream * rstd * norm_weight) @ dense(rq, qzeros, scales, group_size).t()
-            return (silu_and_mul(y) if swiglu else y) + 4000.0
-
-        kernel.tile = setting
-        return kernel
-
-    def mma_for(*setting):  # a plain product no faster than the default here
-        def kernel(x, rq, qzeros, scales, group_size, arrivals=None, swiglu=False):
-            y = x @ dense(rq, qzeros, scales, group_size).t()
-            return silu_and_mul(y) if swiglu else y
-
-        kernel.tile = setting
-        return kernel
-
-    small, wide = (4, 1, 4, 1), (4, 2, 4, 1)
-    qkv, gate_up, down = (8, 2, 32, 4), (12, 2, 32, 4), (16, 2, 32, 4)  # repacked shapes
-    with_swiglu = "_matmul_with_swiglu"
-    times = collections.defaultdict(lambda: 20.0, {
-        (qkv, ("cublas", (AFTER_NORM,))): 10.0, (qkv, (small, (PRENORMED,))): 8.0,
-        (qkv, (wide, (PRENORMED,))): 8.5,
-        (gate_up, ("cublas", (AFTER_NORM, with_swiglu))): 7.0,
-        (gate_up, ((), (PRENORMED,))): 7.5,
-        (down, ((), (INTO,))): 5.0, (down, (wide, (INTO,))): 5.5})
-    timer, _ = fake_timer(times)
-    choices = tune_one_row_linears(net, timer, mma_candidates=[small, wide],
-                                   make_mma_kernel=mma_for, handover=True,
-                                   make_mma_into_kernel=into_for,
-                                   make_mma_prenormed_kernel=prenormed_for)
-    by_shape = {(c.shape, c.gated): c for c in choices}
-    assert by_shape[((256, k), False)].handover == ((), 5.0)
-    assert "into the residual: awq_mma default setting 5.0 us" in \
-        by_shape[((256, k), False)].describe()
-    assert by_shape[((128, k), False)].handover == (small, 8.0)
-    assert "norm handed over: awq_mma 4 warps x 1 tiles 4 programs an SM 1 ahead 8.0 us" in \
-        by_shape[((128, k), False)].describe()
-    assert by_shape[((192, k), True)].handover is None and net["gate_up"].prenormed_kernels == {}
-    assert by_shape[((384, k), False)].handover is None and net["lone"].into_kernels == {}
-    assert net["qkv"].takes_norm(1) and not net["gate_up"].takes_norm(1)
-
-    x, residual = torch.randn(1, k), torch.randn(1, 256)
-    before = residual.clone()
-    handed = net["down"].added_to(x, residual)
-    assert isinstance(handed, InResidual)
-    torch.testing.assert_close(residual, before + awq_linear_ref(x, *original["down"]))
-    stream = torch.randn(1, k)
-    handed = InResidual(stream.pow(2).sum(1, keepdim=True))
-    norm = RMSNorm(k)
-    norm.weight.data.normal_()
-    out, same = net["qkv"].normed(norm, handed, stream)
-    assert same is stream
-    torch.testing.assert_close(out, awq_linear_ref(rms_norm_ref(stream, norm.weight, 1e-6),
-                                                   *original["qkv"]) + 4000.0,
-                               rtol=1e-4, atol=1e-4)

@@ -63,23 +63,15 @@ def sass() -> None:
              "stride_xm", "stride_om", "stride_os", "groups_per_split", "magic", "arrivals_ptr",
              "sum_ptr", "num_splits"]
     types = ["*i32", "*i32", "*i32", "*fp16", "*fp32"] + ["i32"] * 9 + ["*i32", "*fp16", "i32"]
-    # the norm handed over: "into" adds the sum into the stream and stores the parts,
-    # "prenorm" (x in shared memory) takes x times the norm's weight and scales by 1 / rms
-    modes = [(0, False, ""), (16, False, ""), (16, True, ""), (16, False, "into"),
-             (16, False, "prenorm"), (16, True, "prenorm")]
-    for (warps, tiles, rows, ahead, x_split), (splits, swiglu, mode) in itertools.product(
-            SASS_CONFIGS, modes):
-        if mode == "prenorm" and not x_split:
-            continue
+    for (warps, tiles, rows, ahead, x_split), (splits, swiglu) in itertools.product(
+            SASS_CONFIGS, [(0, False), (16, False), (16, True)]):
         sig = dict(zip(names, types)) | {name: "constexpr" for name in (
             "GROUP", "WARPS", "TILES", "ROWS", "BF16", "USE_PDL", "AHEAD", "X_SPLIT",
-            "SUM_SPLITS", "SWIGLU", "INTO", "PRENORM", "BLOCK_P")} | {
-            "parts_ptr": "*fp32", "num_parts": "i32", "norm_w_ptr": "*i32", "eps": "fp32"}
+            "SUM_SPLITS", "SWIGLU")}
         consts = {(17,): 128, (18,): warps, (19,): tiles, (20,): rows, (21,): True, (22,): True,
-                  (23,): ahead, (24,): x_split, (25,): splits, (26,): swiglu,
-                  (27,): mode == "into", (28,): mode == "prenorm", (33,): 64}
+                  (23,): ahead, (24,): x_split, (25,): splits, (26,): swiglu}
         attrs = {(i,): [["tt.divisibility", 16]]
-                 for i in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 29, 31)}
+                 for i in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15)}
         src = GluonASTSource(fn=_awq_mma_kernel, signature=sig, constexprs=consts,
                              attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -97,8 +89,7 @@ def sass() -> None:
         weights = 16 * 128 * tiles // 32  # a lane's weights a group
         print(f"{warps} warps x {tiles} tiles, {rows} rows, {ahead} ahead, x of {x_split} "
               f"groups shared, sum of {splits} "
-              f"splits {'with SwiGLU ' if swiglu else ''}inside"
-              f"{', norm handed over: ' + mode if mode else ''}: "
+              f"splits {'with SwiGLU ' if swiglu else ''}inside: "
               f"{regs} registers, {spill} bytes of stack (spills), "
               f"loop {len(loop)} instructions, {len(loop) / weights:.2f} a weight; "
               f"{dict(collections.Counter(loop).most_common(12))}")

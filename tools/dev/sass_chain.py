@@ -2,9 +2,6 @@
 its sm_90 SASS, compiled on a machine without a GPU.
 
     python tools/dev/sass_chain.py paged-decode [--model qwen3-0.6b] [--sass FILE]
-    python tools/dev/sass_chain.py gemv --shape 4096x1024 --tile 4x512 --prefetch --warps 2 \
-        [--mode plain|normed|into|prenormed|route] [--runs 4] [--swiglu]
-    python tools/dev/sass_chain.py moe-down [--mode plain|into]
 
 At batch 1 most of echo's kernels move a few kilobytes a program, so a program's time is its
 chain of dependent loads (each ~0.5-1 us from L2 or HBM) and, in a one-warp program, the
@@ -244,91 +241,17 @@ def paged_decode_args(model: str) -> tuple[object, dict, dict]:
     return _paged_attention_kernel, args, tiles.launch_options()
 
 
-def gemv_args(args: argparse.Namespace) -> tuple[object, dict, dict]:
-    """_small_m_linear_kernel at one row in bf16 under PDL, as echo_kernels.linear launches
-    it: --shape NxK, --tile BLOCK_NxBLOCK_K (a tile over the whole of K with --prefetch loads
-    the program's share before the wait), --warps, --runs (blocks a program, for runs of
-    blocks), --swiglu, and --mode: plain, normed (the norm inside, the normed row stored as
-    a router stores it for the experts), into (the output added
-    into the residual stream, the sums of squares handed over), prenormed (the stream
-    normalised from handed-over sums), route (a router with the norm inside, routing its 128
-    logits' top 8 in the last program)."""
-    from echo_kernels.linear import _small_m_linear_kernel
-
-    n, k = (int(v) for v in args.shape.split("x"))
-    block_n, block_k = (int(v) for v in args.tile.split("x"))
-    mode, bf16 = args.mode, torch.bfloat16
-    whole = args.prefetch and block_k >= k
-
-    def vector(size: int, dtype=bf16):
-        return torch.empty(1, size, dtype=dtype)
-
-    outputs = n // 2 if args.swiglu else n
-    kernel_args = dict(
-        x_ptr=vector(k), w_ptr=torch.empty(n, k, dtype=bf16),
-        out_ptr=vector(outputs, torch.float32 if mode == "into" else bf16), M=1, N=n, K=k,
-        stride_xm=k, stride_wn=k, stride_om=outputs, M_PAD=1, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN=outputs % (block_n // 2 if args.swiglu else block_n) == 0 and k % block_k == 0,
-        PREFETCH=args.prefetch, WHOLE_K=whole, SWIGLU=args.swiglu, USE_PDL=True,
-        NORM=mode in ("normed", "route"), HAS_RESIDUAL=mode in ("normed", "route"),
-        resid_ptr=vector(k) if mode in ("normed", "route") else None,
-        norm_w_ptr=vector(k) if mode in ("normed", "route", "prenormed") else None,
-        sum_ptr=vector(k) if mode in ("normed", "route") else None, eps=1e-6,
-        normed_ptr=vector(k) if mode in ("normed", "route") else None, RUNS=args.runs > 1,
-        blocks_per_program=args.runs, ADD_INTO=mode == "into",
-        add_ptr=vector(n) if mode == "into" else None, PRENORM=mode == "prenormed",
-        parts_ptr=vector(512, torch.float32) if mode in ("into", "prenormed") else None,
-        num_parts=512, BLOCK_P=512 if mode == "prenormed" else 1, ROUTE=mode == "route",
-        arrivals_ptr=vector(1, torch.int32) if mode == "route" else None,
-        route_w_ptr=vector(8, torch.float32) if mode == "route" else None,
-        route_ids_ptr=vector(8, torch.int32) if mode == "route" else None, top_k=8,
-        RENORMALIZE=True, BLOCK_E=triton.next_power_of_2(n), BLOCK_TOPK=8)
-    return _small_m_linear_kernel, kernel_args, {"num_warps": args.warps}
-
-
-def moe_down_args(args: argparse.Namespace) -> tuple[object, dict, dict]:
-    """fused_moe's pair down kernel at Qwen3-30B-A3B's shapes (128 experts, H = 2048, I = 768,
-    k = 8) with its default tile (PAIR_DOWN_CONFIG); --mode into: the sum added into the
-    residual stream, the block's sum of squares handed over (anything else: stored)."""
-    from echo_kernels.fused_moe import PAIR_DOWN_CONFIG, _moe_pair_down_kernel
-
-    block_n, block_k, warps = PAIR_DOWN_CONFIG
-    bf16, hidden, inter, top_k = torch.bfloat16, 2048, 768, 8
-    blocks = hidden // block_n
-    kernel_args = dict(
-        act_ptr=torch.empty(top_k, inter, dtype=bf16),
-        w2_ptr=torch.empty(128, hidden, inter, dtype=bf16),
-        weights_ptr=torch.empty(top_k), ids_ptr=torch.empty(top_k, dtype=torch.int32),
-        rows_ptr=torch.empty(top_k, hidden, dtype=bf16),
-        arrivals_ptr=torch.empty(blocks, dtype=torch.int32),
-        out_ptr=torch.empty(1, hidden, dtype=bf16), hidden_size=hidden, inter_size=inter,
-        stride_we=hidden * inter, stride_wn=inter, stride_om=hidden, TOP_K=top_k,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN=True, USE_PDL=True, ADD_INTO=args.mode == "into",
-        parts_ptr=torch.empty(1, blocks) if args.mode == "into" else None)
-    return _moe_pair_down_kernel, kernel_args, {"num_warps": warps}
-
-
-KERNELS = {"paged-decode": lambda args: paged_decode_args(args.model), "gemv": gemv_args,
-           "moe-down": moe_down_args}
+KERNELS = {"paged-decode": paged_decode_args}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kernel", choices=sorted(KERNELS))
     parser.add_argument("--model", default="qwen3-0.6b", help="a preset's shapes")
-    parser.add_argument("--shape", default="4096x1024", help="gemv: the weight's N x K")
-    parser.add_argument("--tile", default="4x512", help="gemv: BLOCK_N x BLOCK_K")
-    parser.add_argument("--prefetch", action="store_true", help="gemv: the next tile ahead")
-    parser.add_argument("--warps", type=int, default=4, help="gemv: warps a program")
-    parser.add_argument("--runs", type=int, default=1, help="gemv: blocks a program")
-    parser.add_argument("--swiglu", action="store_true", help="gemv: SwiGLU of its halves")
-    parser.add_argument("--mode", default="plain",
-                        choices=("plain", "normed", "into", "prenormed", "route"),
-                        help="gemv: the variant; moe-down: plain or into")
     parser.add_argument("--sass", type=Path, help="also write the whole SASS here")
     parser.add_argument("--loads", action="store_true", help="list every global load")
     args = parser.parse_args()
-    fn, kernel_args, options = KERNELS[args.kernel](args)
+    fn, kernel_args, options = KERNELS[args.kernel](args.model)
     report(compile_sm90(fn, kernel_args, **options), args.sass, args.loads)
 
 
